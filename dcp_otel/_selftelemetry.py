@@ -1,0 +1,65 @@
+"""Counted, rate-limited warnings about dcp-otel itself.
+
+Telemetry must never raise into training code, and a broken backend must not
+flood the training log. Every problem on the hot path goes through
+:func:`report`: it is always counted (see :func:`dcp_otel.diagnostics`) and
+logged at most once per reason per :data:`LOG_INTERVAL_S`.
+
+Usage::
+
+    from dcp_otel._selftelemetry import report
+
+    report("malformed_event", "dropped a DCP log record without uuid: %r", msg)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+logger = logging.getLogger("dcp_otel")
+
+#: Seconds between two log lines for the same reason (counts are kept regardless).
+LOG_INTERVAL_S = 60.0
+
+_lock = threading.Lock()
+_counts: Counter[str] = Counter()
+_last_logged: dict[str, float] = {}
+
+
+def report(reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
+    """Count one occurrence of ``reason`` and log it unless logged recently.
+
+    Never raises: this is what the hot path calls when something went wrong.
+    """
+    try:
+        now = time.monotonic()
+        with _lock:
+            _counts[reason] += 1
+            last = _last_logged.get(reason)
+            if last is not None and now - last < LOG_INTERVAL_S:
+                return
+            _last_logged[reason] = now
+            suppressed = _counts[reason] - 1
+        if suppressed:
+            msg += " (%d occurrences so far)"
+            args = (*args, suppressed + 1)
+        logger.warning(msg, *args, exc_info=exc_info)
+    except Exception:  # noqa: BLE001 - the last line of defence must not raise
+        pass
+
+
+def counts() -> dict[str, int]:
+    """A snapshot of how often each reason was reported in this process."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset() -> None:
+    """Forget all counts and rate limits (for tests and after ``fork``)."""
+    with _lock:
+        _counts.clear()
+        _last_logged.clear()

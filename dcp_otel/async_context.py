@@ -1,0 +1,85 @@
+"""Carry the trace into DCP's async save thread.
+
+``async_save`` (thread executor, torch's default) hands the upload to a fresh
+``ThreadPoolExecutor``, which does not carry ``contextvars``: without help, the
+background ``save`` would start a trace of its own. Two small wrappers fix it:
+
+* around ``_ThreadBasedAsyncCheckpointExecutor.execute_save`` (caller thread):
+  open the ``dcp.async_upload`` span (ended by the upload future) and, with an
+  asynchronous stager, ``dcp.async_staging``; remember the context for the
+  staged state dict object being handed over;
+* around ``save_wrapper`` (executor thread): run the background ``save`` in
+  that context, so it and its steps join the async save's trace.
+
+The hand-over is keyed by the identity of the staged object, which the executor
+keeps alive until ``save_wrapper`` runs; entries are removed when used, or when
+the hand-off fails.
+
+Usage (what :mod:`dcp_otel.torch_hooks` installs)::
+
+    carrier = AsyncContextCarrier(recorder)
+    wrapt.wrap_function_wrapper(executor_module, "save_wrapper", carrier.save_wrapper)
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from opentelemetry import context as context_api
+
+from dcp_otel._selftelemetry import report
+from dcp_otel.spans import SpanRecorder
+
+#: Hand-overs waiting for their executor thread; bounded so a torch that never
+#: calls ``save_wrapper`` cannot grow it.
+MAX_PENDING_HANDOVERS = 1024
+
+
+class AsyncContextCarrier:
+    def __init__(self, recorder: SpanRecorder) -> None:
+        self._recorder = recorder
+        self._lock = threading.Lock()
+        self._pending: dict[int, context_api.Context] = {}
+
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def execute_save(self, wrapped: Callable[..., Future[Any]], instance: Any, args: tuple, kwargs: dict) -> Future[Any]:
+        staged = _staged_argument(args, kwargs)
+        handle = self._recorder.begin_async_upload(staged if isinstance(staged, Future) else None)
+        if handle is None:
+            return wrapped(*args, **kwargs)
+        carried, finish = handle
+        key = id(staged)
+        with self._lock:
+            if len(self._pending) < MAX_PENDING_HANDOVERS:
+                self._pending[key] = carried
+            else:
+                report("handover_limit", "async save context not carried: too many hand-overs pending")
+        try:
+            future = wrapped(*args, **kwargs)
+        except BaseException as exc:
+            with self._lock:
+                self._pending.pop(key, None)
+            finish(exc)
+            raise
+        future.add_done_callback(finish)
+        return future
+
+    def save_wrapper(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        with self._lock:
+            carried = self._pending.pop(id(_staged_argument(args, kwargs)), None)
+        if carried is None:
+            return wrapped(*args, **kwargs)
+        token = context_api.attach(carried)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            context_api.detach(token)
+
+
+def _staged_argument(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs.get("staging_future_or_state_dict")

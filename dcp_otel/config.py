@@ -1,0 +1,106 @@
+"""Options of :func:`dcp_otel.instrument`, with their environment variables.
+
+Precedence is keyword argument > environment variable > default, as in the
+OpenTelemetry instrumentations. A bad keyword is a :class:`ValueError` at
+configuration time; a bad environment variable (which the user may not control
+from the training script) gets a clear warning and the default.
+
+Usage::
+
+    options = InstrumentOptions.from_kwargs({"run_id": "job-42"})
+    options.slowest_keys   # -> 5, or $DCP_OTEL_SLOWEST_KEYS if set and valid
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.trace import TracerProvider
+
+from dcp_otel import semconv
+
+logger = logging.getLogger("dcp_otel")
+
+
+@dataclass(frozen=True)
+class InstrumentOptions:
+    """What :func:`dcp_otel.instrument` accepts.
+
+    Attributes:
+        tracer_provider: where spans go; ``None`` means the global provider, so
+            ``opentelemetry-instrument`` and SDKs configured by the user just work.
+        run_id: identifies this job run in trace ids, so that two runs saving
+            to the same checkpoint id never share a trace. ``None``: taken from
+            ``$DCP_OTEL_RUN_ID``, then ``$TORCHELASTIC_RUN_ID`` (torchrun's
+            ``--rdzv-id``), then ``$SLURM_JOB_ID``; see :mod:`dcp_otel.trace_ids`.
+        slowest_keys: how many of the slowest state-dict keys to name on the
+            ``dcp._stateful_to_state_dict`` span (0 to 100).
+        max_open_spans: bound on DCP spans open at once in this process; past it
+            new spans are dropped and counted, so a torch that never logs an
+            end event cannot grow memory without limit.
+    """
+
+    tracer_provider: TracerProvider | None = None
+    run_id: str | None = None
+    slowest_keys: int = 5
+    max_open_spans: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):
+            raise ValueError(f"run_id must be a non-empty string, got {self.run_id!r}")
+        _check_int("slowest_keys", self.slowest_keys, 0, 100)
+        _check_int("max_open_spans", self.max_open_spans, 16, 10_000_000)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> InstrumentOptions:
+        """Build options from keyword arguments, filling the rest from the environment.
+
+        Raises:
+            ValueError: an unknown option, or a keyword with a bad value.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown dcp_otel option(s) {unknown}; valid options are {sorted(names)}")
+        values = dict(kwargs)
+        if values.get("run_id") is None and (env := os.environ.get(semconv.ENV_RUN_ID, "").strip()):
+            values["run_id"] = env
+        for name, env_name, low, high in _INT_ENV:
+            if name not in values:
+                parsed = _env_int(env_name, low, high)
+                if parsed is not None:
+                    values[name] = parsed
+        return cls(**values)
+
+
+_INT_ENV = (
+    ("slowest_keys", semconv.ENV_SLOWEST_KEYS, 0, 100),
+    ("max_open_spans", semconv.ENV_MAX_OPEN_SPANS, 16, 10_000_000),
+)
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+
+
+def _env_int(env_name: str, low: int, high: int) -> int | None:
+    """The integer in ``$env_name``, or ``None`` (with a warning) if unset or bad."""
+    raw = os.environ.get(env_name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        logger.warning(
+            "ignoring %s=%r: expected an integer from %d to %d; using the default", env_name, raw, low, high
+        )
+        return None
+    return value

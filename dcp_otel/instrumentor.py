@@ -1,0 +1,63 @@
+"""``DCPInstrumentor``: the OpenTelemetry instrumentor for PyTorch DCP.
+
+Registered under the ``opentelemetry_instrumentor`` entry point, so
+``opentelemetry-instrument python train.py`` turns it on with no code change.
+
+Usage::
+
+    from dcp_otel import DCPInstrumentor
+
+    DCPInstrumentor().instrument(tracer_provider=provider, run_id="job-42")
+    ...
+    DCPInstrumentor().uninstrument()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+from dcp_otel.config import InstrumentOptions
+from dcp_otel.package import _instruments
+from dcp_otel.spans import SpanRecorder
+from dcp_otel.torch_hooks import Installed, install
+
+
+class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+    """Spans for every ``torch.distributed.checkpoint`` step, one trace per checkpoint.
+
+    A singleton, like every ``BaseInstrumentor``: instrumenting twice only
+    warns, and :meth:`uninstrument` restores torch's original objects.
+    Keyword options are those of :class:`dcp_otel.config.InstrumentOptions`.
+    """
+
+    _recorder: SpanRecorder | None = None
+    _installed: Installed | None = None
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _instrument(self, **kwargs: Any) -> None:
+        options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
+        self._recorder = SpanRecorder(options)
+        self._installed = install(self._recorder)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        if self._installed is not None:
+            self._installed.remove()
+        if self._recorder is not None:
+            self._recorder.close()
+        self._installed = None
+        self._recorder = None
+
+    @property
+    def recorder(self) -> SpanRecorder | None:
+        """The active recorder (``None`` when not instrumented)."""
+        return self._recorder
+
+    @property
+    def installed(self) -> Installed | None:
+        """What is attached to torch (``None`` when not instrumented)."""
+        return self._installed

@@ -1,0 +1,3 @@
+"""The instrumented dependency, as opentelemetry-instrumentation expects it."""
+
+_instruments = ("torch >= 2.4",)

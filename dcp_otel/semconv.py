@@ -1,0 +1,93 @@
+"""Every telemetry name dcp-otel emits, in one place.
+
+Span names, attribute keys and environment variable names are defined here and
+nowhere else: the code, the docs and the tests read them from this module, so a
+rename is one edit and a typo is an ``AttributeError`` rather than a silent new
+series.
+
+Usage::
+
+    from dcp_otel import semconv
+
+    span.attributes[semconv.ATTR_RANK]           # -> 0
+    span.name == semconv.span_name("write_data")   # -> "dcp.write_data"
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: Instrumentation scope name given to the tracer.
+SCOPE_NAME: Final = "dcp_otel"
+
+# --- span names -------------------------------------------------------------
+#: Every DCP function logged by torch's ``_dcp_method_logger`` becomes a span
+#: named ``SPAN_PREFIX + func_name`` (``dcp.save``, ``dcp.write_data``, ...).
+SPAN_PREFIX: Final = "dcp."
+#: The root of a checkpoint's trace, emitted by the coordinator rank only; every
+#: rank's operation span is its child.
+SPAN_CHECKPOINT: Final = "dcp.checkpoint"
+#: Async save: from the hand-off to the background executor until the upload
+#: future completes (the checkpoint is durable when this span ends).
+SPAN_ASYNC_UPLOAD: Final = "dcp.async_upload"
+#: Async save with an asynchronous stager: until the staging future completes.
+SPAN_ASYNC_STAGING: Final = "dcp.async_staging"
+
+# --- attribute keys (on every DCP span unless noted) -----------------------
+ATTR_RANK: Final = "dcp.rank"  # int, global rank
+ATTR_WORLD_SIZE: Final = "dcp.world_size"  # int
+ATTR_GROUP_RANK: Final = "dcp.group_rank"  # int, rank in the checkpoint's process group
+ATTR_CHECKPOINT_ID: Final = "dcp.checkpoint_id"  # str, credentials redacted
+ATTR_OPERATION: Final = "dcp.operation"  # str: save, async_save, load, ...
+ATTR_OPERATION_SEQ: Final = "dcp.operation.seq"  # int, per (operation, checkpoint id)
+ATTR_RUN_ID: Final = "dcp.run_id"  # str
+ATTR_COORDINATOR: Final = "dcp.coordinator"  # bool
+ATTR_BACKEND: Final = "dcp.pg.backend"  # str, process-group backend (gloo, nccl, ...)
+ATTR_STORAGE_WRITER: Final = "dcp.storage_writer"  # str, class name
+ATTR_STORAGE_READER: Final = "dcp.storage_reader"  # str, class name
+ATTR_PLANNER: Final = "dcp.planner"  # str, class name
+#: True on a span whose end time was inferred (torch did not log the step's
+#: exception; the span was closed when the failure became visible).
+ATTR_END_INFERRED: Final = "dcp.end_inferred"
+#: int[] on a span that failed with torch's ``CheckpointException``: the ranks
+#: whose step raised, as every rank learns them from torch.
+ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
+
+# ``_stateful_to_state_dict`` logs one call per top-level key; these summarize
+# them on the ``dcp._stateful_to_state_dict`` span instead of one span per key.
+ATTR_STATE_DICT_KEYS: Final = "dcp.state_dict.keys"  # int, keys converted
+ATTR_STATE_DICT_KEYS_SECONDS: Final = "dcp.state_dict.keys_seconds"  # float, total
+ATTR_STATE_DICT_SLOWEST_KEYS: Final = "dcp.state_dict.slowest_keys"  # str[]
+ATTR_STATE_DICT_SLOWEST_SECONDS: Final = "dcp.state_dict.slowest_keys_seconds"  # float[]
+ATTR_STATE_DICT_FAILED_KEY: Final = "dcp.state_dict.failed_key"  # str
+
+#: Link attribute telling why a link exists.
+ATTR_LINK_KIND: Final = "dcp.link"
+LINK_CALLER: Final = "caller"  # from a DCP span to the span active when DCP was called
+LINK_CHECKPOINT: Final = "checkpoint"  # from the caller's span to the DCP span
+
+# --- DCP function names we treat specially ---------------------------------
+#: Operations a user calls; one of these with no enclosing DCP span starts a trace.
+OPERATIONS: Final = frozenset({"save", "async_save", "load"})
+#: Steps that run inside ``_DistWrapper`` collectives, whose exceptions torch
+#: catches (``_wrap_exception``) without logging them.
+COLLECTIVE_STEPS: Final = frozenset(
+    {"local_step", "global_step", "write_data", "read_data", "finish_checkpoint"}
+)
+#: Prefix of the per-key calls that are summarized instead of traced.
+STATEFUL_KEY_PREFIX: Final = "_stateful_to_state_dict."
+
+# --- environment variables (documented in README.md, "Configuration") ------
+ENV_RUN_ID: Final = "DCP_OTEL_RUN_ID"
+ENV_SLOWEST_KEYS: Final = "DCP_OTEL_SLOWEST_KEYS"
+ENV_MAX_OPEN_SPANS: Final = "DCP_OTEL_MAX_OPEN_SPANS"
+#: Run-id sources set by launchers, tried in this order after ENV_RUN_ID.
+ENV_TORCHELASTIC_RUN_ID: Final = "TORCHELASTIC_RUN_ID"
+ENV_TORCHELASTIC_RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"
+ENV_SLURM_JOB_ID: Final = "SLURM_JOB_ID"
+ENV_SLURM_STEP_ID: Final = "SLURM_STEP_ID"
+
+
+def span_name(func_name: str) -> str:
+    """The span name for a DCP function: ``span_name("save") == "dcp.save"``."""
+    return SPAN_PREFIX + func_name

@@ -1,0 +1,562 @@
+"""Build OpenTelemetry spans from DCP events: pairing, nesting, failures.
+
+One :class:`SpanRecorder` per instrumentation turns the start/end/exception
+events of torch's ``_dcp_method_logger`` into spans:
+
+* start and end are paired by DCP's per-call ``uuid`` on a per-thread stack
+  (DCP calls nest strictly within a thread), and each span is attached to the
+  OpenTelemetry context while its call runs, so whatever the call does (a
+  storage plugin's HTTP requests, say) nests under it;
+* a top-level operation (``save``, ``async_save``, ``load``) with no enclosing
+  DCP span starts a trace shared by all ranks (see :mod:`dcp_otel.trace_ids`);
+* a step whose exception torch does not log is closed with ERROR as soon as the
+  failure is visible: when ``_DistWrapper`` wraps the exception
+  (:meth:`SpanRecorder.on_wrapped_exception`), or at the latest when its parent
+  ends; no span is left open and no bookkeeping outlives its operation;
+* the per-key calls of ``_stateful_to_state_dict`` are summarized on their
+  parent instead of becoming one span per key.
+
+Usage (what :class:`dcp_otel.DCPInstrumentor` does)::
+
+    recorder = SpanRecorder(InstrumentOptions())
+    recorder.on_event(parse_event(record.msg), exc=sys.exc_info()[1])
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, Status, StatusCode
+
+from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.config import InstrumentOptions
+from dcp_otel.events import DCPEvent
+from dcp_otel.redact import redact_checkpoint_id
+from dcp_otel.trace_ids import (
+    CheckpointKey,
+    SequenceCounter,
+    _OverridableIds,
+    derive_ids,
+    install_id_override,
+    remote_root_context,
+    remove_id_override,
+    resolve_run_id,
+    start_root_span,
+)
+from dcp_otel.version import __version__
+
+#: Context key holding the :class:`_Operation` a DCP span belongs to; it travels
+#: with the context, into the async save thread too.
+_OPERATION_KEY = context_api.create_key("dcp_otel.operation")
+_STATEFUL_PARENT = semconv.STATEFUL_KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
+_MAX_STATUS_TEXT = 256
+_MAX_KEY_TEXT = 128
+
+
+class _Operation:
+    """One checkpoint operation on this rank: the unit that owns a trace.
+
+    ``pending`` counts the spans of this operation that outlive their call
+    stack (the operation span itself and an async upload); when it drops to
+    zero the coordinator's root span ends, so for an async save the root covers
+    the upload too.
+    """
+
+    __slots__ = ("name", "tracer", "attributes", "root", "pending", "failed", "end_ns", "lock")
+
+    def __init__(self, name: str, tracer: trace.Tracer, attributes: dict[str, Any]) -> None:
+        self.name = name
+        self.tracer = tracer
+        self.attributes = attributes
+        self.root: Span | None = None
+        self.pending = 0
+        self.failed: str | None = None
+        self.end_ns = 0
+        self.lock = threading.Lock()
+
+    def add_part(self) -> None:
+        with self.lock:
+            self.pending += 1
+
+    def part_done(self, end_ns: int, error: str | None) -> None:
+        with self.lock:
+            self.pending -= 1
+            self.end_ns = max(self.end_ns, end_ns)
+            if error and not self.failed:
+                self.failed = error
+            if self.pending > 0 or self.root is None:
+                return
+            root, self.root = self.root, None
+        if self.failed:
+            root.set_status(Status(StatusCode.ERROR, self.failed))
+        root.end(end_time=self.end_ns)
+
+
+@dataclass
+class _KeyStats:
+    """Summary of the per-key ``_stateful_to_state_dict.<key>`` calls."""
+
+    limit: int
+    count: int = 0
+    total_ns: int = 0
+    slowest: list[tuple[int, int, str]] = field(default_factory=list)  # min-heap
+    failed_key: str | None = None
+
+    def add(self, key: str, duration_ns: int) -> None:
+        self.count += 1
+        self.total_ns += duration_ns
+        if self.limit:
+            item = (duration_ns, self.count, key)
+            if len(self.slowest) < self.limit:
+                heapq.heappush(self.slowest, item)
+            elif item > self.slowest[0]:
+                heapq.heapreplace(self.slowest, item)
+
+    def to_attributes(self) -> dict[str, Any]:
+        ordered = sorted(self.slowest, reverse=True)
+        attrs: dict[str, Any] = {
+            semconv.ATTR_STATE_DICT_KEYS: self.count,
+            semconv.ATTR_STATE_DICT_KEYS_SECONDS: self.total_ns / 1e9,
+            semconv.ATTR_STATE_DICT_SLOWEST_KEYS: [key for _, _, key in ordered],
+            semconv.ATTR_STATE_DICT_SLOWEST_SECONDS: [d / 1e9 for d, _, _ in ordered],
+        }
+        if self.failed_key is not None:
+            attrs[semconv.ATTR_STATE_DICT_FAILED_KEY] = self.failed_key
+        return attrs
+
+
+class _Entry:
+    """One DCP call in flight on one thread."""
+
+    __slots__ = ("uuid", "func_name", "start_ns", "span", "token", "op", "owns_op_part", "keys")
+
+    def __init__(self, uuid: str, func_name: str, start_ns: int) -> None:
+        self.uuid = uuid
+        self.func_name = func_name
+        self.start_ns = start_ns
+        self.span: Span | None = None  # None: a per-key call, summarized on its parent
+        self.token: object | None = None
+        self.op: _Operation | None = None
+        self.owns_op_part = False
+        self.keys: _KeyStats | None = None
+
+
+class SpanRecorder:
+    """Turns DCP events into spans; thread-safe; never raises from its ``on_*``."""
+
+    def __init__(self, options: InstrumentOptions) -> None:
+        self._options = options
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: dict[str, _Entry] = {}
+        self._seq = SequenceCounter()
+        self._tracer_cache: tuple[object, trace.Tracer, _OverridableIds | None] | None = None
+        # Async uploads whose span is still open. Their future's done-callback
+        # ends the span *after* waiters on the future wake up, so anyone who
+        # needs the telemetry complete waits on this, not on the future.
+        self._uploads = threading.Condition()
+        self._uploads_in_flight = 0
+
+    # --- bookkeeping ----------------------------------------------------
+    def open_count(self) -> int:
+        """DCP spans open right now in this process (0 between operations)."""
+        with self._lock:
+            return len(self._open)
+
+    def stack_depth(self) -> int:
+        """DCP calls in flight on the calling thread, per-key calls included."""
+        return len(self._stack())
+
+    def wait_for_uploads(self, timeout: float | None = None) -> bool:
+        """Block until every async upload span has ended; ``False`` on timeout."""
+        with self._uploads:
+            return self._uploads.wait_for(lambda: self._uploads_in_flight == 0, timeout)
+
+    def close(self) -> None:
+        """Restore the tracer we changed (on uninstrument)."""
+        cache, self._tracer_cache = self._tracer_cache, None
+        if cache is not None:
+            remove_id_override(cache[1])
+
+    def _stack(self) -> list[_Entry]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _tracer(self) -> tuple[trace.Tracer, _OverridableIds | None]:
+        provider = self._options.tracer_provider or trace.get_tracer_provider()
+        cache = self._tracer_cache
+        if cache is None or cache[0] is not provider:
+            tracer = provider.get_tracer(semconv.SCOPE_NAME, __version__)
+            cache = (provider, tracer, install_id_override(tracer))
+            self._tracer_cache = cache
+        return cache[1], cache[2]
+
+    # --- events ---------------------------------------------------------
+    def on_event(self, event: DCPEvent, exc: BaseException | None = None) -> None:
+        """Handle one parsed DCP event; ``exc`` is the exception being logged, if any."""
+        try:
+            if event.func_name.startswith(semconv.STATEFUL_KEY_PREFIX):
+                self.on_key_event(event.kind, event.uuid, event.func_name, event.time_ns)
+            elif event.kind == "start":
+                self._start(event)
+            else:
+                self._finish(event, exc)
+        except Exception:  # noqa: BLE001 - telemetry never raises into training
+            report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
+
+    def on_key_event(self, kind: str, uuid: str, func_name: str, time_ns: int) -> None:
+        """The hot path for ``_stateful_to_state_dict.<key>``: no span, just a summary."""
+        stack = self._stack()
+        if kind == "start":
+            if not stack or stack[-1].keys is None:
+                report("orphan_key_event", "dropped a per-key DCP event with no enclosing state-dict conversion")
+                return
+            stack.append(_Entry(uuid, func_name, time_ns))
+            return
+        if not stack or stack[-1].uuid != uuid:
+            report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
+            return
+        entry = stack.pop()
+        parent_keys = stack[-1].keys if stack else None
+        if parent_keys is None:
+            return
+        key = func_name[len(semconv.STATEFUL_KEY_PREFIX) :][:_MAX_KEY_TEXT]
+        if kind == "end":
+            parent_keys.add(key, max(0, time_ns - entry.start_ns))
+        else:
+            parent_keys.failed_key = key
+
+    def on_wrapped_exception(self, exc: BaseException) -> None:
+        """``_DistWrapper`` caught ``exc`` from a step that torch does not log.
+
+        Called on the failing step's own thread, right after it raised: the
+        innermost open span is that step, so it ends here with the exact time
+        and the exception object, and its context is detached so the collective
+        that follows runs under the parent again.
+        """
+        try:
+            stack = self._stack()
+            if not stack:
+                return
+            top = stack[-1]
+            if top.span is None or top.func_name not in semconv.COLLECTIVE_STEPS:
+                return
+            stack.pop()
+            self._close(top, time.time_ns(), exc=exc, error=None, inferred=False)
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
+
+    def _start(self, event: DCPEvent) -> None:
+        stack = self._stack()
+        with self._lock:
+            if len(self._open) >= self._options.max_open_spans:
+                full = True
+            else:
+                full = event.uuid in self._open
+        if full:
+            report("span_limit", "dropped a DCP span: %d spans already open, or a duplicate uuid", len(self._open))
+            return
+        ctx = context_api.get_current()
+        op = context_api.get_value(_OPERATION_KEY, ctx)
+        links: list[Link] = []
+        caller: Span | None = None
+        new_operation = not isinstance(op, _Operation)
+        if not new_operation:
+            parent_ctx = ctx
+            attributes = op.attributes
+            extra = _class_attributes(event)
+            if extra:
+                attributes = {**attributes, **extra}
+        else:
+            op, parent_ctx, caller = self._begin_operation(event, ctx)
+            attributes = op.attributes
+            if caller is not None:
+                links.append(Link(caller.get_span_context(), {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER}))
+        span = op.tracer.start_span(
+            semconv.span_name(event.func_name),
+            context=parent_ctx,
+            attributes=attributes,
+            links=links,
+            start_time=event.time_ns,
+        )
+        entry = _Entry(event.uuid, event.func_name, event.time_ns)
+        entry.span = span
+        entry.op = op
+        if event.func_name == _STATEFUL_PARENT:
+            entry.keys = _KeyStats(self._options.slowest_keys)
+        if new_operation:
+            entry.owns_op_part = True
+            op.add_part()
+            if caller is not None and caller.is_recording():
+                add_link = getattr(caller, "add_link", None)
+                if add_link is not None:
+                    add_link(span.get_span_context(), {semconv.ATTR_LINK_KIND: semconv.LINK_CHECKPOINT})
+        new_ctx = context_api.set_value(_OPERATION_KEY, op, trace.set_span_in_context(span, ctx))
+        entry.token = context_api.attach(new_ctx)
+        stack.append(entry)
+        with self._lock:
+            self._open[event.uuid] = entry
+
+    def _begin_operation(
+        self, event: DCPEvent, ctx: context_api.Context
+    ) -> tuple[_Operation, context_api.Context, Span | None]:
+        """A DCP call with no enclosing DCP span: start this rank's part of a trace."""
+        tracer, overrides = self._tracer()
+        distributed = event.global_rank is not None and event.world_size is not None
+        if distributed:
+            rank, world_size = event.global_rank, event.world_size
+            group_rank = event.group_rank if event.group_rank is not None else rank
+        else:  # torch.distributed not initialized: DCP runs as a single process
+            rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            group_rank = 0
+        identity = resolve_run_id(self._options.run_id, world_size if distributed else 1)
+        if identity.source == "fallback":
+            report(
+                "no_run_id",
+                "no run id found for a %d-rank job (set %s, or torchrun --rdzv-id): checkpoints of two runs "
+                "saved to the same path may share a trace",
+                world_size,
+                semconv.ENV_RUN_ID,
+            )
+        checkpoint_id = redact_checkpoint_id(event.checkpoint_id)
+        # Outside torch.distributed every process is its own coordinator: keep
+        # processes apart so two of them never emit the same root span id.
+        scope = "" if distributed else f"/rank{rank}/pid{os.getpid()}"
+        key = CheckpointKey(
+            identity.run_id + scope,
+            os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"),
+            event.func_name,
+            checkpoint_id,
+        )
+        seq = self._seq.next(key)
+        ids = derive_ids(key, seq)
+        is_coordinator = group_rank == 0
+        attributes: dict[str, Any] = {
+            semconv.ATTR_OPERATION: event.func_name,
+            semconv.ATTR_RANK: rank,
+            semconv.ATTR_WORLD_SIZE: world_size,
+            semconv.ATTR_GROUP_RANK: group_rank,
+            semconv.ATTR_CHECKPOINT_ID: checkpoint_id,
+            semconv.ATTR_OPERATION_SEQ: seq,
+            semconv.ATTR_RUN_ID: identity.run_id,
+            semconv.ATTR_COORDINATOR: is_coordinator,
+        }
+        if event.backend:
+            attributes[semconv.ATTR_BACKEND] = event.backend
+        attributes.update(_class_attributes(event))
+        op = _Operation(event.func_name, tracer, attributes)
+
+        caller = trace.get_current_span(ctx)
+        caller_ctx = caller.get_span_context()
+        has_caller = caller_ctx.is_valid
+        if is_coordinator and overrides is not None:
+            links = [Link(caller_ctx, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER})] if has_caller else []
+            op.root = start_root_span(
+                tracer,
+                overrides,
+                ids,
+                semconv.SPAN_CHECKPOINT,
+                ctx,
+                attributes=attributes,
+                links=links,
+                start_time=event.time_ns,
+            )
+            parent_ctx = trace.set_span_in_context(op.root, ctx)
+        else:
+            if is_coordinator:
+                report(
+                    "no_chosen_ids",
+                    "the tracer provider %s cannot start a span with chosen ids: ranks share a trace, "
+                    "but its root span is missing",
+                    type(tracer).__name__,
+                )
+            parent_ctx = remote_root_context(tracer, ids, ctx)
+        return op, parent_ctx, caller if has_caller else None
+
+    def _finish(self, event: DCPEvent, exc: BaseException | None) -> None:
+        stack = self._stack()
+        index = len(stack) - 1
+        while index >= 0 and stack[index].uuid != event.uuid:
+            index -= 1
+        if index < 0:
+            report("unmatched_event", "dropped a DCP %s event with no matching start", event.kind)
+            return
+        failed = event.kind == "exception"
+        if failed and exc is None and event.error is None:
+            event_error = "exception (not described by torch)"
+        else:
+            event_error = event.error
+        # Calls above it on the stack raised without torch logging it (a
+        # success end can only come after they returned or raised).
+        cause = _describe(exc, event_error) if failed else "exception not logged by torch; see parent span"
+        while len(stack) > index + 1:
+            child = stack.pop()
+            if child.span is not None:
+                self._close(child, event.time_ns, exc=None, error=f"did not return: {cause}", inferred=True)
+        entry = stack.pop()
+        if failed:
+            self._close(entry, event.time_ns, exc=exc, error=event_error, inferred=False)
+        else:
+            self._close(entry, event.time_ns, exc=None, error=None, inferred=False)
+
+    def _close(
+        self, entry: _Entry, end_ns: int, *, exc: BaseException | None, error: str | None, inferred: bool
+    ) -> None:
+        with self._lock:
+            self._open.pop(entry.uuid, None)
+        span = entry.span
+        if span is None:  # a per-key call: summarized by on_key_event, no span
+            return
+        description: str | None = None
+        if span.is_recording():
+            if entry.keys is not None:
+                span.set_attributes(entry.keys.to_attributes())
+            if exc is not None:
+                span.record_exception(exc, timestamp=end_ns)
+                description = _describe(exc, error)
+                failed_ranks = _failed_ranks(exc)
+                if failed_ranks is not None:
+                    span.set_attribute(semconv.ATTR_FAILED_RANKS, failed_ranks)
+            elif error is not None:
+                span.add_event("exception", {"exception.message": error[:_MAX_STATUS_TEXT * 4]}, timestamp=end_ns)
+                description = error
+            if inferred:
+                span.set_attribute(semconv.ATTR_END_INFERRED, True)
+            if description is not None:
+                span.set_status(Status(StatusCode.ERROR, description[:_MAX_STATUS_TEXT]))
+        elif exc is not None or error is not None:
+            description = _describe(exc, error)
+        span.end(end_time=end_ns)
+        if entry.token is not None:
+            context_api.detach(entry.token)
+            entry.token = None
+        if entry.owns_op_part and entry.op is not None:
+            entry.op.part_done(end_ns, description)
+
+    # --- async save -----------------------------------------------------
+    def begin_async_upload(
+        self, staging: Future[Any] | None
+    ) -> tuple[context_api.Context, Callable[[Future[Any] | BaseException], None]] | None:
+        """Open the upload (and async staging) spans of the current async save.
+
+        Returns the context to run the background save in, and the callback
+        that ends the upload span: call it with the upload future when it is
+        done, or with the exception if handing off failed. ``None`` when no
+        DCP operation is current (nothing to attach to).
+        """
+        try:
+            op = context_api.get_value(_OPERATION_KEY)
+            if not isinstance(op, _Operation):
+                return None
+            ctx = context_api.get_current()
+            now = time.time_ns()
+            if staging is not None:
+                staging_span = op.tracer.start_span(
+                    semconv.SPAN_ASYNC_STAGING, context=ctx, attributes=op.attributes, start_time=now
+                )
+                staging.add_done_callback(lambda fut: _end_from_future(staging_span, fut))
+            upload = op.tracer.start_span(semconv.SPAN_ASYNC_UPLOAD, context=ctx, attributes=op.attributes, start_time=now)
+            op.add_part()
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to trace an async upload", exc_info=True)
+            return None
+        with self._uploads:
+            self._uploads_in_flight += 1
+
+        def finish(outcome: Future[Any] | BaseException) -> None:
+            try:
+                error = _end_from_future(upload, outcome)
+                op.part_done(time.time_ns(), error)
+            except Exception:  # noqa: BLE001
+                report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
+            finally:
+                with self._uploads:
+                    self._uploads_in_flight -= 1
+                    self._uploads.notify_all()
+
+        return trace.set_span_in_context(upload, ctx), finish
+
+
+def _end_from_future(span: Span, outcome: Future[Any] | BaseException) -> str | None:
+    """End ``span`` with the outcome of a future (or an exception); return the error text."""
+    exc: BaseException | None
+    if isinstance(outcome, BaseException):
+        exc = outcome
+    elif outcome.cancelled():
+        exc = None
+        span.set_status(Status(StatusCode.ERROR, "cancelled"))
+        span.end()
+        return "cancelled"
+    else:
+        exc = outcome.exception()
+    error = None
+    if exc is not None:
+        error = _describe(exc, None)
+        if span.is_recording():
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, error[:_MAX_STATUS_TEXT]))
+    span.end()
+    return error
+
+
+def _failed_ranks(exc: BaseException) -> list[int] | None:
+    """The failing ranks of torch's ``CheckpointException`` (``failures`` maps rank to error)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return None
+    return sorted(r for r in failures if isinstance(r, int))
+
+
+def _describe(exc: BaseException | None, error: str | None) -> str:
+    """A one-line status description: the exception type and its first line.
+
+    For ``CheckpointException`` (whose text is a multi-rank traceback dump):
+    the failing ranks and the first rank's own exception.
+    """
+    ranks = _failed_ranks(exc) if exc is not None else None
+    if exc is not None and ranks:
+        first = exc.failures[ranks[0]]  # type: ignore[attr-defined]
+        cause = first[0] if isinstance(first, tuple) and first else first
+        cause_text = str(cause).strip().splitlines()
+        detail = f"{type(cause).__name__}: {cause_text[0]}" if cause_text else type(cause).__name__
+        return f"{type(exc).__name__}: ranks {ranks} failed; rank {ranks[0]}: {detail}"
+    if exc is not None:
+        text = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return (error or "exception").strip().splitlines()[0] if (error or "").strip() else "exception"
+
+
+def _class_attributes(event: DCPEvent) -> dict[str, str]:
+    attrs = {}
+    if event.storage_writer:
+        attrs[semconv.ATTR_STORAGE_WRITER] = event.storage_writer
+    if event.storage_reader:
+        attrs[semconv.ATTR_STORAGE_READER] = event.storage_reader
+    if event.planner:
+        attrs[semconv.ATTR_PLANNER] = event.planner
+    return attrs
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def current_exception() -> BaseException | None:
+    """The exception being handled on this thread (torch logs from its ``except``)."""
+    return sys.exc_info()[1]

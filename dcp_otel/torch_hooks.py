@@ -1,0 +1,148 @@
+"""Where dcp-otel touches torch, and how it degrades when torch differs.
+
+Everything we attach to lives in torch's private DCP modules, which change
+between releases. Each attachment point is declared once in :data:`PATCHES`
+(plus the DCP logger itself); :func:`install` attaches whatever exists and
+emits ONE warning naming whatever does not, with what is lost. It never
+raises for a torch it does not recognize. :meth:`Installed.remove` undoes
+everything, restoring the original objects.
+
+Usage::
+
+    installed = install(recorder)
+    ...
+    installed.remove()
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+from opentelemetry.instrumentation.utils import unwrap
+
+from dcp_otel.async_context import AsyncContextCarrier
+from dcp_otel.handler import DCPLogHandler
+from dcp_otel.spans import SpanRecorder
+
+logger = logging.getLogger("dcp_otel")
+
+LOGGER_MODULE = "torch.distributed.checkpoint.logger"
+LOGGER_ATTR = "_dcp_logger"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One torch callable we wrap, and what is lost without it."""
+
+    module: str
+    name: str  # "function" or "Class.method"
+    lost: str
+    wrapper: Callable[[SpanRecorder, AsyncContextCarrier], Callable[..., Any]]
+
+
+def _wrap_exception_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        if args:
+            recorder.on_wrapped_exception(args[0])
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "torch.distributed.checkpoint.utils",
+        "_wrap_exception",
+        "failed steps end when their parent ends, without the exception object",
+        _wrap_exception_wrapper,
+    ),
+    Patch(
+        "torch.distributed.checkpoint._async_thread_executor",
+        "_ThreadBasedAsyncCheckpointExecutor.execute_save",
+        "no dcp.async_upload span; the background save of async_save starts its own trace",
+        lambda _, carrier: carrier.execute_save,
+    ),
+    Patch(
+        "torch.distributed.checkpoint._async_thread_executor",
+        "save_wrapper",
+        "the background save of async_save starts its own trace",
+        lambda _, carrier: carrier.save_wrapper,
+    ),
+)
+
+
+@dataclass
+class Installed:
+    """What :func:`install` attached; :meth:`remove` detaches all of it."""
+
+    handler: DCPLogHandler | None = None
+    dcp_logger: logging.Logger | None = None
+    carrier: AsyncContextCarrier | None = None
+    wrapped: list[tuple[Any, str]] = field(default_factory=list)  # (owner, attribute)
+    missing: list[str] = field(default_factory=list)
+
+    def remove(self) -> None:
+        for owner, attr in reversed(self.wrapped):
+            unwrap(owner, attr)
+        self.wrapped.clear()
+        if self.dcp_logger is not None and self.handler is not None:
+            self.dcp_logger.removeHandler(self.handler)
+        self.handler = self.dcp_logger = None
+
+
+def find_dcp_logger() -> logging.Logger | None:
+    try:
+        module = importlib.import_module(LOGGER_MODULE)
+    except Exception:  # noqa: BLE001 - any import failure means "not this torch"
+        return None
+    candidate = getattr(module, LOGGER_ATTR, None)
+    return candidate if isinstance(candidate, logging.Logger) else None
+
+
+def _resolve(patch: Patch) -> tuple[Any, str] | None:
+    """The (owner, attribute) to wrap, or ``None`` if this torch lacks it."""
+    try:
+        owner: Any = importlib.import_module(patch.module)
+    except Exception:  # noqa: BLE001
+        return None
+    *path, attr = patch.name.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    # On a class, only a method it defines itself: an inherited (say abstract)
+    # one is not the code path we mean to wrap.
+    found = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    return (owner, attr) if callable(found) else None
+
+
+def install(recorder: SpanRecorder) -> Installed:
+    """Attach to torch; warn once about anything this torch does not have."""
+    installed = Installed(carrier=AsyncContextCarrier(recorder))
+    dcp_logger = find_dcp_logger()
+    if dcp_logger is None:
+        installed.missing.append(f"{LOGGER_MODULE}.{LOGGER_ATTR} (no spans at all)")
+    else:
+        installed.handler = DCPLogHandler(recorder)
+        installed.dcp_logger = dcp_logger
+        dcp_logger.addHandler(installed.handler)
+    for patch in PATCHES:
+        target = _resolve(patch)
+        if target is None:
+            installed.missing.append(f"{patch.module}.{patch.name} ({patch.lost})")
+            continue
+        owner, attr = target
+        wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(recorder, installed.carrier))
+        installed.wrapped.append((owner, attr))
+    if installed.missing:
+        logger.warning(
+            "dcp_otel: this torch's DCP internals differ from what dcp_otel expects; instrumenting "
+            "what exists. Missing: %s",
+            "; ".join(installed.missing),
+        )
+    return installed

@@ -1,0 +1,204 @@
+"""One trace per checkpoint operation across all ranks, with no collective.
+
+Every rank derives the same trace id from what it already knows: the run id,
+the torchelastic restart count, the operation, the (redacted) checkpoint id and
+a per-process sequence number of that (operation, checkpoint id) pair. Ranks
+call DCP operations in the same order (SPMD), so their sequence numbers agree;
+two saves to the same id are two traces, and two runs never share one.
+
+The coordinator rank emits the root span ``dcp.checkpoint`` whose span id is
+derived too; every other rank parents its operation span to that id without
+ever talking to the coordinator.
+
+Usage::
+
+    ids = derive_ids(CheckpointKey("job-42", "0", "save", "/ckpt/step-10"), seq=0)
+    ids.trace_id, ids.root_span_id    # identical on every rank
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import uuid
+from typing import NamedTuple
+
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+
+from dcp_otel import semconv
+
+logger = logging.getLogger("dcp_otel")
+
+#: Values of ``TORCHELASTIC_RUN_ID`` that do not identify a run (torchrun's
+#: static rendezvous uses "none" unless ``--rdzv-id`` is given).
+_NO_RUN_ID = frozenset({"", "none"})
+
+
+class RunIdentity(NamedTuple):
+    run_id: str
+    source: str  # where it came from, for the docs and the warning
+
+
+def resolve_run_id(explicit: str | None, world_size: int) -> RunIdentity:
+    """Find the id of this job run, the same on every rank.
+
+    Order: ``explicit`` (the ``run_id=`` option or ``$DCP_OTEL_RUN_ID``), then
+    ``$TORCHELASTIC_RUN_ID`` unless it is ``none``, then ``$SLURM_JOB_ID``
+    (with ``$SLURM_STEP_ID``). With none of those, a single-process job uses a
+    random id (nothing to agree with), and a multi-rank job falls back to
+    ``MASTER_ADDR:MASTER_PORT``, which two runs can share: callers warn then.
+    """
+    if explicit:
+        return RunIdentity(explicit, "option")
+    env = os.environ
+    elastic = env.get(semconv.ENV_TORCHELASTIC_RUN_ID, "").strip()
+    if elastic.lower() not in _NO_RUN_ID:
+        return RunIdentity(elastic, semconv.ENV_TORCHELASTIC_RUN_ID)
+    slurm = env.get(semconv.ENV_SLURM_JOB_ID, "").strip()
+    if slurm:
+        step = env.get(semconv.ENV_SLURM_STEP_ID, "").strip()
+        return RunIdentity(f"slurm-{slurm}.{step}" if step else f"slurm-{slurm}", semconv.ENV_SLURM_JOB_ID)
+    if world_size <= 1:
+        return RunIdentity(_PROCESS_NONCE, "random")
+    return RunIdentity(f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}", "fallback")
+
+
+_PROCESS_NONCE = uuid.uuid4().hex
+
+
+class CheckpointKey(NamedTuple):
+    """What every rank knows about one operation before it starts."""
+
+    run_id: str
+    restart_count: str
+    operation: str
+    checkpoint_id: str  # redacted: signed URLs differ per rank, their redaction does not
+
+
+class DerivedIds(NamedTuple):
+    trace_id: int
+    root_span_id: int
+
+
+def derive_ids(key: CheckpointKey, seq: int) -> DerivedIds:
+    """The trace id and root span id of the ``seq``-th operation with ``key``."""
+    material = "\x1f".join((*key, str(seq))).encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(material).digest()
+    # An all-zero id is invalid in W3C trace context; 2**-128 odds, but be exact.
+    trace_id = int.from_bytes(digest[:16], "big") or 1
+    span_id = int.from_bytes(digest[16:24], "big") or 1
+    return DerivedIds(trace_id, span_id)
+
+
+class SequenceCounter:
+    """Per-process count of operations by key; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: dict[CheckpointKey, int] = {}
+
+    def next(self, key: CheckpointKey) -> int:
+        with self._lock:
+            seq = self._next.get(key, 0)
+            self._next[key] = seq + 1
+            return seq
+
+
+class _OverridableIds:
+    """Wraps a tracer's id generator so that one span can get chosen ids.
+
+    The SDK tracer reads ``tracer.id_generator`` for every span it starts; only
+    our own tracer's attribute is replaced, and only while
+    :func:`start_root_span` runs on the calling thread are the ids overridden.
+    """
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self._local = threading.local()
+
+    def set_next(self, ids: DerivedIds | None) -> None:
+        self._local.ids = ids
+
+    def generate_trace_id(self) -> int:
+        ids = getattr(self._local, "ids", None)
+        return ids.trace_id if ids is not None else self.inner.generate_trace_id()  # type: ignore[attr-defined]
+
+    def generate_span_id(self) -> int:
+        ids = getattr(self._local, "ids", None)
+        if ids is not None:
+            self._local.ids = None  # one span only: the next span gets a random id
+            return ids.root_span_id
+        return self.inner.generate_span_id()  # type: ignore[attr-defined]
+
+    def is_trace_id_random(self) -> bool:
+        # Derived ids are not random in the W3C sense; only our root spans use them.
+        if getattr(self._local, "ids", None) is not None:
+            return False
+        is_random = getattr(self.inner, "is_trace_id_random", None)
+        return bool(is_random()) if is_random is not None else False
+
+
+def supports_chosen_ids(tracer: trace.Tracer) -> bool:
+    """Whether ``tracer`` (an SDK tracer) lets us choose the root span's ids."""
+    return hasattr(tracer, "id_generator") and hasattr(tracer, "sampler")
+
+
+def install_id_override(tracer: trace.Tracer) -> _OverridableIds | None:
+    """Make ``tracer`` able to start a span with chosen ids; idempotent."""
+    if not supports_chosen_ids(tracer):
+        return None
+    current = tracer.id_generator  # type: ignore[attr-defined]
+    if isinstance(current, _OverridableIds):
+        return current
+    wrapper = _OverridableIds(current)
+    tracer.id_generator = wrapper  # type: ignore[attr-defined]
+    return wrapper
+
+
+def remove_id_override(tracer: trace.Tracer) -> None:
+    current = getattr(tracer, "id_generator", None)
+    if isinstance(current, _OverridableIds):
+        tracer.id_generator = current.inner  # type: ignore[attr-defined]
+
+
+def start_root_span(
+    tracer: trace.Tracer,
+    overrides: _OverridableIds,
+    ids: DerivedIds,
+    name: str,
+    ctx: context_api.Context,
+    **kwargs: object,
+) -> trace.Span:
+    """Start a root span (no parent) whose trace and span ids are ``ids``."""
+    root_ctx = trace.set_span_in_context(trace.INVALID_SPAN, ctx)
+    overrides.set_next(ids)
+    try:
+        return tracer.start_span(name, context=root_ctx, **kwargs)  # type: ignore[arg-type]
+    finally:
+        overrides.set_next(None)
+
+
+def remote_root_context(tracer: trace.Tracer, ids: DerivedIds, ctx: context_api.Context) -> context_api.Context:
+    """``ctx`` with the coordinator's (not yet seen) root span as remote parent.
+
+    The sampling flag is the decision the tracer's sampler makes for the root
+    itself, so a ratio sampler keeps or drops a checkpoint on all ranks alike.
+    """
+    sampled = True
+    sampler = getattr(tracer, "sampler", None)
+    if sampler is not None:
+        result = sampler.should_sample(
+            context_api.Context(), ids.trace_id, semconv.SPAN_CHECKPOINT, SpanKind.INTERNAL, None, None
+        )
+        sampled = result.decision.is_sampled()
+    parent = SpanContext(
+        ids.trace_id,
+        ids.root_span_id,
+        is_remote=True,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT),
+    )
+    return trace.set_span_in_context(NonRecordingSpan(parent), ctx)

@@ -1,0 +1,77 @@
+"""Shared fixtures: a real SDK tracer provider with an in-memory exporter,
+instrumented for the test and uninstrumented after it."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import dcp_otel
+from dcp_otel import _selftelemetry
+from tests.spans_io import SpanRecord, from_readable
+
+
+@dataclass
+class Traced:
+    provider: TracerProvider
+    exporter: InMemorySpanExporter
+
+    def spans(self) -> list[SpanRecord]:
+        self.provider.force_flush()
+        return from_readable(self.exporter.get_finished_spans())
+
+    def recorder(self):  # type: ignore[no-untyped-def]
+        return dcp_otel.DCPInstrumentor().recorder
+
+
+@pytest.fixture(autouse=True)
+def _quiet_dcp_warnings() -> Iterator[None]:
+    # DCP warns on every single-process save ("torch.distributed is disabled ...").
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@pytest.fixture
+def provider() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    tp = TracerProvider()
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    yield tp, exporter
+    tp.shutdown()
+
+
+@pytest.fixture
+def traced(provider: tuple[TracerProvider, InMemorySpanExporter]) -> Iterator[Traced]:
+    """DCP instrumented into a fresh in-memory provider for one test."""
+    tp, exporter = provider
+    _selftelemetry.reset()
+    dcp_otel.instrument(tracer_provider=tp)
+    try:
+        yield Traced(tp, exporter)
+    finally:
+        dcp_otel.uninstrument()
+
+
+@pytest.fixture
+def dcp_records() -> Iterator[list[dict]]:
+    """Copies of every record torch's DCP logger emits during the test."""
+    from torch.distributed.checkpoint.logger import _dcp_logger
+
+    records: list[dict] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(dict(record.msg))
+
+    handler = Capture()
+    _dcp_logger.addHandler(handler)
+    yield records
+    _dcp_logger.removeHandler(handler)

@@ -1,0 +1,81 @@
+"""Launch a real multi-process job of ``tests/workers/*.py`` ranks, bounded in time.
+
+Each rank is its own Python process joined through a gloo ``FileStore``; the
+job is killed as a whole if any rank fails or the time limit passes, so a test
+never hangs CI.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+REPO = Path(__file__).parent.parent
+
+
+@dataclass
+class Job:
+    out: Path
+    ckpt: Path
+    world: int
+
+
+def run_ranks(
+    worker: str,
+    world: int,
+    tmp: Path,
+    *,
+    env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
+    ckpt: Path | None = None,
+    timeout_s: float = 180.0,
+) -> Job:
+    """Run ``world`` ranks of ``workers/<worker>.py``; raise with their stderr on failure.
+
+    ``ckpt`` (default: a folder in ``tmp``) lets two jobs write the same checkpoint ids.
+    """
+    out, ckpt = tmp / "out", ckpt or tmp / "ckpt"
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    store = tmp / "store"
+    child_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = []
+    logs = []
+    for rank in range(world):
+        log = open(out / f"stderr-{rank}.txt", "w")  # noqa: SIM115 - closed below
+        logs.append(log)
+        cmd = [
+            sys.executable, str(WORKERS / f"{worker}.py"),
+            "--rank", str(rank), "--world", str(world), "--store", str(store),
+            "--out", str(out), "--ckpt", str(ckpt), *(extra_args or []),
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    try:
+        for rank, proc in enumerate(procs):
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                code = proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                failed = f"rank {rank} did not finish within {timeout_s:.0f}s"
+                break
+            if code != 0:
+                failed = f"rank {rank} exited with {code}"
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+    if failed:
+        details = "\n".join(f"--- rank {r}\n{(out / f'stderr-{r}.txt').read_text()[-4000:]}" for r in range(world))
+        raise AssertionError(f"{failed}\n{details}")
+    return Job(out=out, ckpt=ckpt, world=world)

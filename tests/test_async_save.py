@@ -1,0 +1,81 @@
+"""async_save: the background save joins the trace; staging and upload are their own spans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from dcp_otel import semconv
+from tests.spans_io import SpanRecord, named
+
+
+def ancestors(spans: list[SpanRecord], span: SpanRecord) -> list[str]:
+    by_id = {s.span_id: s for s in spans}
+    names = []
+    while span.parent_id in by_id:
+        span = by_id[span.parent_id]
+        names.append(span.name)
+    return names
+
+
+def test_background_save_and_its_steps_join_the_async_save_trace(traced, tmp_path: Path) -> None:
+    future = dcp.async_save({"w": torch.ones(8)}, checkpoint_id=str(tmp_path / "c"))
+    future.result()
+    assert traced.recorder().wait_for_uploads(timeout=30)
+
+    spans = traced.spans()
+    (root,) = named(spans, semconv.SPAN_CHECKPOINT)
+    assert {s.trace_id for s in spans} == {root.trace_id}
+    (upload,) = named(spans, semconv.SPAN_ASYNC_UPLOAD)
+    (background,) = named(spans, "dcp.save")
+    assert ancestors(spans, background) == [semconv.SPAN_ASYNC_UPLOAD, "dcp.async_save", semconv.SPAN_CHECKPOINT]
+    (write,) = named(spans, "dcp.write_data")
+    assert ancestors(spans, write)[0] == "dcp.save"
+    # Staging and upload can be read directly, and the root covers the upload.
+    (staging,) = named(spans, "dcp.stage_state_dict")
+    (call,) = named(spans, "dcp.async_save")
+    assert staging.parent_id == call.span_id and upload.parent_id == call.span_id
+    assert upload.end_ns >= background.end_ns
+    assert root.end_ns >= upload.end_ns
+    assert all(s.attributes[semconv.ATTR_OPERATION] == "async_save" for s in spans)
+
+
+def test_a_failed_upload_marks_the_upload_and_root_as_errors(traced, tmp_path: Path) -> None:
+    class FullDisk(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            raise OSError(28, "No space left on device")
+
+    future = dcp.async_save({"w": torch.ones(8)}, storage_writer=FullDisk(str(tmp_path / "c")))
+    error = future.exception()
+    assert traced.recorder().wait_for_uploads(timeout=30)
+
+    assert error is not None
+    spans = traced.spans()
+    (upload,) = named(spans, semconv.SPAN_ASYNC_UPLOAD)
+    (root,) = named(spans, semconv.SPAN_CHECKPOINT)
+    (call,) = named(spans, "dcp.async_save")
+    assert upload.status == "ERROR" and root.status == "ERROR"
+    assert call.status == "UNSET"  # handing off worked; the upload did not
+    assert traced.recorder().open_count() == 0
+
+
+def test_an_asynchronous_stager_gets_its_own_staging_span(traced, tmp_path: Path) -> None:
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))
+    try:
+        response = dcp.async_save({"w": torch.ones(8)}, checkpoint_id=str(tmp_path / "c"), async_stager=stager)
+        response.staging_completion.result()
+        response.upload_completion.result()
+    finally:
+        stager.close()
+    assert traced.recorder().wait_for_uploads(timeout=30)
+
+    spans = traced.spans()
+    (staging,) = named(spans, semconv.SPAN_ASYNC_STAGING)
+    (upload,) = named(spans, semconv.SPAN_ASYNC_UPLOAD)
+    (background,) = named(spans, "dcp.save")
+    assert staging.status == "UNSET" and staging.trace_id == upload.trace_id
+    assert staging.end_ns <= background.end_ns  # the upload waited for staging
+    assert traced.recorder().open_count() == 0

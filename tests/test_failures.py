@@ -1,0 +1,121 @@
+"""A failing checkpoint: spans end with ERROR, the caller gets torch's own exception."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import dcp_otel
+from dcp_otel import semconv
+from dcp_otel import torch_hooks
+from tests.spans_io import from_readable, named
+
+INJECTED = OSError(errno.ENOSPC, "No space left on device")
+
+
+class FullDiskWriter(dcp.FileSystemWriter):
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        raise INJECTED
+
+
+class BrokenModel(torch.nn.Module):
+    error = ValueError("state_dict exploded")
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise self.error
+
+
+def save_full_disk(path: Path) -> CheckpointException:
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(4)}, storage_writer=FullDiskWriter(str(path)))
+    return info.value
+
+
+def test_a_step_torch_does_not_log_ends_with_error_and_its_real_exception(traced, tmp_path: Path) -> None:
+    error = save_full_disk(tmp_path / "c")
+
+    assert error.failures[0][0] is INJECTED  # torch's own exception, untouched
+    spans = traced.spans()
+    (write,) = named(spans, "dcp.write_data")
+    assert write.status == "ERROR"
+    assert write.status_description == "OSError: [Errno 28] No space left on device"
+    (event,) = write.events
+    assert event["name"] == "exception" and event["attributes"]["exception.type"] == "OSError"
+    assert semconv.ATTR_END_INFERRED not in write.attributes  # closed when it failed, not later
+    (save,) = named(spans, "dcp.save")
+    assert save.status == "ERROR"
+    assert save.status_description.startswith("CheckpointException: ranks [0] failed; rank 0: OSError")
+    assert save.attributes[semconv.ATTR_FAILED_RANKS] == (0,)
+    assert save.events[0]["attributes"]["exception.type"].endswith(".CheckpointException")
+    (root,) = named(spans, semconv.SPAN_CHECKPOINT)
+    assert root.status == "ERROR"
+    assert not named(spans, "dcp.finish_checkpoint")  # torch never ran it
+
+
+def test_the_caller_gets_the_same_exception_with_or_without_instrumentation(provider, tmp_path: Path) -> None:
+    plain = save_full_disk(tmp_path / "plain")
+    dcp_otel.instrument(tracer_provider=provider[0])
+    try:
+        traced_error = save_full_disk(tmp_path / "traced")
+        with pytest.raises(ValueError) as info:
+            dcp.save({"model": BrokenModel()}, checkpoint_id=str(tmp_path / "broken"))
+    finally:
+        dcp_otel.uninstrument()
+
+    assert info.value is BrokenModel.error
+    assert type(traced_error) is type(plain)
+    assert {r: (f[0], type(f[0])) for r, f in traced_error.failures.items()} == {
+        r: (f[0], type(f[0])) for r, f in plain.failures.items()
+    }
+
+
+def test_a_failing_stateful_key_is_named_on_the_conversion_span(traced, tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        dcp.save({"ok": torch.ones(1), "model": BrokenModel()}, checkpoint_id=str(tmp_path / "c"))
+
+    spans = traced.spans()
+    (convert,) = named(spans, "dcp._stateful_to_state_dict")
+    assert convert.status == "ERROR"
+    assert convert.attributes[semconv.ATTR_STATE_DICT_FAILED_KEY] == "model"
+    assert convert.attributes[semconv.ATTR_STATE_DICT_KEYS] == 1  # "ok" converted before it
+    (save,) = named(spans, "dcp.save")
+    assert save.status == "ERROR" and save.status_description == "ValueError: state_dict exploded"
+
+
+def test_without_the_exception_hook_failed_steps_still_end_when_their_parent_ends(
+    provider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on a torch where ``_wrap_exception`` cannot be hooked: the step's
+    # failure is only seen when ``save`` itself fails.
+    without_hook = tuple(p for p in torch_hooks.PATCHES if p.name != "_wrap_exception")
+    monkeypatch.setattr(torch_hooks, "PATCHES", without_hook)
+    dcp_otel.instrument(tracer_provider=provider[0])
+    try:
+        save_full_disk(tmp_path / "c")
+        recorder = dcp_otel.DCPInstrumentor().recorder
+        assert (recorder.open_count(), recorder.stack_depth()) == (0, 0)
+    finally:
+        dcp_otel.uninstrument()
+
+    (write,) = named(from_readable(provider[1].get_finished_spans()), "dcp.write_data")
+    assert write.status == "ERROR"
+    assert write.attributes[semconv.ATTR_END_INFERRED] is True
+    assert write.status_description.startswith("did not return: CheckpointException: ranks [0] failed")
+
+
+def test_no_span_is_left_open_after_failures(traced, tmp_path: Path) -> None:
+    save_full_disk(tmp_path / "a")
+    with pytest.raises(ValueError):
+        dcp.save({"model": BrokenModel()}, checkpoint_id=str(tmp_path / "b"))
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "c"))  # and the next one is fine
+
+    recorder = traced.recorder()
+    assert (recorder.open_count(), recorder.stack_depth()) == (0, 0)
+    spans = traced.spans()
+    assert named(spans, "dcp.save")[-1].status == "UNSET"
+    assert len(named(spans, semconv.SPAN_CHECKPOINT)) == 3

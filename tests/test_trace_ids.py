@@ -1,0 +1,100 @@
+"""Trace ids every rank derives alike, without talking to the others."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+from dcp_otel import semconv
+from dcp_otel.trace_ids import (
+    CheckpointKey,
+    SequenceCounter,
+    derive_ids,
+    install_id_override,
+    remote_root_context,
+    resolve_run_id,
+    start_root_span,
+)
+
+KEY = CheckpointKey("run-a", "0", "save", "/ckpt/step-10")
+
+
+def test_ids_are_a_pure_function_of_key_and_sequence() -> None:
+    assert derive_ids(KEY, 0) == derive_ids(CheckpointKey(*KEY), 0)
+    assert derive_ids(KEY, 0) != derive_ids(KEY, 1)
+    for changed in (KEY._replace(run_id="run-b"), KEY._replace(restart_count="1"),
+                    KEY._replace(operation="load"), KEY._replace(checkpoint_id="/ckpt/step-20")):  # fmt: skip
+        assert derive_ids(changed, 0).trace_id != derive_ids(KEY, 0).trace_id
+    ids = derive_ids(KEY, 0)
+    assert 0 < ids.trace_id < 2**128 and 0 < ids.root_span_id < 2**64
+
+
+def test_sequence_numbers_count_per_operation_and_checkpoint() -> None:
+    counter = SequenceCounter()
+    assert [counter.next(KEY) for _ in range(3)] == [0, 1, 2]
+    assert counter.next(KEY._replace(operation="load")) == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "explicit", "world", "expected"),
+    [
+        ({"TORCHELASTIC_RUN_ID": "elastic-1", "SLURM_JOB_ID": "9"}, "mine", 4, ("mine", "option")),
+        ({"TORCHELASTIC_RUN_ID": "elastic-1", "SLURM_JOB_ID": "9"}, None, 4, ("elastic-1", "TORCHELASTIC_RUN_ID")),
+        ({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "9", "SLURM_STEP_ID": "2"}, None, 4, ("slurm-9.2", "SLURM_JOB_ID")),
+        ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, None, 4, ("10.0.0.1:29500", "fallback")),
+    ],
+)
+def test_run_id_sources_in_order(monkeypatch: pytest.MonkeyPatch, env, explicit, world, expected) -> None:
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert tuple(resolve_run_id(explicit, world)) == expected
+
+
+def test_a_single_process_without_run_id_gets_a_random_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    identity = resolve_run_id(None, 1)
+    assert identity.source == "random" and len(identity.run_id) == 32
+
+
+def test_root_span_gets_exactly_the_derived_ids_and_the_next_span_does_not() -> None:
+    tracer = TracerProvider().get_tracer("t")
+    overrides = install_id_override(tracer)
+    assert overrides is not None and install_id_override(tracer) is overrides  # idempotent
+    ids = derive_ids(KEY, 0)
+
+    root = start_root_span(tracer, overrides, ids, semconv.SPAN_CHECKPOINT, context_api.Context())
+    other = tracer.start_span("unrelated")
+
+    assert (root.get_span_context().trace_id, root.get_span_context().span_id) == ids
+    assert root.parent is None
+    assert other.get_span_context().trace_id != ids.trace_id
+    assert other.get_span_context().span_id != ids.root_span_id
+
+
+def test_a_ratio_sampler_keeps_or_drops_a_checkpoint_on_all_ranks_alike() -> None:
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.5)))
+    tracer = provider.get_tracer("t")
+    overrides = install_id_override(tracer)
+    decisions = []
+    for seq in range(64):
+        ids = derive_ids(KEY, seq)
+        coordinator = start_root_span(tracer, overrides, ids, semconv.SPAN_CHECKPOINT, context_api.Context())
+        other_rank = tracer.start_span("dcp.save", context=remote_root_context(tracer, ids, context_api.Context()))
+        assert other_rank.get_span_context().trace_id == ids.trace_id
+        assert other_rank.is_recording() == coordinator.is_recording(), seq
+        decisions.append(coordinator.is_recording())
+    assert any(decisions) and not all(decisions)  # both outcomes were exercised
+
+
+def test_non_coordinators_parent_to_the_coordinators_root_span_id() -> None:
+    tracer = TracerProvider().get_tracer("t")
+    ids = derive_ids(KEY, 3)
+    span = tracer.start_span("dcp.save", context=remote_root_context(tracer, ids, context_api.Context()))
+    assert span.parent is not None and span.parent.span_id == ids.root_span_id and span.parent.is_remote
+    assert isinstance(trace.get_current_span(), trace.NonRecordingSpan)  # nothing leaked into the context
