@@ -15,34 +15,47 @@ A record looks like (torch 2.13)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Final, Literal
+from collections.abc import Mapping
+
+from types import MappingProxyType
+from typing import Any, Final, Literal, NamedTuple
 
 EventKind = Literal["start", "end", "exception"]
 _KINDS: Final = frozenset(("start", "end", "exception"))
 #: Longest function name accepted; DCP's are short, per-key names carry user keys.
 MAX_FUNC_NAME: Final = 256
+_NO_DETAILS: Final = MappingProxyType({})
 
 
 class MalformedEvent(ValueError):
     """A DCP log record we cannot use; ``reason`` names the problem."""
 
 
-@dataclass(frozen=True, slots=True)
-class DCPEvent:
+class DCPEvent(NamedTuple):
+    """One DCP log record, copied. A ``NamedTuple``: this is built twice per DCP step.
+
+    ``details`` is a copy of the whole record for ``start`` events (whose
+    rank, backend and class names a new operation needs) and empty otherwise;
+    the properties read it.
+    """
+
     kind: EventKind
     uuid: str
     func_name: str
     time_ns: int
-    checkpoint_id: str | None = None
-    storage_writer: str | None = None
-    storage_reader: str | None = None
-    planner: str | None = None
-    backend: str | None = None
-    global_rank: int | None = None
-    group_rank: int | None = None
-    world_size: int | None = None
     error: str | None = None
+    details: Mapping[str, Any] = _NO_DETAILS
+
+    # Read from the copied record on demand: only a new operation needs them.
+    checkpoint_id = property(lambda self: _opt_str(self.details.get("checkpoint_id")))
+    storage_writer = property(lambda self: _opt_str(self.details.get("storage_writer")))
+    storage_reader = property(lambda self: _opt_str(self.details.get("storage_reader")))
+    planner = property(lambda self: _opt_str(self.details.get("planner")))
+    backend = property(lambda self: _opt_str(self.details.get("backend")))
+    global_rank = property(lambda self: _opt_int(self.details.get("global_rank")))
+    #: Rank within the process group DCP was given (torch logs it as ``local_rank``).
+    group_rank = property(lambda self: _opt_int(self.details.get("local_rank")))
+    world_size = property(lambda self: _opt_int(self.details.get("world_size")))
 
 
 def parse_event(msg: Any) -> DCPEvent:
@@ -58,30 +71,19 @@ def parse_event(msg: Any) -> DCPEvent:
     if kind not in _KINDS:
         raise MalformedEvent(f"unknown event {kind!r}")
     call_id = msg.get("uuid")
-    if not isinstance(call_id, str) or not call_id:
+    if type(call_id) is not str or not call_id:
         raise MalformedEvent("missing uuid")
     func_name = msg.get("func_name")
-    if not isinstance(func_name, str) or not func_name or len(func_name) > MAX_FUNC_NAME:
+    if type(func_name) is not str or not func_name or len(func_name) > MAX_FUNC_NAME:
         raise MalformedEvent("missing or oversized func_name")
     time_ns = msg.get("time")
-    if isinstance(time_ns, bool) or not isinstance(time_ns, int) or time_ns <= 0:
+    if type(time_ns) is not int or time_ns <= 0:
         raise MalformedEvent(f"bad time {time_ns!r}")
+    if kind == "start":
+        # torch mutates this dict in place before the end event: copy it now.
+        return DCPEvent(kind, call_id, func_name, time_ns, None, dict(msg))
     error = msg.get("error")
-    return DCPEvent(
-        kind=kind,
-        uuid=call_id,
-        func_name=func_name,
-        time_ns=time_ns,
-        checkpoint_id=_opt_str(msg.get("checkpoint_id")),
-        storage_writer=_opt_str(msg.get("storage_writer")),
-        storage_reader=_opt_str(msg.get("storage_reader")),
-        planner=_opt_str(msg.get("planner")),
-        backend=_opt_str(msg.get("backend")),
-        global_rank=_opt_int(msg.get("global_rank")),
-        group_rank=_opt_int(msg.get("local_rank")),
-        world_size=_opt_int(msg.get("world_size")),
-        error=None if error is None else str(error),
-    )
+    return DCPEvent(kind, call_id, func_name, time_ns, None if error is None else str(error))
 
 
 def _opt_str(value: Any) -> str | None:

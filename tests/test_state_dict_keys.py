@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ class HeavyStateful:
 
     def state_dict(self) -> dict:
         a = torch.ones(600, 600)
-        for _ in range(20):
+        for _ in range(60):  # ~0.2-0.3 s of real work
             a = a @ a / 600.0
         return {"heavy": a[:2, :2].clone()}
 
@@ -28,7 +29,13 @@ def test_ten_thousand_keys_collapse_into_their_parent(traced, tmp_path: Path) ->
     state = {f"k{i:05d}": torch.ones(1) for i in range(10_000)}
     state["zz_heavy"] = HeavyStateful()
 
-    dcp.save(state, checkpoint_id=str(tmp_path / "c"))
+    # A full garbage collection over a long test session can pause any key for
+    # longer than the heavy one; the ranking, not the collector, is under test.
+    gc.disable()
+    try:
+        dcp.save(state, checkpoint_id=str(tmp_path / "c"))
+    finally:
+        gc.enable()
 
     spans = traced.spans()
     assert len(spans) < 20, sorted({s.name for s in spans})
