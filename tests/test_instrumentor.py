@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +154,24 @@ def test_without_a_tracer_provider_the_global_one_is_used() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "'dcp.checkpoint'" in out.stdout and "'dcp.write_data'" in out.stdout, out.stdout
+
+
+ZERO_CODE_SCRIPT = """
+import tempfile, warnings, torch, torch.distributed.checkpoint as dcp
+warnings.simplefilter("ignore")
+dcp.save({"w": torch.ones(2)}, checkpoint_id=tempfile.mkdtemp())
+"""
+
+
+def test_opentelemetry_instrument_turns_it_on_with_no_code_change(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(ZERO_CODE_SCRIPT)
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "none",
+           "OTEL_LOGS_EXPORTER": "none", "OTEL_SERVICE_NAME": "zero-code-test"}  # fmt: skip
+    instrument = Path(sys.executable).with_name("opentelemetry-instrument")
+    out = subprocess.run([str(instrument), sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    names = set(re.findall(r'"name": "(dcp\.[a-z_.]+)"', out.stdout))
+    assert {"dcp.checkpoint", "dcp.save", "dcp.write_data", "dcp.finish_checkpoint"} <= names, out.stdout[-2000:]
+    assert '"service.name": "zero-code-test"' in out.stdout

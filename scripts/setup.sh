@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up everything dcp-otel needs on a fresh machine, idempotently:
+#   - .venv with torch==2.13.0 (the CPU build; a bare "torch" could pull a multi-GB
+#     CUDA build), numpy (torch's object collectives need it) and dcp-otel itself;
+#   - with --prometheus, the Prometheus server and promtool (Debian package).
+# Re-running is cheap: packages are reinstalled only when pyproject.toml changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+TORCH_VERSION=2.13.0
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.dcp-otel-installed"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch==$TORCH_VERSION"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "setup: installing packages into $VENV" >&2
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy 2>&1 \
+        | grep -v "^WARNING: Location" >&2 || true
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \
+        | grep -v "^WARNING: Location" >&2 || true
+    "$VENV/bin/python" -c "import torch, numpy, dcp_otel; assert torch.__version__.startswith('$TORCH_VERSION')"
+    echo "$want" > "$stamp"
+fi
+
+if [ "${1:-}" = "--prometheus" ] && ! command -v promtool >/dev/null 2>&1; then
+    echo "setup: installing Prometheus (Debian package)" >&2
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >&2
+    else
+        echo "setup: not root; install the 'prometheus' package yourself" >&2
+        exit 1
+    fi
+fi

@@ -1,0 +1,62 @@
+"""The README's first command works: a real 2-rank torchrun job, traced to files or OTLP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from dcp_otel import semconv
+from tests.otlp_receiver import OtlpReceiver
+
+REPO = Path(__file__).parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def run_quickstart(out: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(extra_env or {})}
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        if extra_env is None or name not in extra_env:
+            env.pop(name, None)
+    done = subprocess.run(
+        [*TORCHRUN, str(REPO / "examples" / "quickstart.py"), "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_quickstart_writes_one_trace_per_checkpoint_and_a_summary(tmp_path: Path) -> None:
+    run = run_quickstart(tmp_path)
+    assert "rank 0: resumed from step 4" in run.stdout
+
+    summary = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "show_traces.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert summary.returncode == 0, summary.stderr
+    assert "3 checkpoint traces" in summary.stdout
+    for operation in ("save", "async_save", "load"):
+        assert f"  {operation}  " in summary.stdout
+    assert summary.stdout.count("rank 1: dcp.") == 3
+
+
+def test_quickstart_sends_spans_over_otlp_http_with_the_standard_variables(tmp_path: Path) -> None:
+    with OtlpReceiver() as receiver:
+        run_quickstart(tmp_path, {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                                  "OTEL_SERVICE_NAME": "otlp-quickstart-test"})  # fmt: skip
+    assert not list(tmp_path.glob("spans-*.jsonl"))  # nothing went to files
+    traces: dict[str, list] = defaultdict(list)
+    for span in receiver.spans:
+        traces[span.trace_id].append(span)
+    checkpoint_traces = {t: s for t, s in traces.items() if any(x.name == semconv.SPAN_CHECKPOINT for x in s)}
+    assert len(checkpoint_traces) == 3
+    for spans in checkpoint_traces.values():
+        (root,) = [s for s in spans if s.name == semconv.SPAN_CHECKPOINT]
+        operations = [s for s in spans if s.parent_id == root.span_id]
+        assert sorted(s.attributes[semconv.ATTR_RANK] for s in operations) == [0, 1]
+        run_ids = {s.attributes[semconv.ATTR_RUN_ID] for s in [root, *operations]}
+        assert len(run_ids) == 1 and run_ids != {"none"}  # torchrun --standalone's rendezvous id
+    assert {s.resource["service.name"] for s in receiver.spans} == {"otlp-quickstart-test"}
