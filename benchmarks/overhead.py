@@ -172,7 +172,7 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
         for i in range(repeats):
             order = (False, True) if i % 2 == 0 else (True, False)  # alternate who goes first
             for traced in order:
-                measure(name, lambda: case(i, int(traced)), traced)
+                measure(name, lambda case=case, i=i, traced=traced: case(i, int(traced)), traced)
     provider.shutdown()
     if rank == 0:
         Path(out).write_text(json.dumps(times))

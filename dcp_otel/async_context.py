@@ -47,7 +47,7 @@ class AsyncContextCarrier:
         with self._lock:
             return len(self._pending)
 
-    def execute_save(self, wrapped: Callable[..., Future[Any]], instance: Any, args: tuple, kwargs: dict) -> Future[Any]:
+    def execute_save(self, wrapped: Callable[..., Future[Any]], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
         staged = _staged_argument(args, kwargs)
         handle = self._recorder.begin_async_upload(staged if isinstance(staged, Future) else None)
         if handle is None:
@@ -69,7 +69,7 @@ class AsyncContextCarrier:
         future.add_done_callback(finish)
         return future
 
-    def save_wrapper(self, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    def save_wrapper(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with self._lock:
             carried = self._pending.pop(id(_staged_argument(args, kwargs)), None)
         if carried is None:
@@ -81,5 +81,5 @@ class AsyncContextCarrier:
             context_api.detach(token)
 
 
-def _staged_argument(args: tuple, kwargs: dict) -> Any:
+def _staged_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[0] if args else kwargs.get("staging_future_or_state_dict")

@@ -24,7 +24,7 @@ EventKind = Literal["start", "end", "exception"]
 _KINDS: Final = frozenset(("start", "end", "exception"))
 #: Longest function name accepted; DCP's are short, per-key names carry user keys.
 MAX_FUNC_NAME: Final = 256
-_NO_DETAILS: Final = MappingProxyType({})
+_NO_DETAILS: Final[Mapping[str, Any]] = MappingProxyType({})
 
 
 class MalformedEvent(ValueError):
@@ -35,8 +35,8 @@ class DCPEvent(NamedTuple):
     """One DCP log record, copied. A ``NamedTuple``: this is built twice per DCP step.
 
     ``details`` is a copy of the whole record for ``start`` events (whose
-    rank, backend and class names a new operation needs) and empty otherwise;
-    the properties read it.
+    rank, backend and class names a new operation needs, see
+    :func:`operation_fields`) and empty otherwise.
     """
 
     kind: EventKind
@@ -46,16 +46,33 @@ class DCPEvent(NamedTuple):
     error: str | None = None
     details: Mapping[str, Any] = _NO_DETAILS
 
-    # Read from the copied record on demand: only a new operation needs them.
-    checkpoint_id = property(lambda self: _opt_str(self.details.get("checkpoint_id")))
-    storage_writer = property(lambda self: _opt_str(self.details.get("storage_writer")))
-    storage_reader = property(lambda self: _opt_str(self.details.get("storage_reader")))
-    planner = property(lambda self: _opt_str(self.details.get("planner")))
-    backend = property(lambda self: _opt_str(self.details.get("backend")))
-    global_rank = property(lambda self: _opt_int(self.details.get("global_rank")))
-    #: Rank within the process group DCP was given (torch logs it as ``local_rank``).
-    group_rank = property(lambda self: _opt_int(self.details.get("local_rank")))
-    world_size = property(lambda self: _opt_int(self.details.get("world_size")))
+
+class OperationFields(NamedTuple):
+    """What a new operation needs from its start record; parsed once per operation."""
+
+    checkpoint_id: str | None
+    storage_writer: str | None
+    storage_reader: str | None
+    planner: str | None
+    backend: str | None
+    global_rank: int | None
+    group_rank: int | None  # rank in the process group DCP was given (torch logs "local_rank")
+    world_size: int | None
+
+
+def operation_fields(details: Mapping[str, Any]) -> OperationFields:
+    """Read the operation-level fields of a start record's copy."""
+    get = details.get
+    return OperationFields(
+        checkpoint_id=_opt_str(get("checkpoint_id")),
+        storage_writer=_opt_str(get("storage_writer")),
+        storage_reader=_opt_str(get("storage_reader")),
+        planner=_opt_str(get("planner")),
+        backend=_opt_str(get("backend")),
+        global_rank=_opt_int(get("global_rank")),
+        group_rank=_opt_int(get("local_rank")),
+        world_size=_opt_int(get("world_size")),
+    )
 
 
 def parse_event(msg: Any) -> DCPEvent:

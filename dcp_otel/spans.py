@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+from contextvars import Token
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from opentelemetry.trace import Link, Span, Status, StatusCode
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
-from dcp_otel.events import DCPEvent
+from dcp_otel.events import DCPEvent, operation_fields
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.trace_ids import (
     CheckpointKey,
@@ -164,7 +165,7 @@ class _Entry:
         self.func_name = func_name
         self.start_ns = start_ns
         self.span = span  # None: a per-key call, summarized on its parent
-        self.token: object | None = None
+        self.token: Token[context_api.Context] | None = None
         self.op = op
         self.owns_op_part = owns_op_part
         self.keys = keys
@@ -290,11 +291,12 @@ class SpanRecorder:
             report("span_limit", "dropped a DCP span: %d spans already open, or a duplicate uuid", len(self._open))
             return
         ctx = context_api.get_current()
-        op = context_api.get_value(_OPERATION_KEY, ctx)
+        enclosing = context_api.get_value(_OPERATION_KEY, ctx)
         links: list[Link] = []
         caller: Span | None = None
-        new_operation = not isinstance(op, _Operation)
-        if not new_operation:
+        new_operation = not isinstance(enclosing, _Operation)
+        if isinstance(enclosing, _Operation):
+            op = enclosing
             parent_ctx = ctx
             attributes = op.step_attributes
             if _has_class_fields(event.details):  # steps never have them; a nested save does
@@ -329,11 +331,13 @@ class SpanRecorder:
     ) -> tuple[_Operation, context_api.Context, Span | None]:
         """A DCP call with no enclosing DCP span: start this rank's part of a trace."""
         tracer, overrides = self._tracer()
-        distributed = event.global_rank is not None and event.world_size is not None
-        if distributed:
-            rank, world_size = event.global_rank, event.world_size
-            group_rank = event.group_rank if event.group_rank is not None else rank
+        fields = operation_fields(event.details)
+        if fields.global_rank is not None and fields.world_size is not None:
+            distributed = True
+            rank, world_size = fields.global_rank, fields.world_size
+            group_rank = fields.group_rank if fields.group_rank is not None else rank
         else:  # torch.distributed not initialized: DCP runs as a single process
+            distributed = False
             rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
             group_rank = 0
         identity = resolve_run_id(self._options.run_id, world_size if distributed else 1)
@@ -345,7 +349,7 @@ class SpanRecorder:
                 world_size,
                 semconv.ENV_RUN_ID,
             )
-        checkpoint_id = redact_checkpoint_id(event.checkpoint_id)
+        checkpoint_id = redact_checkpoint_id(fields.checkpoint_id)
         # Outside torch.distributed every process is its own coordinator: keep
         # processes apart so two of them never emit the same root span id.
         scope = "" if distributed else f"/rank{rank}/pid{os.getpid()}"
@@ -368,8 +372,8 @@ class SpanRecorder:
             semconv.ATTR_RUN_ID: identity.run_id,
             semconv.ATTR_COORDINATOR: is_coordinator,
         }
-        if event.backend:
-            attributes[semconv.ATTR_BACKEND] = event.backend
+        if fields.backend:
+            attributes[semconv.ATTR_BACKEND] = fields.backend
         attributes.update(_class_attributes(event))
         op = _Operation(event.func_name, tracer, attributes)
 

@@ -46,7 +46,7 @@ class Patch:
 
 
 def _wrap_exception_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Callable[..., Any]:
-    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args:
             recorder.on_wrapped_exception(args[0])
         return wrapped(*args, **kwargs)
@@ -123,7 +123,8 @@ def _resolve(patch: Patch) -> tuple[Any, str] | None:
 
 def install(recorder: SpanRecorder) -> Installed:
     """Attach to torch; warn once about anything this torch does not have."""
-    installed = Installed(carrier=AsyncContextCarrier(recorder))
+    carrier = AsyncContextCarrier(recorder)
+    installed = Installed(carrier=carrier)
     dcp_logger = find_dcp_logger()
     if dcp_logger is None:
         installed.missing.append(f"{LOGGER_MODULE}.{LOGGER_ATTR} (no spans at all)")
@@ -137,7 +138,7 @@ def install(recorder: SpanRecorder) -> Installed:
             installed.missing.append(f"{patch.module}.{patch.name} ({patch.lost})")
             continue
         owner, attr = target
-        wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(recorder, installed.carrier))
+        wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(recorder, carrier))
         installed.wrapped.append((owner, attr))
     if installed.missing:
         logger.warning(

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
 from dcp_otel import semconv
@@ -116,7 +117,7 @@ class _OverridableIds:
     :func:`start_root_span` runs on the calling thread are the ids overridden.
     """
 
-    def __init__(self, inner: object) -> None:
+    def __init__(self, inner: IdGenerator) -> None:
         self.inner = inner
         self._local = threading.local()
 
@@ -125,19 +126,20 @@ class _OverridableIds:
 
     def generate_trace_id(self) -> int:
         ids = getattr(self._local, "ids", None)
-        return ids.trace_id if ids is not None else self.inner.generate_trace_id()  # type: ignore[attr-defined]
+        return ids.trace_id if ids is not None else self.inner.generate_trace_id()
 
     def generate_span_id(self) -> int:
-        ids = getattr(self._local, "ids", None)
+        ids: DerivedIds | None = getattr(self._local, "ids", None)
         if ids is not None:
             self._local.ids = None  # one span only: the next span gets a random id
             return ids.root_span_id
-        return self.inner.generate_span_id()  # type: ignore[attr-defined]
+        return self.inner.generate_span_id()
 
     def is_trace_id_random(self) -> bool:
         # Derived ids are not random in the W3C sense; only our root spans use them.
         if getattr(self._local, "ids", None) is not None:
             return False
+        # Older SDKs' IdGenerator has no is_trace_id_random (it arrived after 1.27).
         is_random = getattr(self.inner, "is_trace_id_random", None)
         return bool(is_random()) if is_random is not None else False
 

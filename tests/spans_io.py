@@ -67,8 +67,9 @@ def load_spans(paths: Iterable[Path]) -> list[SpanRecord]:
                     attributes=raw["attributes"],
                     events=raw["events"],
                     links=[
-                        {"trace_id": _hex(l["context"]["trace_id"]), "span_id": _hex(l["context"]["span_id"]), "attributes": l["attributes"]}
-                        for l in raw["links"]
+                        {"trace_id": _hex(link["context"]["trace_id"]), "span_id": _hex(link["context"]["span_id"]),
+                         "attributes": link["attributes"]}  # fmt: skip
+                        for link in raw["links"]
                     ],
                 )
             )
@@ -89,8 +90,9 @@ def from_readable(spans: Iterable[ReadableSpan]) -> list[SpanRecord]:
             attributes=dict(s.attributes),
             events=[{"name": e.name, "attributes": dict(e.attributes)} for e in s.events],
             links=[
-                {"trace_id": format(l.context.trace_id, "032x"), "span_id": format(l.context.span_id, "016x"), "attributes": dict(l.attributes)}
-                for l in s.links
+                {"trace_id": format(link.context.trace_id, "032x"), "span_id": format(link.context.span_id, "016x"),
+                 "attributes": dict(link.attributes)}  # fmt: skip
+                for link in s.links
             ],
         )
         for s in spans
