@@ -41,7 +41,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dcp_otel  # noqa: E402
@@ -113,7 +118,9 @@ def step_cost(repeats: int, steps: int) -> dict[str, float]:
 
 def _step_attributes(operation: Callable[[], None]) -> dict:
     """The attributes dcp-otel really puts on a step span of ``operation``."""
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -19,6 +19,7 @@ Or with no code change: ``opentelemetry-instrument python train.py``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from opentelemetry import trace
@@ -57,8 +58,9 @@ def flush(timeout_s: float = 30.0, tracer_provider: TracerProvider | None = None
 
     Call it before exiting a training script that used ``async_save``: the
     upload span ends in the upload future's done-callback, which runs just
-    after ``future.result()`` returns. Returns ``False`` if ``timeout_s`` passed
-    first. Never raises.
+    after ``future.result()`` returns. ``tracer_provider`` defaults to the one
+    spans go to (given to :func:`instrument`, else the global one). Returns
+    ``False`` if ``timeout_s`` passed first. Never raises.
 
     Example::
 
@@ -66,12 +68,13 @@ def flush(timeout_s: float = 30.0, tracer_provider: TracerProvider | None = None
         future.result()
         dcp_otel.flush()
     """
-    import time
-
     deadline = time.monotonic() + timeout_s
     recorder = DCPInstrumentor().recorder
     done = recorder.wait_for_uploads(timeout_s) if recorder is not None else True
-    provider = tracer_provider or trace.get_tracer_provider()
+    if tracer_provider is not None:
+        provider = tracer_provider
+    else:  # the provider our spans go to, not necessarily the global one
+        provider = recorder.provider() if recorder is not None else trace.get_tracer_provider()
     force_flush = getattr(provider, "force_flush", None)
     if force_flush is not None:
         try:

@@ -16,7 +16,6 @@ A record looks like (torch 2.13)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from types import MappingProxyType
 from typing import Any, Final, Literal, NamedTuple
 

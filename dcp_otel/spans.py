@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import heapq
 import os
-import sys
 import threading
 import time
-from contextvars import Token
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextvars import Token
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,10 +78,9 @@ class _Operation:
     the upload too.
     """
 
-    __slots__ = ("name", "tracer", "attributes", "step_attributes", "root", "pending", "failed", "end_ns", "lock")
+    __slots__ = ("tracer", "attributes", "step_attributes", "root", "pending", "failed", "end_ns", "lock")
 
-    def __init__(self, name: str, tracer: trace.Tracer, attributes: dict[str, Any]) -> None:
-        self.name = name
+    def __init__(self, tracer: trace.Tracer, attributes: dict[str, Any]) -> None:
         self.tracer = tracer
         #: On the root and on each rank's operation span: everything we know.
         self.attributes = attributes
@@ -214,8 +212,12 @@ class SpanRecorder:
             stack = self._local.stack = []
         return stack
 
+    def provider(self) -> trace.TracerProvider:
+        """The tracer provider spans go to: the configured one, else the global one."""
+        return self._options.tracer_provider or trace.get_tracer_provider()
+
     def _tracer(self) -> tuple[trace.Tracer, _OverridableIds | None]:
-        provider = self._options.tracer_provider or trace.get_tracer_provider()
+        provider = self.provider()
         cache = self._tracer_cache
         if cache is None or cache[0] is not provider:
             tracer = provider.get_tracer(semconv.SCOPE_NAME, __version__)
@@ -375,7 +377,7 @@ class SpanRecorder:
         if fields.backend:
             attributes[semconv.ATTR_BACKEND] = fields.backend
         attributes.update(_class_attributes(event))
-        op = _Operation(event.func_name, tracer, attributes)
+        op = _Operation(tracer, attributes)
 
         caller = trace.get_current_span(ctx)
         caller_ctx = caller.get_span_context()
@@ -582,7 +584,3 @@ def _env_int(name: str, default: int) -> int:
     except ValueError:
         return default
 
-
-def current_exception() -> BaseException | None:
-    """The exception being handled on this thread (torch logs from its ``except``)."""
-    return sys.exc_info()[1]

@@ -23,14 +23,20 @@ import torch.distributed.checkpoint as dcp
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+)
 
 import dcp_otel
 
 
 def make_exporter(out: Path, rank: int) -> SpanExporter:
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter,
+        )
 
         return OTLPSpanExporter()  # endpoint, headers, timeout from OTEL_* variables
     spans_file = open(out / f"spans-{rank}.jsonl", "w")  # noqa: SIM115 - closed by shutdown

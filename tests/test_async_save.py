@@ -6,10 +6,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+import dcp_otel
 from dcp_otel import semconv
 from tests.spans_io import SpanRecord, named
+
+
+def assert_bookkeeping_empty() -> None:
+    instrumentor = dcp_otel.DCPInstrumentor()
+    assert instrumentor.recorder.open_count() == 0
+    assert instrumentor.installed.carrier.pending_count() == 0  # every hand-over was used
 
 
 def ancestors(spans: list[SpanRecord], span: SpanRecord) -> list[str]:
@@ -41,6 +51,7 @@ def test_background_save_and_its_steps_join_the_async_save_trace(traced, tmp_pat
     assert upload.end_ns >= background.end_ns
     assert root.end_ns >= upload.end_ns
     assert all(s.attributes[semconv.ATTR_OPERATION] == "async_save" for s in spans)
+    assert_bookkeeping_empty()
 
 
 def test_a_failed_upload_marks_the_upload_and_root_as_errors(traced, tmp_path: Path) -> None:
@@ -59,7 +70,7 @@ def test_a_failed_upload_marks_the_upload_and_root_as_errors(traced, tmp_path: P
     (call,) = named(spans, "dcp.async_save")
     assert upload.status == "ERROR" and root.status == "ERROR"
     assert call.status == "UNSET"  # handing off worked; the upload did not
-    assert traced.recorder().open_count() == 0
+    assert_bookkeeping_empty()
 
 
 def test_an_asynchronous_stager_gets_its_own_staging_span(traced, tmp_path: Path) -> None:
@@ -78,4 +89,19 @@ def test_an_asynchronous_stager_gets_its_own_staging_span(traced, tmp_path: Path
     (background,) = named(spans, "dcp.save")
     assert staging.status == "UNSET" and staging.trace_id == upload.trace_id
     assert staging.end_ns <= background.end_ns  # the upload waited for staging
-    assert traced.recorder().open_count() == 0
+    assert_bookkeeping_empty()
+
+
+def test_flush_waits_for_the_upload_and_flushes_the_instrumented_provider(tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # not the global provider
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000))
+    dcp_otel.instrument(tracer_provider=provider)
+    try:
+        dcp.async_save({"w": torch.ones(8)}, checkpoint_id=str(tmp_path / "c")).result()
+        assert dcp_otel.flush(timeout_s=30) is True
+        names = {s.name for s in exporter.get_finished_spans()}  # exported only if flushed
+    finally:
+        dcp_otel.uninstrument()
+        provider.shutdown()
+    assert {semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_CHECKPOINT, "dcp.write_data"} <= names

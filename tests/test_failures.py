@@ -11,8 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_otel
-from dcp_otel import semconv
-from dcp_otel import torch_hooks
+from dcp_otel import semconv, torch_hooks
 from tests.spans_io import from_readable, named
 
 INJECTED = OSError(errno.ENOSPC, "No space left on device")
