@@ -267,6 +267,34 @@ class SpanRecorder:
         else:
             parent_keys.failed_key = key
 
+    def on_storage_resolved(self, storage: object, reader: bool) -> None:
+        """DCP chose the storage for the current operation (``_storage_setup``).
+
+        Given only a ``checkpoint_id``, DCP infers the storage class and never
+        logs it; it does so before any step starts, so from here on the class
+        name is on the operation's span, its root, and every later step span.
+        """
+        try:
+            op = context_api.get_value(_OPERATION_KEY)
+            if storage is None or not isinstance(op, _Operation):
+                return
+            key = semconv.ATTR_STORAGE_READER if reader else semconv.ATTR_STORAGE_WRITER
+            name = type(storage).__name__
+            if op.attributes.get(key) == name:
+                return
+            # New dicts rather than in-place updates: another thread may be
+            # starting a span from the old ones right now.
+            op.attributes = {**op.attributes, key: name}
+            op.step_attributes = {**op.step_attributes, key: name}
+            current = trace.get_current_span()  # the operation's span: it called _storage_setup
+            if current.is_recording():
+                current.set_attribute(key, name)
+            root = op.root
+            if root is not None and root.is_recording():
+                root.set_attribute(key, name)
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to record the storage class", exc_info=True)
+
     def on_wrapped_exception(self, exc: BaseException) -> None:
         """``_DistWrapper`` caught ``exc`` from a step that torch does not log.
 

@@ -54,7 +54,22 @@ def _wrap_exception_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> C
     return wrapper
 
 
+def _storage_setup_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        storage = wrapped(*args, **kwargs)
+        reader = kwargs.get("reader", args[2] if len(args) > 2 else False)
+        recorder.on_storage_resolved(storage, bool(reader))
+        return storage
+
+    return wrapper
+
+
+_NO_STORAGE_CLASS = "no storage class on spans when DCP infers it from checkpoint_id"
+
 PATCHES: tuple[Patch, ...] = (
+    # save and load each import _storage_setup into their own namespace.
+    Patch("torch.distributed.checkpoint.state_dict_saver", "_storage_setup", _NO_STORAGE_CLASS, _storage_setup_wrapper),
+    Patch("torch.distributed.checkpoint.state_dict_loader", "_storage_setup", _NO_STORAGE_CLASS, _storage_setup_wrapper),
     Patch(
         "torch.distributed.checkpoint.utils",
         "_wrap_exception",

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint._async_thread_executor as thread_executor
+import torch.distributed.checkpoint.state_dict_loader as dcp_loader
+import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 import torch.distributed.checkpoint.utils as dcp_utils
 from torch.distributed.checkpoint.logger import _dcp_logger
 
@@ -31,6 +33,8 @@ def originals() -> dict[str, object]:
         "wrap_exception": dcp_utils.__dict__["_wrap_exception"],
         "execute_save": thread_executor._ThreadBasedAsyncCheckpointExecutor.__dict__["execute_save"],
         "save_wrapper": thread_executor.__dict__["save_wrapper"],
+        "saver_storage_setup": dcp_saver.__dict__["_storage_setup"],
+        "loader_storage_setup": dcp_loader.__dict__["_storage_setup"],
     }
 
 

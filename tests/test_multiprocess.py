@@ -92,6 +92,8 @@ def test_spans_carry_rank_world_size_backend_and_checkpoint(job: Job) -> None:
             assert span.attributes[semconv.ATTR_WORLD_SIZE] == job.world
             assert span.attributes[semconv.ATTR_BACKEND] == "gloo"
             assert span.attributes[semconv.ATTR_CHECKPOINT_ID].startswith(str(job.ckpt))
+            storage_key = semconv.ATTR_STORAGE_READER if span.attributes[semconv.ATTR_OPERATION] == "load" else semconv.ATTR_STORAGE_WRITER
+            assert span.attributes[storage_key] in {"FileSystemWriter", "FileSystemReader", "FailingWriter"}, span.name
     for span in top_level(spans_of(job)):
         assert span.attributes[semconv.ATTR_COORDINATOR] is (span.rank == 0)
         assert span.attributes[semconv.ATTR_GROUP_RANK] == span.rank

@@ -80,6 +80,17 @@ def test_every_span_carries_rank_world_size_checkpoint_and_classes(traced, tmp_p
             assert span.attributes[semconv.ATTR_PLANNER] == "DefaultLoadPlanner", span.name
 
 
+def test_a_storage_class_dcp_infers_from_the_checkpoint_id_is_on_every_span(traced, tmp_path: Path) -> None:
+    dcp.save(state(), checkpoint_id=str(tmp_path / "c"))  # no storage_writer given
+    dcp.load(state(), checkpoint_id=str(tmp_path / "c"))
+
+    for span in traced.spans():
+        if span.attributes[semconv.ATTR_OPERATION] == "save":
+            assert span.attributes[semconv.ATTR_STORAGE_WRITER] == "FileSystemWriter", span.name
+        else:
+            assert span.attributes[semconv.ATTR_STORAGE_READER] == "FileSystemReader", span.name
+
+
 def test_checkpoint_ids_are_redacted_in_spans(traced, tmp_path: Path) -> None:
     class SignedWriter(dcp.FileSystemWriter):
         @property
