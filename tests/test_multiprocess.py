@@ -20,6 +20,9 @@ from tests.ranks import Job, run_ranks
 from tests.spans_io import SpanRecord, by_trace, load_spans, named
 
 OPERATION_SPANS = {"dcp.save", "dcp.load", "dcp.async_save"}
+#: Spans of an async_save that start before its background save resolves the storage class.
+BEFORE_ASYNC_STORAGE = {"dcp.async_save", "dcp._stateful_to_state_dict", "dcp.stage_state_dict",
+                        semconv.SPAN_ASYNC_UPLOAD, "dcp.maybe_synchronize_staging"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +95,8 @@ def test_spans_carry_rank_world_size_backend_and_checkpoint(job: Job) -> None:
             assert span.attributes[semconv.ATTR_WORLD_SIZE] == job.world
             assert span.attributes[semconv.ATTR_BACKEND] == "gloo"
             assert span.attributes[semconv.ATTR_CHECKPOINT_ID].startswith(str(job.ckpt))
+            if span.name in BEFORE_ASYNC_STORAGE and span.attributes[semconv.ATTR_OPERATION] == "async_save":
+                continue  # async_save given only an id: the background save resolves the storage later
             storage_key = semconv.ATTR_STORAGE_READER if span.attributes[semconv.ATTR_OPERATION] == "load" else semconv.ATTR_STORAGE_WRITER
             assert span.attributes[storage_key] in {"FileSystemWriter", "FileSystemReader", "FailingWriter"}, span.name
     for span in top_level(spans_of(job)):
