@@ -26,10 +26,20 @@ from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
 from dcp_otel import _selftelemetry
+from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
 from dcp_otel.instrumentor import DCPInstrumentor
 from dcp_otel.version import __version__
 
-__all__ = ["DCPInstrumentor", "__version__", "diagnostics", "flush", "instrument", "uninstrument"]
+__all__ = [
+    "DCPInstrumentor",
+    "MetricsEndpoint",
+    "__version__",
+    "diagnostics",
+    "flush",
+    "instrument",
+    "start_metrics_server",
+    "uninstrument",
+]
 
 
 def instrument(tracer_provider: TracerProvider | None = None, **options: Any) -> DCPInstrumentor:
@@ -37,8 +47,8 @@ def instrument(tracer_provider: TracerProvider | None = None, **options: Any) ->
 
     Args:
         tracer_provider: where spans go; default: the global provider.
-        **options: see :class:`dcp_otel.config.InstrumentOptions` (``run_id``,
-            ``slowest_keys``, ``max_open_spans``).
+        **options: see :class:`dcp_otel.config.InstrumentOptions` (``registry``,
+            ``run_id``, ``slowest_keys``, ``max_open_spans``).
 
     Raises:
         ValueError: an unknown option or a bad value.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.trace import TracerProvider
+from prometheus_client import CollectorRegistry
 
 from dcp_otel import semconv
 
@@ -34,6 +35,13 @@ class InstrumentOptions:
     Attributes:
         tracer_provider: where spans go; ``None`` means the global provider, so
             ``opentelemetry-instrument`` and SDKs configured by the user just work.
+        registry: the ``prometheus_client`` registry checkpoint metrics are
+            recorded in; ``None`` means the global ``REGISTRY``.
+        metrics_port: when set (or ``$DCP_OTEL_METRICS_PORT``), instrument()
+            also serves the metrics on ``metrics_port + LOCAL_RANK`` (bind
+            address ``$DCP_OTEL_METRICS_ADDR``, else all interfaces), so a
+            training script needs no code for it; see
+            :func:`dcp_otel.start_metrics_server`.
         run_id: identifies this job run in trace ids, so that two runs saving
             to the same checkpoint id never share a trace. ``None``: taken from
             ``$DCP_OTEL_RUN_ID``, then ``$TORCHELASTIC_RUN_ID`` (torchrun's
@@ -46,14 +54,20 @@ class InstrumentOptions:
     """
 
     tracer_provider: TracerProvider | None = None
+    registry: CollectorRegistry | None = None
+    metrics_port: int | None = None
     run_id: str | None = None
     slowest_keys: int = 5
     max_open_spans: int = 10_000
 
     def __post_init__(self) -> None:
+        if self.registry is not None and not isinstance(self.registry, CollectorRegistry):
+            raise ValueError(f"registry must be a prometheus_client CollectorRegistry, got {type(self.registry).__name__}")
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):
             raise ValueError(f"run_id must be a non-empty string, got {self.run_id!r}")
         _check_int("slowest_keys", self.slowest_keys, 0, 100)
+        if self.metrics_port is not None:
+            _check_int("metrics_port", self.metrics_port, 0, 65535)
         _check_int("max_open_spans", self.max_open_spans, 16, 10_000_000)
 
     @classmethod
@@ -79,6 +93,7 @@ class InstrumentOptions:
 
 
 _INT_ENV = (
+    ("metrics_port", semconv.ENV_METRICS_PORT, 0, 65535),
     ("slowest_keys", semconv.ENV_SLOWEST_KEYS, 0, 100),
     ("max_open_spans", semconv.ENV_MAX_OPEN_SPANS, 16, 10_000_000),
 )

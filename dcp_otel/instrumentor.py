@@ -20,6 +20,8 @@ from typing import Any
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 from dcp_otel.config import InstrumentOptions
+from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
+from dcp_otel.metrics import CheckpointMetrics
 from dcp_otel.package import _instruments
 from dcp_otel.spans import SpanRecorder
 from dcp_otel.torch_hooks import Installed, install
@@ -29,19 +31,30 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     """Spans for every ``torch.distributed.checkpoint`` step, one trace per checkpoint.
 
     A singleton, like every ``BaseInstrumentor``: instrumenting twice only
-    warns, and :meth:`uninstrument` restores torch's original objects.
+    warns, and :meth:`uninstrument` restores torch's original objects and
+    removes our metrics from their registry.
     Keyword options are those of :class:`dcp_otel.config.InstrumentOptions`.
     """
 
     _recorder: SpanRecorder | None = None
     _installed: Installed | None = None
+    _metrics: CheckpointMetrics | None = None
+    _endpoint: MetricsEndpoint | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
         options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
-        self._recorder = SpanRecorder(options)
+        metrics = CheckpointMetrics(options.registry)  # raises if already registered there
+        if options.metrics_port is not None:
+            try:  # before anything is attached: a bad address fails here, leaving nothing behind
+                self._endpoint = start_metrics_server(options.metrics_port, registry=options.registry)
+            except BaseException:
+                metrics.unregister()
+                raise
+        self._metrics = metrics
+        self._recorder = SpanRecorder(options, metrics)
         self._installed = install(self._recorder)
 
     def _uninstrument(self, **kwargs: Any) -> None:
@@ -49,8 +62,14 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             self._installed.remove()
         if self._recorder is not None:
             self._recorder.close()
+        if self._endpoint is not None:
+            self._endpoint.close()
+        if self._metrics is not None:
+            self._metrics.unregister()
         self._installed = None
         self._recorder = None
+        self._metrics = None
+        self._endpoint = None
 
     @property
     def recorder(self) -> SpanRecorder | None:
@@ -61,3 +80,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     def installed(self) -> Installed | None:
         """What is attached to torch (``None`` when not instrumented)."""
         return self._installed
+
+    @property
+    def metrics_endpoint(self) -> MetricsEndpoint | None:
+        """The endpoint started because ``metrics_port`` was set, if any."""
+        return self._endpoint

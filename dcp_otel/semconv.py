@@ -91,3 +91,40 @@ ENV_SLURM_STEP_ID: Final = "SLURM_STEP_ID"
 def span_name(func_name: str) -> str:
     """The span name for a DCP function: ``span_name("save") == "dcp.save"``."""
     return SPAN_PREFIX + func_name
+
+# --- Prometheus metrics (prometheus-client; names are the public contract) --
+METRIC_OPERATION_DURATION: Final = "dcp_operation_duration_seconds"  # histogram: operation, status, rank
+METRIC_STEP_DURATION: Final = "dcp_step_duration_seconds"  # histogram: operation, step, rank
+METRIC_OPERATIONS: Final = "dcp_operations"  # counter (exposed as dcp_operations_total): operation, status, rank
+METRIC_WRITTEN_BYTES: Final = "dcp_written_bytes"  # counter (..._total): rank
+METRIC_READ_BYTES: Final = "dcp_read_bytes"  # counter (..._total): rank
+METRIC_ASYNC_IN_FLIGHT: Final = "dcp_async_saves_in_flight"  # gauge: rank
+METRIC_ASYNC_PHASE_DURATION: Final = "dcp_async_phase_duration_seconds"  # histogram: phase, rank
+METRIC_COLLECTIVE_WAIT: Final = "dcp_collective_wait_seconds"  # histogram: operation, rank
+METRIC_LAST_SUCCESS: Final = "dcp_last_success_timestamp_seconds"  # gauge: operation, rank
+
+LABEL_OPERATION: Final = "operation"
+LABEL_STATUS: Final = "status"
+LABEL_STEP: Final = "step"
+LABEL_RANK: Final = "rank"
+LABEL_PHASE: Final = "phase"
+STATUS_SUCCESS: Final = "success"
+STATUS_FAILURE: Final = "failure"
+PHASE_STAGING: Final = "staging"
+PHASE_UPLOAD: Final = "upload"
+#: Exemplar labels on every histogram observation made inside a traced operation.
+EXEMPLAR_TRACE_ID: Final = "trace_id"
+EXEMPLAR_RANK: Final = "rank"
+
+#: Checkpoint reality spans planning (milliseconds) to writing at scale (hours).
+#: Twelve bounds keep one rank's exposition small (each bound is a series).
+DURATION_BUCKETS: Final = (0.005, 0.025, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 7200.0)
+
+#: Span attributes carrying the same byte counts as the counters.
+ATTR_WRITTEN_BYTES: Final = "dcp.written_bytes"  # int, on the operation span
+ATTR_READ_BYTES: Final = "dcp.read_bytes"  # int, on the operation span
+
+ENV_METRICS_PORT: Final = "DCP_OTEL_METRICS_PORT"  # base port; each rank serves on base + LOCAL_RANK
+ENV_METRICS_ADDR: Final = "DCP_OTEL_METRICS_ADDR"
+DEFAULT_METRICS_PORT: Final = 9710
+DEFAULT_METRICS_ADDR: Final = "0.0.0.0"  # noqa: S104 - Prometheus scrapes from elsewhere; configurable

@@ -42,6 +42,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import DCPEvent, operation_fields
+from dcp_otel.metrics import CheckpointMetrics, Exemplar
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.trace_ids import (
     CheckpointKey,
@@ -61,6 +62,7 @@ from dcp_otel.version import __version__
 _OPERATION_KEY = context_api.create_key("dcp_otel.operation")
 _STATEFUL_PARENT = semconv.STATEFUL_KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
 _SPAN_PREFIX = semconv.SPAN_PREFIX
+_STAGE_STEP = "stage_state_dict"  # async_save's staging, when the stager is synchronous
 #: Attributes that say something about the operation as a whole, kept off step spans.
 _OPERATION_ONLY = frozenset(
     {semconv.ATTR_OPERATION_SEQ, semconv.ATTR_RUN_ID, semconv.ATTR_COORDINATOR, semconv.ATTR_GROUP_RANK}
@@ -78,9 +80,15 @@ class _Operation:
     the upload too.
     """
 
-    __slots__ = ("tracer", "attributes", "step_attributes", "root", "pending", "failed", "end_ns", "lock")
+    __slots__ = (
+        "name", "rank", "tracer", "attributes", "step_attributes", "root", "pending", "failed", "end_ns", "lock",
+        "storage",
+    )  # fmt: skip
 
-    def __init__(self, tracer: trace.Tracer, attributes: dict[str, Any]) -> None:
+    def __init__(self, name: str, rank: int, tracer: trace.Tracer, attributes: dict[str, Any]) -> None:
+        self.name = name
+        self.rank = str(rank)  # the metrics' rank label
+        self.storage: object | None = None  # what _storage_setup chose, for read plans' byte counts
         self.tracer = tracer
         #: On the root and on each rank's operation span: everything we know.
         self.attributes = attributes
@@ -147,7 +155,7 @@ class _KeyStats:
 class _Entry:
     """One DCP call in flight on one thread."""
 
-    __slots__ = ("uuid", "func_name", "start_ns", "span", "token", "op", "owns_op_part", "keys")
+    __slots__ = ("uuid", "func_name", "start_ns", "span", "token", "op", "owns_op_part", "keys", "children_ns")
 
     def __init__(
         self,
@@ -167,13 +175,15 @@ class _Entry:
         self.op = op
         self.owns_op_part = owns_op_part
         self.keys = keys
+        self.children_ns = 0  # time in its own child calls; the rest of an operation is collective wait
 
 
 class SpanRecorder:
     """Turns DCP events into spans; thread-safe; never raises from its ``on_*``."""
 
-    def __init__(self, options: InstrumentOptions) -> None:
+    def __init__(self, options: InstrumentOptions, metrics: CheckpointMetrics | None = None) -> None:
         self._options = options
+        self._metrics = metrics
         self._local = threading.local()
         # uuid -> open span entry. Only single dict operations touch it, which
         # are atomic under the GIL: no lock on the per-step path.
@@ -278,6 +288,7 @@ class SpanRecorder:
             op = context_api.get_value(_OPERATION_KEY)
             if storage is None or not isinstance(op, _Operation):
                 return
+            op.storage = storage
             key = semconv.ATTR_STORAGE_READER if reader else semconv.ATTR_STORAGE_WRITER
             name = type(storage).__name__
             if op.attributes.get(key) == name:
@@ -311,7 +322,7 @@ class SpanRecorder:
             if top.span is None or top.func_name not in semconv.COLLECTIVE_STEPS:
                 return
             stack.pop()
-            self._close(top, time.time_ns(), exc=exc, error=None, inferred=False)
+            self._close(top, time.time_ns(), exc=exc, error=None, inferred=False, parent=stack[-1] if stack else None)
         except Exception:  # noqa: BLE001
             report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
 
@@ -405,7 +416,7 @@ class SpanRecorder:
         if fields.backend:
             attributes[semconv.ATTR_BACKEND] = fields.backend
         attributes.update(_class_attributes(event))
-        op = _Operation(tracer, attributes)
+        op = _Operation(event.func_name, rank, tracer, attributes)
 
         caller = trace.get_current_span(ctx)
         caller_ctx = caller.get_span_context()
@@ -454,15 +465,23 @@ class SpanRecorder:
         while len(stack) > index + 1:
             child = stack.pop()
             if child.span is not None:
-                self._close(child, time_ns, exc=None, error=f"did not return: {cause}", inferred=True)
+                self._close(child, time_ns, exc=None, error=f"did not return: {cause}", inferred=True, parent=stack[-1])
         entry = stack.pop()
+        parent = stack[-1] if stack else None
         if failed:
-            self._close(entry, time_ns, exc=exc, error=event_error, inferred=False)
+            self._close(entry, time_ns, exc=exc, error=event_error, inferred=False, parent=parent)
         else:
-            self._close(entry, time_ns, exc=None, error=None, inferred=False)
+            self._close(entry, time_ns, exc=None, error=None, inferred=False, parent=parent)
 
     def _close(
-        self, entry: _Entry, end_ns: int, *, exc: BaseException | None, error: str | None, inferred: bool
+        self,
+        entry: _Entry,
+        end_ns: int,
+        *,
+        exc: BaseException | None,
+        error: str | None,
+        inferred: bool,
+        parent: _Entry | None,
     ) -> None:
         self._open.pop(entry.uuid, None)
         span = entry.span
@@ -491,8 +510,60 @@ class SpanRecorder:
         if entry.token is not None:
             context_api.detach(entry.token)
             entry.token = None
-        if entry.owns_op_part and entry.op is not None:
-            entry.op.part_done(end_ns, description)
+        if parent is not None:
+            parent.children_ns += end_ns - entry.start_ns
+        if entry.op is not None:
+            if self._metrics is not None:
+                self._observe(entry, entry.op, span, end_ns, ok=description is None)
+            if entry.owns_op_part:
+                entry.op.part_done(end_ns, description)
+
+    def _observe(self, entry: _Entry, op: _Operation, span: Span, end_ns: int, ok: bool) -> None:
+        """The metrics of one closed span (a separate concern: failures here only count)."""
+        metrics = self._metrics
+        if metrics is None:
+            return
+        try:
+            duration_s = (end_ns - entry.start_ns) / 1e9
+            exemplar = _exemplar(span, op.rank)
+            if entry.owns_op_part:
+                wait_s = (end_ns - entry.start_ns - entry.children_ns) / 1e9
+                metrics.operation_done(op.name, op.rank, ok, duration_s, wait_s, end_ns / 1e9, exemplar)
+            else:
+                metrics.step_done(op.name, entry.func_name, op.rank, duration_s, exemplar)
+                if entry.func_name == _STAGE_STEP:
+                    metrics.async_phase_done(semconv.PHASE_STAGING, op.rank, duration_s, exemplar)
+        except Exception:  # noqa: BLE001
+            report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
+
+    def on_gathered(self, obj: object) -> None:
+        """``_DistWrapper.gather_object`` is sending this rank's result to the coordinator.
+
+        That is where DCP's own write results (after ``write_data``) and local
+        read plans (before ``read_data``) pass: count their bytes, on the
+        counters and on the operation span that is current.
+        """
+        try:
+            op = context_api.get_value(_OPERATION_KEY)
+            if not isinstance(op, _Operation):
+                return
+            written = _written_bytes(obj)
+            if written is not None:
+                attr = semconv.ATTR_WRITTEN_BYTES
+                if self._metrics is not None:
+                    self._metrics.bytes_written(op.rank, written)
+            else:
+                read = _planned_read_bytes(obj, op.storage)
+                if read is None:
+                    return
+                attr = semconv.ATTR_READ_BYTES
+                if self._metrics is not None:
+                    self._metrics.bytes_read(op.rank, read)
+            span = trace.get_current_span()  # the operation span whose collective this is
+            if span.is_recording():
+                span.set_attribute(attr, written if written is not None else read)
+        except Exception:  # noqa: BLE001
+            report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)
 
     # --- async save -----------------------------------------------------
     def begin_async_upload(
@@ -525,11 +596,17 @@ class SpanRecorder:
             return None
         with self._uploads:
             self._uploads_in_flight += 1
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.async_handed_off(op.rank)
 
         def finish(outcome: Future[Any] | BaseException) -> None:
             try:
                 error = _end_from_future(upload, outcome)
-                op.part_done(time.time_ns(), error)
+                end_ns = time.time_ns()
+                op.part_done(end_ns, error)
+                if metrics is not None:
+                    metrics.async_upload_done(op.rank, (end_ns - now) / 1e9, _exemplar(upload, op.rank))
             except Exception:  # noqa: BLE001
                 report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
             finally:
@@ -538,6 +615,50 @@ class SpanRecorder:
                     self._uploads.notify_all()
 
         return trace.set_span_in_context(upload, ctx), finish
+
+
+def _exemplar(span: Span, rank: str) -> Exemplar | None:
+    """The exemplar linking a metric observation to ``span``'s trace, if it is recorded.
+
+    Unsampled spans, and every span when no SDK is configured, are
+    ``NonRecordingSpan`` (which may still carry a valid, sampled parent
+    context): no exemplar may point at a trace nobody records. Not
+    ``is_recording()``: an SDK span says False once it has ended.
+    """
+    if isinstance(span, trace.NonRecordingSpan):
+        return None
+    ctx = span.get_span_context()
+    if not ctx.is_valid or not ctx.trace_flags.sampled:
+        return None
+    return {semconv.EXEMPLAR_TRACE_ID: format(ctx.trace_id, "032x"), semconv.EXEMPLAR_RANK: rank}
+
+
+def _written_bytes(obj: object) -> int | None:
+    """Total ``size_in_bytes`` if ``obj`` is DCP's list of ``WriteResult``, else ``None``."""
+    if not isinstance(obj, list) or not obj:
+        return None
+    total = 0
+    for item in obj:
+        size = getattr(item, "size_in_bytes", None)
+        if not isinstance(size, int):
+            return None
+        total += size
+    return total
+
+
+def _planned_read_bytes(obj: object, storage: object | None) -> int | None:
+    """Bytes a local load plan will read, from the reader's ``storage_data`` (offsets and lengths)."""
+    items = getattr(obj, "items", None)
+    storage_data = getattr(storage, "storage_data", None)
+    if not isinstance(items, list) or not isinstance(storage_data, dict):
+        return None
+    total = 0
+    for item in items:
+        info = storage_data.get(getattr(item, "storage_index", None))
+        length = getattr(info, "length", None)
+        if isinstance(length, int):
+            total += length
+    return total
 
 
 def _end_from_future(span: Span, outcome: Future[Any] | BaseException) -> str | None:

@@ -64,12 +64,26 @@ def _storage_setup_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Ca
     return wrapper
 
 
+def _gather_object_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recorder.on_gathered(args[0] if args else kwargs.get("object"))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
 _NO_STORAGE_CLASS = "no storage class on spans when DCP infers it from checkpoint_id"
 
 PATCHES: tuple[Patch, ...] = (
     # save and load each import _storage_setup into their own namespace.
     Patch("torch.distributed.checkpoint.state_dict_saver", "_storage_setup", _NO_STORAGE_CLASS, _storage_setup_wrapper),
     Patch("torch.distributed.checkpoint.state_dict_loader", "_storage_setup", _NO_STORAGE_CLASS, _storage_setup_wrapper),
+    Patch(
+        "torch.distributed.checkpoint.utils",
+        "_DistWrapper.gather_object",
+        "no written/read byte counts",
+        _gather_object_wrapper,
+    ),
     Patch(
         "torch.distributed.checkpoint.utils",
         "_wrap_exception",

@@ -12,6 +12,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
 
 import dcp_otel
 from dcp_otel import _selftelemetry
@@ -22,6 +23,7 @@ from tests.spans_io import SpanRecord, from_readable
 class Traced:
     provider: TracerProvider
     exporter: InMemorySpanExporter
+    registry: CollectorRegistry
 
     def spans(self) -> list[SpanRecord]:
         self.provider.force_flush()
@@ -50,12 +52,13 @@ def provider() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
 
 @pytest.fixture
 def traced(provider: tuple[TracerProvider, InMemorySpanExporter]) -> Iterator[Traced]:
-    """DCP instrumented into a fresh in-memory provider for one test."""
+    """DCP instrumented into a fresh in-memory provider and metrics registry for one test."""
     tp, exporter = provider
     _selftelemetry.reset()
-    dcp_otel.instrument(tracer_provider=tp)
+    registry = CollectorRegistry()  # a fresh registry per test
+    dcp_otel.instrument(tracer_provider=tp, registry=registry)
     try:
-        yield Traced(tp, exporter)
+        yield Traced(tp, exporter, registry)
     finally:
         dcp_otel.uninstrument()
 

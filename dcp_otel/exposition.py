@@ -1,0 +1,118 @@
+"""Serve the checkpoint metrics to Prometheus: one endpoint per rank.
+
+Eight ranks on a node must not collide, so each rank serves on
+``base port + LOCAL_RANK``. A port that is already taken never breaks
+training: the rank warns (counted in :func:`dcp_otel.diagnostics` as
+``metrics_port_in_use``) and serves on a port the OS picks instead; the
+endpoint returned (and the warning) says which.
+
+Usage::
+
+    endpoint = dcp_otel.start_metrics_server()             # $DCP_OTEL_METRICS_PORT or 9710, + LOCAL_RANK
+    endpoint = dcp_otel.start_metrics_server(port=9000, addr="127.0.0.1")
+    print(endpoint.url)                                     # http://127.0.0.1:9001/metrics on local rank 1
+    endpoint.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
+
+logger = logging.getLogger("dcp_otel")
+
+
+@dataclass
+class MetricsEndpoint:
+    """A running metrics endpoint of this rank."""
+
+    addr: str
+    port: int
+    requested_port: int
+    _server: object = field(repr=False, default=None)
+    _thread: threading.Thread | None = field(repr=False, default=None)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    @property
+    def fell_back(self) -> bool:
+        """True when the requested port was taken and the OS picked this one."""
+        return self.port != self.requested_port
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        server = self._server
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = self._thread = None
+
+
+def metrics_port(port: int | None = None, per_rank: bool = True) -> int:
+    """The port this rank serves on: ``port`` (else ``$DCP_OTEL_METRICS_PORT``, else
+    9710), plus ``$LOCAL_RANK`` when ``per_rank``.
+
+    Raises:
+        ValueError: a port argument or ``$LOCAL_RANK`` outside 0..65535.
+    """
+    if port is None:
+        raw = os.environ.get(semconv.ENV_METRICS_PORT, "").strip()
+        try:
+            port = int(raw) if raw else semconv.DEFAULT_METRICS_PORT
+        except ValueError:
+            logger.warning("ignoring %s=%r: not a port number; using %d", semconv.ENV_METRICS_PORT, raw,
+                           semconv.DEFAULT_METRICS_PORT)  # fmt: skip
+            port = semconv.DEFAULT_METRICS_PORT
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"metrics port must be an integer from 0 to 65535, got {port!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0) if per_rank and port else 0
+    if not 0 <= port + local_rank <= 65535:
+        raise ValueError(f"metrics port {port} + LOCAL_RANK {local_rank} is not a valid port")
+    return port + local_rank
+
+
+def start_metrics_server(
+    port: int | None = None,
+    addr: str | None = None,
+    *,
+    registry: CollectorRegistry | None = None,
+    per_rank: bool = True,
+) -> MetricsEndpoint:
+    """Serve ``registry`` (default: the global one) for Prometheus to scrape.
+
+    Args:
+        port: base port; default ``$DCP_OTEL_METRICS_PORT``, else 9710. Each
+            rank adds its ``LOCAL_RANK`` unless ``per_rank=False``. ``0`` lets
+            the OS pick.
+        addr: bind address; default ``$DCP_OTEL_METRICS_ADDR``, else
+            ``0.0.0.0`` (all interfaces: Prometheus scrapes from elsewhere).
+            Use ``127.0.0.1`` to serve this host only.
+
+    A port already in use does not raise: the rank warns, counts it, and
+    serves on an OS-picked port (see :attr:`MetricsEndpoint.fell_back`).
+    """
+    wanted = metrics_port(port, per_rank)
+    bind = addr or os.environ.get(semconv.ENV_METRICS_ADDR, "").strip() or semconv.DEFAULT_METRICS_ADDR
+    target = registry if registry is not None else REGISTRY
+    try:
+        server, thread = start_http_server(wanted, bind, target)
+    except OSError as exc:
+        report("metrics_port_in_use", "dcp_otel: cannot serve metrics on %s:%d (%s); serving on a free port instead",
+               bind, wanted, exc)  # fmt: skip
+        server, thread = start_http_server(0, bind, target)
+    endpoint = MetricsEndpoint(bind, int(server.server_address[1]), wanted, server, thread)
+    if endpoint.fell_back:
+        logger.warning("dcp_otel: metrics of this rank are at %s", endpoint.url)
+    return endpoint

@@ -1,0 +1,157 @@
+"""Prometheus metrics for every checkpoint, from the same DCP events as the spans.
+
+:class:`CheckpointMetrics` defines the metrics (names, labels and buckets come
+from :mod:`dcp_otel.semconv`) in one ``CollectorRegistry`` and offers one
+method per fact the span recorder learns. Histogram observations made inside a
+sampled span carry its ``trace_id`` (32 lowercase hex digits) and ``rank`` as an
+exemplar, so a slow bucket in Grafana jumps to the checkpoint's trace
+(exemplars are exposed in the OpenMetrics format only, which Prometheus asks
+for when it scrapes).
+
+Usage::
+
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    dcp_otel.instrument(registry=registry)       # default: the global registry
+    registry.get_sample_value("dcp_operations_total",
+                              {"operation": "save", "status": "success", "rank": "0"})
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final, TypeVar
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from dcp_otel import semconv
+
+Exemplar = dict[str, str]
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+#: Step and operation label values are DCP function names (bounded by torch's
+#: code); anything else is folded into "other" so no label takes free text.
+_NAME = re.compile(r"^_?[a-z][a-z_]{0,47}$")
+OTHER: Final = "other"
+
+
+def bounded_name(name: str) -> str:
+    """``name`` if it looks like a DCP function name, else ``"other"``."""
+    return name if _NAME.match(name) else OTHER
+
+
+class CheckpointMetrics:
+    """The checkpoint metrics of one instrumentation, registered in ``registry``.
+
+    Raises:
+        ValueError: the metrics are already registered there (instrumenting
+            twice into one registry without uninstrumenting).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else REGISTRY
+        r, buckets = self.registry, semconv.DURATION_BUCKETS
+        op, status, step, rank, phase = (
+            semconv.LABEL_OPERATION,
+            semconv.LABEL_STATUS,
+            semconv.LABEL_STEP,
+            semconv.LABEL_RANK,
+            semconv.LABEL_PHASE,
+        )
+        self._collectors: list[Counter | Gauge | Histogram] = []
+        try:
+            self.operation_duration = self._add(
+                Histogram(semconv.METRIC_OPERATION_DURATION, "Duration of a checkpoint operation on one rank.",
+                          [op, status, rank], buckets=buckets, registry=r)  # fmt: skip
+            )
+            self.step_duration = self._add(
+                Histogram(semconv.METRIC_STEP_DURATION, "Duration of one step of a checkpoint operation.",
+                          [op, step, rank], buckets=buckets, registry=r)  # fmt: skip
+            )
+            self.operations = self._add(
+                Counter(semconv.METRIC_OPERATIONS, "Checkpoint operations finished, by status.",
+                        [op, status, rank], registry=r)  # fmt: skip
+            )
+            self.written_bytes = self._add(
+                Counter(semconv.METRIC_WRITTEN_BYTES, "Bytes this rank wrote to checkpoint storage.", [rank],
+                        registry=r)  # fmt: skip
+            )
+            self.read_bytes = self._add(
+                Counter(semconv.METRIC_READ_BYTES, "Bytes this rank read from checkpoint storage.", [rank],
+                        registry=r)  # fmt: skip
+            )
+            self.async_in_flight = self._add(
+                Gauge(semconv.METRIC_ASYNC_IN_FLIGHT, "Async saves handed off and not yet uploaded.", [rank],
+                      registry=r, multiprocess_mode="livesum")  # fmt: skip
+            )
+            self.async_phase = self._add(
+                Histogram(semconv.METRIC_ASYNC_PHASE_DURATION, "Duration of async save phases: staging and upload.",
+                          [phase, rank], buckets=buckets, registry=r)  # fmt: skip
+            )
+            self.collective_wait = self._add(
+                Histogram(semconv.METRIC_COLLECTIVE_WAIT,
+                          "Part of an operation not covered by this rank's own steps: waiting for other ranks.",
+                          [op, rank], buckets=buckets, registry=r)  # fmt: skip
+            )
+            self.last_success = self._add(
+                Gauge(semconv.METRIC_LAST_SUCCESS, "Unix time of the last successful operation.", [op, rank],
+                      registry=r, multiprocess_mode="max")  # fmt: skip
+            )
+        except ValueError:
+            self.unregister()
+            raise
+
+    def _add(self, collector: _M) -> _M:
+        self._collectors.append(collector)
+        return collector
+
+    def unregister(self) -> None:
+        """Remove our metrics from the registry (on uninstrument)."""
+        for collector in self._collectors:
+            try:
+                self.registry.unregister(collector)
+            except KeyError:
+                pass
+        self._collectors.clear()
+
+    # --- facts from the span recorder --------------------------------------
+    def operation_done(
+        self,
+        operation: str,
+        rank: str,
+        ok: bool,
+        duration_s: float,
+        wait_s: float,
+        end_unix_s: float,
+        exemplar: Exemplar | None,
+    ) -> None:
+        operation = bounded_name(operation)
+        status = semconv.STATUS_SUCCESS if ok else semconv.STATUS_FAILURE
+        self.operation_duration.labels(operation, status, rank).observe(duration_s, exemplar)
+        self.operations.labels(operation, status, rank).inc()
+        self.collective_wait.labels(operation, rank).observe(max(0.0, wait_s), exemplar)
+        if ok:
+            self.last_success.labels(operation, rank).set(end_unix_s)
+
+    def step_done(self, operation: str, step: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self.step_duration.labels(bounded_name(operation), bounded_name(step), rank).observe(
+            duration_s, exemplar
+        )
+
+    def bytes_written(self, rank: str, amount: int) -> None:
+        if amount > 0:
+            self.written_bytes.labels(rank).inc(amount)
+
+    def bytes_read(self, rank: str, amount: int) -> None:
+        if amount > 0:
+            self.read_bytes.labels(rank).inc(amount)
+
+    def async_handed_off(self, rank: str) -> None:
+        self.async_in_flight.labels(rank).inc()
+
+    def async_phase_done(self, phase: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self.async_phase.labels(phase, rank).observe(duration_s, exemplar)
+
+    def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self.async_in_flight.labels(rank).dec()
+        self.async_phase_done(semconv.PHASE_UPLOAD, rank, duration_s, exemplar)

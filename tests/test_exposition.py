@@ -1,0 +1,178 @@
+"""Each rank serves its metrics; a taken port never breaks training."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+import dcp_otel
+from dcp_otel import _selftelemetry, semconv
+from dcp_otel.exposition import metrics_port
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    Counter("probe", "a metric to find in the exposition", registry=registry).inc()
+    return registry
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback URL we built
+        return response.read().decode()
+
+
+def test_each_local_rank_serves_on_base_port_plus_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert metrics_port(9000) == 9003
+    assert metrics_port(9000, per_rank=False) == 9000
+    monkeypatch.setenv(semconv.ENV_METRICS_PORT, "9100")
+    assert metrics_port() == 9103
+    monkeypatch.delenv(semconv.ENV_METRICS_PORT)
+    assert metrics_port() == semconv.DEFAULT_METRICS_PORT + 3
+    with pytest.raises(ValueError, match="from 0 to 65535"):
+        metrics_port(70000)
+
+
+def test_the_endpoint_serves_the_registry(registry: CollectorRegistry) -> None:
+    endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry)
+    try:
+        assert endpoint.addr == "127.0.0.1" and endpoint.port > 0
+        assert "probe_total 1.0" in scrape(endpoint.url)
+    finally:
+        endpoint.close()
+
+
+def test_a_port_in_use_falls_back_with_a_counted_warning(registry: CollectorRegistry, taken_port: int, caplog) -> None:
+    _selftelemetry.reset()  # its warnings are rate-limited per reason
+    before = dcp_otel.diagnostics().get("metrics_port_in_use", 0)
+    endpoint = dcp_otel.start_metrics_server(taken_port, "127.0.0.1", registry=registry, per_rank=False)
+    try:
+        assert endpoint.fell_back and endpoint.requested_port == taken_port and endpoint.port != taken_port
+        assert dcp_otel.diagnostics()["metrics_port_in_use"] == before + 1
+        assert f"cannot serve metrics on 127.0.0.1:{taken_port}" in caplog.text
+        assert endpoint.url in caplog.text  # the warning says where the metrics went
+        assert "probe_total 1.0" in scrape(endpoint.url)
+    finally:
+        endpoint.close()
+
+
+def test_the_metrics_port_variable_serves_with_no_code(monkeypatch: pytest.MonkeyPatch, registry) -> None:
+    monkeypatch.setenv(semconv.ENV_METRICS_PORT, "0")  # 0: the OS picks, so the test never collides
+    monkeypatch.setenv(semconv.ENV_METRICS_ADDR, "127.0.0.1")
+    dcp_otel.instrument(registry=registry)
+    try:
+        endpoint = dcp_otel.DCPInstrumentor().metrics_endpoint
+        assert endpoint is not None and endpoint.addr == "127.0.0.1"
+        assert "# TYPE dcp_operations_total counter" in scrape(endpoint.url)
+        url = endpoint.url
+    finally:
+        dcp_otel.uninstrument()
+    with pytest.raises(OSError):  # uninstrument stopped it
+        scrape(url)
+
+
+def test_a_bad_bind_address_fails_at_configuration_time_leaving_nothing(
+    monkeypatch: pytest.MonkeyPatch, registry: CollectorRegistry
+) -> None:
+    from prometheus_client import generate_latest
+    from torch.distributed.checkpoint.logger import _dcp_logger
+
+    from dcp_otel.handler import DCPLogHandler
+
+    # Not an address of this machine: bind() fails locally (no packet is sent).
+    monkeypatch.setenv(semconv.ENV_METRICS_ADDR, "192.0.2.1")
+    with pytest.raises(OSError):
+        dcp_otel.instrument(registry=registry, metrics_port=0)
+    assert dcp_otel.DCPInstrumentor().recorder is None
+    assert not [h for h in _dcp_logger.handlers if isinstance(h, DCPLogHandler)]
+    assert b"dcp_operations" not in generate_latest(registry)
+
+
+def free_port_range(count: int) -> int:
+    """A base port with ``count`` consecutive free ports on 127.0.0.1 (checked, then released)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def test_every_rank_of_a_real_job_serves_its_own_metrics(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from tests.ranks import REPO, WORKERS
+
+    world, base = 2, free_port_range(2)
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "LOCAL_RANK": str(rank),
+               semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1",
+               semconv.ENV_RUN_ID: "scrape-test"}  # fmt: skip
+        cmd = [sys.executable, str(WORKERS / "metrics_rank.py"), "--rank", str(rank), "--world", str(world),
+               "--store", str(tmp_path / "store"), "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    try:
+        ready = [proc.stdout.readline().split() for proc in procs]  # type: ignore[union-attr]
+        assert all(line and line[0] == "READY" for line in ready), ready
+        for rank, (_, url, written) in enumerate(ready):
+            assert url == f"http://127.0.0.1:{base + rank}/metrics"  # base port + LOCAL_RANK
+            text = scrape(url)
+            ops = f'dcp_operations_total{{operation="save",rank="{rank}",status="success"}} 1.0'
+            assert ops in text
+            assert f'dcp_read_bytes_total{{rank="{rank}"}}' in text
+            # Each rank counts its own bytes: two saves of the same data (save, async_save).
+            families = {f.name: f for f in text_string_to_metric_families(scrape_openmetrics(url))}
+            (written_sample,) = [s for s in families["dcp_written_bytes"].samples if s.name.endswith("_total")]
+            assert written_sample.labels == {"rank": str(rank)}
+            assert written_sample.value >= 2 * int(written)
+            exemplars = [s.exemplar for s in families["dcp_operation_duration_seconds"].samples if s.exemplar]
+            assert exemplars and all(e.labels["rank"] == str(rank) for e in exemplars)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.stdin.write("\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert [proc.returncode for proc in procs] == [0] * world
+
+
+def scrape_openmetrics(url: str) -> str:
+    """Scrape as Prometheus does: asking for OpenMetrics, the format that carries exemplars."""
+    request = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback URL we built
+        return response.read().decode()
