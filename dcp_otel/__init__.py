@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
 from dcp_otel import _selftelemetry
+from dcp_otel.elastic import OTelMetricHandler
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
 from dcp_otel.instrumentor import DCPInstrumentor
 from dcp_otel.version import __version__
@@ -33,6 +34,7 @@ from dcp_otel.version import __version__
 __all__ = [
     "DCPInstrumentor",
     "MetricsEndpoint",
+    "OTelMetricHandler",
     "__version__",
     "diagnostics",
     "flush",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from typing import Final, TypeVar
 
+from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from dcp_otel import semconv
@@ -33,6 +34,25 @@ _M = TypeVar("_M", Counter, Gauge, Histogram)
 #: code); anything else is folded into "other" so no label takes free text.
 _NAME = re.compile(r"^_?[a-z][a-z_]{0,47}$")
 OTHER: Final = "other"
+
+
+def exemplar_for(span: trace.Span | None, rank: str | None = None) -> Exemplar | None:
+    """The exemplar linking an observation to ``span``'s trace, if that trace is recorded.
+
+    Unsampled spans, and every span when no SDK is configured, are
+    ``NonRecordingSpan`` (which may still carry a valid, sampled parent
+    context): no exemplar may point at a trace nobody records. Not
+    ``is_recording()``: an SDK span says False once it has ended.
+    """
+    if span is None or isinstance(span, trace.NonRecordingSpan):
+        return None
+    ctx = span.get_span_context()
+    if not ctx.is_valid or not ctx.trace_flags.sampled:
+        return None
+    exemplar = {semconv.EXEMPLAR_TRACE_ID: format(ctx.trace_id, "032x")}
+    if rank is not None:
+        exemplar[semconv.EXEMPLAR_RANK] = rank
+    return exemplar
 
 
 def bounded_name(name: str) -> str:

@@ -128,3 +128,21 @@ ENV_METRICS_PORT: Final = "DCP_OTEL_METRICS_PORT"  # base port; each rank serves
 ENV_METRICS_ADDR: Final = "DCP_OTEL_METRICS_ADDR"
 DEFAULT_METRICS_PORT: Final = 9710
 DEFAULT_METRICS_ADDR: Final = "0.0.0.0"  # noqa: S104 - Prometheus scrapes from elsewhere; configurable
+
+# --- torchelastic metrics (OTelMetricHandler) --------------------------------
+METRIC_ELASTIC_DURATION: Final = "torchelastic_duration_seconds"  # histogram: group, name
+METRIC_ELASTIC_CALLS: Final = "torchelastic_calls"  # counter (..._total): group, name, status
+METRIC_ELASTIC_EVENTS: Final = "torchelastic_events"  # counter (..._total): group, name
+METRIC_ELASTIC_LAST_VALUE: Final = "torchelastic_last_value"  # gauge: group, name
+METRIC_ELASTIC_DROPPED: Final = "torchelastic_dropped_metrics"  # counter (..._total): reason
+LABEL_GROUP: Final = "group"
+LABEL_NAME: Final = "name"
+LABEL_REASON: Final = "reason"
+#: (group, name) pairs past the handler's series cap are folded into this one.
+OVERFLOW: Final = "_overflow"
+SPAN_ELASTIC_PREFIX: Final = "torchelastic."  # span "torchelastic.<name>" per <name>.duration.ms
+ATTR_ELASTIC_GROUP: Final = "torchelastic.group"
+ATTR_ELASTIC_NAME: Final = "torchelastic.name"
+#: The launcher's (torchelastic agent's) own metrics endpoint; ranks use base + LOCAL_RANK.
+ENV_AGENT_METRICS_PORT: Final = "DCP_OTEL_AGENT_METRICS_PORT"
+DEFAULT_AGENT_METRICS_PORT: Final = 9709

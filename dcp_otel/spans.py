@@ -42,7 +42,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import DCPEvent, operation_fields
-from dcp_otel.metrics import CheckpointMetrics, Exemplar
+from dcp_otel.metrics import CheckpointMetrics, exemplar_for
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.trace_ids import (
     CheckpointKey,
@@ -525,7 +525,7 @@ class SpanRecorder:
             return
         try:
             duration_s = (end_ns - entry.start_ns) / 1e9
-            exemplar = _exemplar(span, op.rank)
+            exemplar = exemplar_for(span, op.rank)
             if entry.owns_op_part:
                 wait_s = (end_ns - entry.start_ns - entry.children_ns) / 1e9
                 metrics.operation_done(op.name, op.rank, ok, duration_s, wait_s, end_ns / 1e9, exemplar)
@@ -606,7 +606,7 @@ class SpanRecorder:
                 end_ns = time.time_ns()
                 op.part_done(end_ns, error)
                 if metrics is not None:
-                    metrics.async_upload_done(op.rank, (end_ns - now) / 1e9, _exemplar(upload, op.rank))
+                    metrics.async_upload_done(op.rank, (end_ns - now) / 1e9, exemplar_for(upload, op.rank))
             except Exception:  # noqa: BLE001
                 report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
             finally:
@@ -615,22 +615,6 @@ class SpanRecorder:
                     self._uploads.notify_all()
 
         return trace.set_span_in_context(upload, ctx), finish
-
-
-def _exemplar(span: Span, rank: str) -> Exemplar | None:
-    """The exemplar linking a metric observation to ``span``'s trace, if it is recorded.
-
-    Unsampled spans, and every span when no SDK is configured, are
-    ``NonRecordingSpan`` (which may still carry a valid, sampled parent
-    context): no exemplar may point at a trace nobody records. Not
-    ``is_recording()``: an SDK span says False once it has ended.
-    """
-    if isinstance(span, trace.NonRecordingSpan):
-        return None
-    ctx = span.get_span_context()
-    if not ctx.is_valid or not ctx.trace_flags.sampled:
-        return None
-    return {semconv.EXEMPLAR_TRACE_ID: format(ctx.trace_id, "032x"), semconv.EXEMPLAR_RANK: rank}
 
 
 def _written_bytes(obj: object) -> int | None:

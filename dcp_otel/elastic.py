@@ -1,0 +1,227 @@
+"""``OTelMetricHandler``: torchelastic's metrics as Prometheus metrics and spans.
+
+torchelastic publishes metrics through ``torch.distributed.elastic.metrics``
+(``put_metric``, ``@prof``) to a ``MetricHandler``; torch ships only a console
+and a null handler. This one maps them, as a contract:
+
+* ``<name>.duration.ms`` -> an observation of
+  ``torchelastic_duration_seconds{group, name}``, and a span
+  ``torchelastic.<name>`` reconstructed from the duration (it ends at the
+  metric's timestamp) under the current context, so agent phases such as
+  rendezvous and worker restarts appear in traces;
+* ``<name>.success`` / ``<name>.failure`` ->
+  ``torchelastic_calls_total{group, name, status}``;
+* anything else -> ``torchelastic_events_total{group, name}`` incremented by
+  its value, and ``torchelastic_last_value{group, name}`` set to it.
+
+Custom rules run first: callables given ``(group, name, value, timestamp)``
+that return ``True`` when they handled the metric.
+
+``emit`` never raises and is thread-safe. Names are made label-safe; values
+that are None, NaN, infinite, bool, not numbers, or beyond 2**53 are dropped,
+and negative ones are not counted (only ``last_value`` takes them), each with a
+counted, rate-limited warning (``torchelastic_dropped_metrics_total{reason}``
+and :func:`dcp_otel.diagnostics`). Past ``max_series`` distinct
+(group, name) pairs, new ones are folded into ``_overflow``.
+
+Usage::
+
+    from torch.distributed.elastic import metrics
+    from dcp_otel import OTelMetricHandler
+
+    metrics.configure(OTelMetricHandler())                 # every group
+    metrics.configure(OTelMetricHandler(), group="agent")  # or one group
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from opentelemetry import trace
+from opentelemetry.trace import TracerProvider
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from torch.distributed.elastic.metrics.api import MetricData, MetricHandler
+
+from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.metrics import exemplar_for
+from dcp_otel.version import __version__
+
+#: ``rule(group, name, value, timestamp) -> handled``
+MetricRule = Callable[[str, str, float, float], bool]
+
+_DURATION_SUFFIX: Final = ".duration.ms"
+_SUCCESS_SUFFIX: Final = ".success"
+_FAILURE_SUFFIX: Final = ".failure"
+_MAX_LABEL: Final = 128
+_MAX_EXACT: Final = 2**53  # beyond this a float no longer counts by ones
+
+
+class OTelMetricHandler(MetricHandler):
+    """A torchelastic ``MetricHandler`` recording into Prometheus and OpenTelemetry.
+
+    Args:
+        registry: where the metrics go (default: the global registry).
+            Several handlers may share one registry: the metrics are
+            registered once per registry.
+        tracer_provider: where duration spans go (default: the global one).
+        rules: custom mappings tried before the default ones.
+        max_series: distinct (group, name) pairs kept before folding new ones
+            into ``_overflow``.
+
+    Raises:
+        ValueError: ``max_series`` is not a positive integer, or a rule is not callable.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        tracer_provider: TracerProvider | None = None,
+        *,
+        rules: Sequence[MetricRule] = (),
+        max_series: int = 500,
+    ) -> None:
+        if isinstance(max_series, bool) or not isinstance(max_series, int) or max_series < 1:
+            raise ValueError(f"max_series must be a positive integer, got {max_series!r}")
+        if not all(callable(rule) for rule in rules):
+            raise ValueError("every rule must be callable(group, name, value, timestamp) -> bool")
+        self._metrics = _ElasticMetrics.for_registry(registry if registry is not None else REGISTRY)
+        self._tracer = trace.get_tracer(semconv.SCOPE_NAME, __version__, tracer_provider)
+        self._rules = tuple(rules)
+        self._max_series = max_series
+        self._series: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def emit(self, metric_data: MetricData) -> None:
+        """Record one metric; never raises (see the module docstring)."""
+        try:
+            self._emit(metric_data)
+        except Exception:  # noqa: BLE001 - a metrics sink must never break the agent
+            self._drop("handler_error", "OTelMetricHandler failed to record a metric", exc_info=True)
+
+    def _emit(self, data: MetricData) -> None:
+        name = _label(getattr(data, "name", None))
+        group = _label(getattr(data, "group_name", None)) or "default"
+        if not name:
+            self._drop("bad_name", "dropped a torchelastic metric with no usable name")
+            return
+        value = _number(getattr(data, "value", None))
+        if value is None:
+            self._drop("bad_value", "dropped torchelastic metric %r: value %r is not a finite number", name,
+                       getattr(data, "value", None))  # fmt: skip
+            return
+        timestamp = _number(getattr(data, "timestamp", None))
+        for rule in self._rules:
+            if rule(group, name, value, timestamp if timestamp is not None else 0.0):
+                return
+        if name.endswith(_DURATION_SUFFIX):
+            self._duration(group, name[: -len(_DURATION_SUFFIX)], value, timestamp)
+        elif name.endswith(_SUCCESS_SUFFIX) or name.endswith(_FAILURE_SUFFIX):
+            ok = name.endswith(_SUCCESS_SUFFIX)
+            base = name[: -len(_SUCCESS_SUFFIX if ok else _FAILURE_SUFFIX)]
+            if value < 0:
+                self._drop("negative_value", "did not count torchelastic metric %r: negative value", name)
+                return
+            group, base = self._bounded(group, base)
+            status = semconv.STATUS_SUCCESS if ok else semconv.STATUS_FAILURE
+            self._metrics.calls.labels(group, base, status).inc(value)
+        else:
+            group, name = self._bounded(group, name)
+            self._metrics.last_value.labels(group, name).set(value)
+            if value < 0:
+                self._drop("negative_value", "did not count torchelastic metric %r: negative value", name)
+                return
+            self._metrics.events.labels(group, name).inc(value)
+
+    def _duration(self, group: str, base: str, value_ms: float, timestamp: float | None) -> None:
+        if value_ms < 0:
+            self._drop("negative_value", "dropped torchelastic duration %r: negative", base)
+            return
+        group, base = self._bounded(group, base)
+        seconds = value_ms / 1000.0
+        span = None
+        if timestamp is not None:
+            end_ns = int(timestamp * 1e9)
+            span = self._tracer.start_span(
+                semconv.SPAN_ELASTIC_PREFIX + base,
+                start_time=end_ns - int(seconds * 1e9),
+                attributes={semconv.ATTR_ELASTIC_GROUP: group, semconv.ATTR_ELASTIC_NAME: base},
+            )
+            span.end(end_time=end_ns)
+        exemplar = exemplar_for(span)
+        self._metrics.duration.labels(group, base).observe(seconds, exemplar)
+
+    def _bounded(self, group: str, name: str) -> tuple[str, str]:
+        """(group, name) itself, or the overflow pair once ``max_series`` pairs exist."""
+        key = (group, name)
+        with self._lock:
+            if key in self._series:
+                return key
+            if len(self._series) < self._max_series:
+                self._series.add(key)
+                return key
+        self._drop("series_limit", "torchelastic metric %s/%s folded into %s: more than %d series", group, name,
+                   semconv.OVERFLOW, self._max_series)  # fmt: skip
+        return semconv.OVERFLOW, semconv.OVERFLOW
+
+    def _drop(self, reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
+        report(f"torchelastic_{reason}", msg, *args, exc_info=exc_info)
+        try:
+            self._metrics.dropped.labels(reason).inc()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class _ElasticMetrics:
+    """The handler's metrics, registered once per registry (handlers share them)."""
+
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _ElasticMetrics] = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    @classmethod
+    def for_registry(cls, registry: CollectorRegistry) -> _ElasticMetrics:
+        with cls._lock:
+            metrics = cls._by_registry.get(registry)
+            if metrics is None:
+                metrics = cls._by_registry[registry] = cls(registry)
+            return metrics
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        group, name = semconv.LABEL_GROUP, semconv.LABEL_NAME
+        self.duration = Histogram(semconv.METRIC_ELASTIC_DURATION, "Duration of a torchelastic phase (@prof).",
+                                  [group, name], buckets=semconv.DURATION_BUCKETS, registry=registry)  # fmt: skip
+        self.calls = Counter(semconv.METRIC_ELASTIC_CALLS, "torchelastic calls by outcome (@prof).",
+                             [group, name, semconv.LABEL_STATUS], registry=registry)  # fmt: skip
+        self.events = Counter(semconv.METRIC_ELASTIC_EVENTS, "Other torchelastic metrics, summed.", [group, name],
+                              registry=registry)  # fmt: skip
+        self.last_value = Gauge(semconv.METRIC_ELASTIC_LAST_VALUE, "Last value of other torchelastic metrics.",
+                                [group, name], registry=registry, multiprocess_mode="mostrecent")  # fmt: skip
+        self.dropped = Counter(semconv.METRIC_ELASTIC_DROPPED, "torchelastic metrics dropped or not counted.",
+                               [semconv.LABEL_REASON], registry=registry)  # fmt: skip
+
+
+def _label(value: object) -> str:
+    """A label-safe string: str, or a number's text; control characters removed, length capped."""
+    if isinstance(value, bool) or value is None:
+        return ""
+    if isinstance(value, (int, float)):
+        value = str(value)
+    if not isinstance(value, str):
+        return ""
+    cleaned = "".join(ch for ch in value if ch.isprintable()).strip()
+    return cleaned[:_MAX_LABEL]
+
+
+def _number(value: object) -> float | None:
+    """A finite, not absurd number as float; ``None`` for anything else (bools included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    if math.isnan(number) or math.isinf(number) or abs(number) > _MAX_EXACT:
+        return None
+    return number
+
