@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter
 import dcp_otel
 from dcp_otel import _selftelemetry, semconv
 from dcp_otel.exposition import metrics_port
+from tests.ports import free_port_range
 
 
 @pytest.fixture
@@ -99,29 +100,6 @@ def test_a_bad_bind_address_fails_at_configuration_time_leaving_nothing(
     assert dcp_otel.DCPInstrumentor().recorder is None
     assert not [h for h in _dcp_logger.handlers if isinstance(h, DCPLogHandler)]
     assert b"dcp_operations" not in generate_latest(registry)
-
-
-def free_port_range(count: int) -> int:
-    """A base port with ``count`` consecutive free ports on 127.0.0.1 (checked, then released)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
 
 
 def test_every_rank_of_a_real_job_serves_its_own_metrics(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,72 @@
+"""``dcp-otel-run``: ``torchrun`` with the torchelastic agent observable.
+
+torchelastic's agent (rendezvous, worker start, restarts, run results) emits
+its metrics in the launcher process, not in the workers. This drop-in for
+``torchrun`` configures :class:`~dcp_otel.OTelMetricHandler` for every metric
+group and serves the agent's metrics on their own endpoint, then runs torchrun
+unchanged with the same arguments.
+
+Usage::
+
+    dcp-otel-run --nproc-per-node 8 train.py          # instead of: torchrun --nproc-per-node 8 train.py
+    python -m dcp_otel.launcher --standalone --nproc-per-node 2 train.py
+
+The agent serves on ``$DCP_OTEL_AGENT_METRICS_PORT`` (default 9709; the ranks
+use ``$DCP_OTEL_METRICS_PORT`` + ``LOCAL_RANK``, default 9710 + ``LOCAL_RANK``)
+at ``$DCP_OTEL_METRICS_ADDR`` (default all interfaces). Agent phases become
+spans when an OpenTelemetry SDK is configured in the launcher, e.g.
+``opentelemetry-instrument dcp-otel-run ...``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from torch.distributed.elastic import metrics as elastic_metrics
+
+from dcp_otel import semconv
+from dcp_otel.elastic import OTelMetricHandler
+from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
+
+logger = logging.getLogger("dcp_otel")
+
+
+def agent_metrics_port() -> int:
+    """``$DCP_OTEL_AGENT_METRICS_PORT``, else 9709 (a bad value warns and uses 9709)."""
+    raw = os.environ.get(semconv.ENV_AGENT_METRICS_PORT, "").strip()
+    if not raw:
+        return semconv.DEFAULT_AGENT_METRICS_PORT
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        logger.warning("ignoring %s=%r: not a port; using %d", semconv.ENV_AGENT_METRICS_PORT, raw,
+                       semconv.DEFAULT_AGENT_METRICS_PORT)  # fmt: skip
+        return semconv.DEFAULT_AGENT_METRICS_PORT
+    return port
+
+
+def observe_agent() -> MetricsEndpoint:
+    """Route every torchelastic metric group to OTelMetricHandler and serve them."""
+    elastic_metrics.configure(OTelMetricHandler())
+    endpoint = start_metrics_server(agent_metrics_port(), per_rank=False)
+    print(f"dcp-otel-run: torchelastic agent metrics at {endpoint.url}", file=sys.stderr, flush=True)
+    return endpoint
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run torchrun with ``argv`` (default: this process's arguments)."""
+    from torch.distributed.run import main as torchrun_main
+
+    endpoint = observe_agent()
+    try:
+        torchrun_main(argv)
+    finally:
+        endpoint.close()
+
+
+if __name__ == "__main__":
+    main()

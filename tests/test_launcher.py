@@ -1,0 +1,40 @@
+"""dcp-otel-run: a real torchelastic agent whose own metrics are served."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dcp_otel import semconv
+from tests.ports import free_port_range
+from tests.ranks import REPO, WORKERS
+
+
+def test_the_agents_prof_metrics_are_served_while_its_workers_run(tmp_path: Path) -> None:
+    port = free_port_range(1)
+    url = f"http://127.0.0.1:{port}/metrics"
+    scrape = tmp_path / "agent-metrics.txt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           semconv.ENV_AGENT_METRICS_PORT: str(port), semconv.ENV_METRICS_ADDR: "127.0.0.1",
+           "AGENT_METRICS_URL": url, "SCRAPE_OUT": str(scrape)}  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "dcp_otel.launcher", "--standalone", "--nproc-per-node", "2",
+         str(WORKERS / "elastic_worker.py")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip
+
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert f"dcp-otel-run: torchelastic agent metrics at {url}" in run.stderr
+    text = scrape.read_text()  # what rank 0 scraped from its agent, over HTTP
+    rendezvous = 'group="torchelastic",name="SimpleElasticAgent._rendezvous"'
+    assert f"torchelastic_calls_total{{{rendezvous},status=\"success\"}} 1.0" in text
+    assert f"torchelastic_duration_seconds_count{{{rendezvous}}} 1.0" in text
+
+
+def test_the_console_script_is_torchrun() -> None:
+    script = Path(sys.executable).with_name("dcp-otel-run")
+    env = {**os.environ, semconv.ENV_AGENT_METRICS_PORT: "0", semconv.ENV_METRICS_ADDR: "127.0.0.1"}
+    shown = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert shown.returncode == 0 and "--nproc-per-node" in shown.stdout  # torchrun's own arguments
