@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 
-from torch.distributed.elastic import metrics as elastic_metrics
+from torch.distributed.elastic.metrics.api import configure as configure_elastic_metrics
 
 from dcp_otel import semconv
 from dcp_otel.elastic import OTelMetricHandler
@@ -51,7 +51,7 @@ def agent_metrics_port() -> int:
 
 def observe_agent() -> MetricsEndpoint:
     """Route every torchelastic metric group to OTelMetricHandler and serve them."""
-    elastic_metrics.configure(OTelMetricHandler())
+    configure_elastic_metrics(OTelMetricHandler())
     endpoint = start_metrics_server(agent_metrics_port(), per_rank=False)
     print(f"dcp-otel-run: torchelastic agent metrics at {endpoint.url}", file=sys.stderr, flush=True)
     return endpoint
