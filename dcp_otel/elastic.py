@@ -94,66 +94,87 @@ class OTelMetricHandler(MetricHandler):
         self._rules = tuple(rules)
         self._max_series = max_series
         self._series: set[tuple[str, str]] = set()
+        # (raw group, raw name) -> its resolved _Route; bounded at 2 * max_series.
+        self._routes: dict[tuple[object, object], _Route] = {}
         self._lock = threading.Lock()
 
     def emit(self, metric_data: MetricData) -> None:
         """Record one metric; never raises (see the module docstring)."""
         try:
-            self._emit(metric_data)
+            raw_group, raw_name = getattr(metric_data, "group_name", None), getattr(metric_data, "name", None)
+            raw_value = getattr(metric_data, "value", None)
+            # Ints (put_metric's usual 1) take the fast path; anything else is checked fully.
+            value = raw_value if type(raw_value) is int and -_MAX_EXACT <= raw_value <= _MAX_EXACT else _number(raw_value)
+            if value is None:  # checked first: a dropped value must not create a series
+                self._drop("bad_value", "dropped torchelastic metric %r: value %r is not a finite number", raw_name,
+                           raw_value)  # fmt: skip
+                return
+            try:
+                route = self._routes.get((raw_group, raw_name))
+            except TypeError:  # an unhashable name: resolve it every time
+                route = None
+            if route is None:
+                route = self._route(raw_group, raw_name)
+                if route is None:
+                    self._drop("bad_name", "dropped a torchelastic metric with no usable name")
+                    return
+            if self._rules and self._apply_rules(route, value, metric_data):
+                return
+            kind = route.kind
+            if kind is _EVENT:
+                (route.gauge or route.create("gauge", self._metrics.last_value)).set(value)
+            if value < 0:
+                self._drop("negative_value", "did not count torchelastic metric %r: negative value", route.name)
+            elif kind is _CALLS or kind is _EVENT:
+                (route.counter or route.create("counter", self._metrics.calls if kind is _CALLS else self._metrics.events)).inc(value)
+            else:
+                self._duration(route, value, _number(getattr(metric_data, "timestamp", None)))
         except Exception:  # noqa: BLE001 - a metrics sink must never break the agent
             self._drop("handler_error", "OTelMetricHandler failed to record a metric", exc_info=True)
 
-    def _emit(self, data: MetricData) -> None:
-        name = _label(getattr(data, "name", None))
-        group = _label(getattr(data, "group_name", None)) or "default"
-        if not name:
-            self._drop("bad_name", "dropped a torchelastic metric with no usable name")
-            return
-        value = _number(getattr(data, "value", None))
-        if value is None:
-            self._drop("bad_value", "dropped torchelastic metric %r: value %r is not a finite number", name,
-                       getattr(data, "value", None))  # fmt: skip
-            return
+    def _apply_rules(self, route: _Route, value: float, data: MetricData) -> bool:
         timestamp = _number(getattr(data, "timestamp", None))
-        for rule in self._rules:
-            if rule(group, name, value, timestamp if timestamp is not None else 0.0):
-                return
+        return any(rule(route.group, route.name, value, timestamp if timestamp is not None else 0.0)
+                   for rule in self._rules)  # fmt: skip
+
+    def _route(self, raw_group: object, raw_name: object) -> _Route | None:
+        """Resolve what a (group, name) pair maps to, once; cache it (bounded)."""
+        name = _label(raw_name)
+        if not name:
+            return None
+        group = _label(raw_group) or "default"
         if name.endswith(_DURATION_SUFFIX):
-            self._duration(group, name[: -len(_DURATION_SUFFIX)], value, timestamp)
+            bounded_group, base = self._bounded(group, name[: -len(_DURATION_SUFFIX)])
+            route = _Route(group, name, _DURATION, base, (bounded_group, base))
         elif name.endswith(_SUCCESS_SUFFIX) or name.endswith(_FAILURE_SUFFIX):
             ok = name.endswith(_SUCCESS_SUFFIX)
-            base = name[: -len(_SUCCESS_SUFFIX if ok else _FAILURE_SUFFIX)]
-            if value < 0:
-                self._drop("negative_value", "did not count torchelastic metric %r: negative value", name)
-                return
-            group, base = self._bounded(group, base)
+            bounded_group, base = self._bounded(group, name[: -len(_SUCCESS_SUFFIX if ok else _FAILURE_SUFFIX)])
             status = semconv.STATUS_SUCCESS if ok else semconv.STATUS_FAILURE
-            self._metrics.calls.labels(group, base, status).inc(value)
+            route = _Route(group, name, _CALLS, base, (bounded_group, base, status))
         else:
-            group, name = self._bounded(group, name)
-            self._metrics.last_value.labels(group, name).set(value)
-            if value < 0:
-                self._drop("negative_value", "did not count torchelastic metric %r: negative value", name)
-                return
-            self._metrics.events.labels(group, name).inc(value)
+            bounded_group, base = self._bounded(group, name)
+            route = _Route(group, name, _EVENT, base, (bounded_group, base))
+        with self._lock:
+            if len(self._routes) < 2 * self._max_series:
+                try:
+                    self._routes[(raw_group, raw_name)] = route
+                except TypeError:
+                    pass
+        return route
 
-    def _duration(self, group: str, base: str, value_ms: float, timestamp: float | None) -> None:
-        if value_ms < 0:
-            self._drop("negative_value", "dropped torchelastic duration %r: negative", base)
-            return
-        group, base = self._bounded(group, base)
+    def _duration(self, route: _Route, value_ms: float, timestamp: float | None) -> None:
         seconds = value_ms / 1000.0
         span = None
         if timestamp is not None:
             end_ns = int(timestamp * 1e9)
+            group, base = route.labels
             span = self._tracer.start_span(
                 semconv.SPAN_ELASTIC_PREFIX + base,
                 start_time=end_ns - int(seconds * 1e9),
                 attributes={semconv.ATTR_ELASTIC_GROUP: group, semconv.ATTR_ELASTIC_NAME: base},
             )
             span.end(end_time=end_ns)
-        exemplar = exemplar_for(span)
-        self._metrics.duration.labels(group, base).observe(seconds, exemplar)
+        (route.histogram or route.create("histogram", self._metrics.duration)).observe(seconds, exemplar_for(span))
 
     def _bounded(self, group: str, name: str) -> tuple[str, str]:
         """(group, name) itself, or the overflow pair once ``max_series`` pairs exist."""
@@ -174,6 +195,31 @@ class OTelMetricHandler(MetricHandler):
             self._metrics.dropped.labels(reason).inc()
         except Exception:  # noqa: BLE001
             pass
+
+
+_DURATION, _CALLS, _EVENT = "duration", "calls", "event"
+
+
+class _Route:
+    """What one (group, name) pair maps to: resolved once, then reused for every value.
+
+    Labelled series are created on first use (:meth:`create`), so a value that
+    is dropped, or handled by a custom rule, never leaves an empty series.
+    """
+
+    __slots__ = ("group", "name", "kind", "base", "labels", "counter", "gauge", "histogram")
+
+    def __init__(self, group: str, name: str, kind: str, base: str, labels: tuple[str, ...]) -> None:
+        self.group, self.name, self.kind, self.base, self.labels = group, name, kind, base, labels
+        self.counter: Any = None
+        self.gauge: Any = None
+        self.histogram: Any = None
+
+    def create(self, slot: str, family: Counter | Gauge | Histogram) -> Any:
+        """The series of ``family`` for this route's labels, kept in ``slot``."""
+        child = family.labels(*self.labels)
+        setattr(self, slot, child)
+        return child
 
 
 class _ElasticMetrics:

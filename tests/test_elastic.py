@@ -132,7 +132,8 @@ def test_odd_names_are_sanitized_or_dropped(registry) -> None:
     assert value(registry, "torchelastic_events_total", group="g", name="42") == 1
     assert value(registry, "torchelastic_events_total", group="default", name="no group") == 1
     assert value(registry, "torchelastic_events_total", group="g", name="x" * 128) == 1  # capped
-    assert value(registry, "torchelastic_dropped_metrics_total", reason="bad_name") == 2
+    assert value(registry, "torchelastic_dropped_metrics_total", reason="bad_name") == 1  # object()
+    assert value(registry, "torchelastic_dropped_metrics_total", reason="bad_value") == 1  # None: no value either
 
 
 def test_series_are_capped_with_an_overflow_bucket(registry) -> None:
