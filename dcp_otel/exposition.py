@@ -6,6 +6,15 @@ training: the rank warns (counted in :func:`dcp_otel.diagnostics` as
 ``metrics_port_in_use``) and serves on a port the OS picks instead; the
 endpoint returned (and the warning) says which.
 
+Prometheus multiprocess mode (one endpoint per node) is used when
+``$PROMETHEUS_MULTIPROC_DIR`` is set, as ``prometheus_client`` requires, before
+it is imported: every rank records into that folder's files, local rank 0
+serves them all on the base port (other ranks get ``None``), and each rank
+marks itself dead at exit so the live gauge stays right. Its limits are
+prometheus_client's: no exemplars, and gauges combine across processes as each
+metric declares (``dcp_async_saves_in_flight`` sums the live ones,
+``dcp_last_success_timestamp_seconds`` takes the max).
+
 Usage::
 
     endpoint = dcp_otel.start_metrics_server()             # $DCP_OTEL_METRICS_PORT or 9710, + LOCAL_RANK
@@ -16,12 +25,13 @@ Usage::
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 from dataclasses import dataclass, field
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
@@ -83,13 +93,30 @@ def metrics_port(port: int | None = None, per_rank: bool = True) -> int:
     return port + local_rank
 
 
+def multiprocess_dir() -> str | None:
+    """The folder of Prometheus multiprocess mode, if it is on (prometheus_client's variables)."""
+    # The lowercase name is prometheus_client's legacy spelling, which it still reads.
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir") or None  # noqa: SIM112
+
+
+_marked_pids: set[int] = set()
+
+
+def _mark_dead_at_exit(path: str) -> None:
+    """Once per process: at exit, drop this process's live-gauge files."""
+    pid = os.getpid()
+    if pid not in _marked_pids:
+        _marked_pids.add(pid)
+        atexit.register(multiprocess.mark_process_dead, pid, path)
+
+
 def start_metrics_server(
     port: int | None = None,
     addr: str | None = None,
     *,
     registry: CollectorRegistry | None = None,
     per_rank: bool = True,
-) -> MetricsEndpoint:
+) -> MetricsEndpoint | None:
     """Serve ``registry`` (default: the global one) for Prometheus to scrape.
 
     Args:
@@ -102,10 +129,23 @@ def start_metrics_server(
 
     A port already in use does not raise: the rank warns, counts it, and
     serves on an OS-picked port (see :attr:`MetricsEndpoint.fell_back`).
+
+    In multiprocess mode (``$PROMETHEUS_MULTIPROC_DIR`` set) local rank 0
+    serves every process's metrics from that folder on the base port, and
+    every other rank returns ``None``; ``registry`` is not used then.
     """
-    wanted = metrics_port(port, per_rank)
     bind = addr or os.environ.get(semconv.ENV_METRICS_ADDR, "").strip() or semconv.DEFAULT_METRICS_ADDR
-    target = registry if registry is not None else REGISTRY
+    shared = multiprocess_dir()
+    if shared:
+        _mark_dead_at_exit(shared)
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
+            return None  # local rank 0 serves this node
+        target = CollectorRegistry()
+        multiprocess.MultiProcessCollector(target, path=shared)  # type: ignore[no-untyped-call]  # raises if missing
+        wanted = metrics_port(port, per_rank=False)
+    else:
+        target = registry if registry is not None else REGISTRY
+        wanted = metrics_port(port, per_rank)
     try:
         server, thread = start_http_server(wanted, bind, target)
     except OSError as exc:

@@ -83,5 +83,6 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     @property
     def metrics_endpoint(self) -> MetricsEndpoint | None:
-        """The endpoint started because ``metrics_port`` was set, if any."""
+        """The endpoint started because ``metrics_port`` was set, if any (``None`` also
+        on the ranks whose metrics local rank 0 serves in multiprocess mode)."""
         return self._endpoint

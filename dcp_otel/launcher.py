@@ -49,11 +49,16 @@ def agent_metrics_port() -> int:
     return port
 
 
-def observe_agent() -> MetricsEndpoint:
-    """Route every torchelastic metric group to OTelMetricHandler and serve them."""
+def observe_agent() -> MetricsEndpoint | None:
+    """Route every torchelastic metric group to OTelMetricHandler and serve them.
+
+    In Prometheus multiprocess mode the agent records into the shared folder
+    like the ranks, and its endpoint serves the whole node's files.
+    """
     configure_elastic_metrics(OTelMetricHandler())
     endpoint = start_metrics_server(agent_metrics_port(), per_rank=False)
-    print(f"dcp-otel-run: torchelastic agent metrics at {endpoint.url}", file=sys.stderr, flush=True)
+    if endpoint is not None:
+        print(f"dcp-otel-run: torchelastic agent metrics at {endpoint.url}", file=sys.stderr, flush=True)
     return endpoint
 
 
@@ -65,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         torchrun_main(argv)
     finally:
-        endpoint.close()
+        if endpoint is not None:
+            endpoint.close()
 
 
 if __name__ == "__main__":

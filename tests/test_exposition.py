@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 import dcp_otel
 from dcp_otel import _selftelemetry, semconv
 from dcp_otel.exposition import metrics_port
 from tests.ports import free_port_range
+from tests.ranks import REPO, WORKERS
 
 
 @pytest.fixture
@@ -102,40 +109,22 @@ def test_a_bad_bind_address_fails_at_configuration_time_leaving_nothing(
     assert b"dcp_operations" not in generate_latest(registry)
 
 
-def test_every_rank_of_a_real_job_serves_its_own_metrics(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import os
-    import subprocess
-    import sys
-
-    from prometheus_client.openmetrics.parser import text_string_to_metric_families
-
-    from tests.ranks import REPO, WORKERS
-
-    world, base = 2, free_port_range(2)
+@contextlib.contextmanager
+def metrics_job(tmp_path: Path, world: int, extra_env: dict[str, str]) -> Iterator[tuple[int, list[list[str]]]]:
+    """Run ``world`` ranks of workers/metrics_rank.py; yield (base port, their READY lines) while they wait."""
+    base = free_port_range(world)
     procs = []
     for rank in range(world):
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "LOCAL_RANK": str(rank),
                semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1",
-               semconv.ENV_RUN_ID: "scrape-test"}  # fmt: skip
+               semconv.ENV_RUN_ID: "scrape-test", **extra_env}  # fmt: skip
         cmd = [sys.executable, str(WORKERS / "metrics_rank.py"), "--rank", str(rank), "--world", str(world),
                "--store", str(tmp_path / "store"), "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     try:
         ready = [proc.stdout.readline().split() for proc in procs]  # type: ignore[union-attr]
         assert all(line and line[0] == "READY" for line in ready), ready
-        for rank, (_, url, written) in enumerate(ready):
-            assert url == f"http://127.0.0.1:{base + rank}/metrics"  # base port + LOCAL_RANK
-            text = scrape(url)
-            ops = f'dcp_operations_total{{operation="save",rank="{rank}",status="success"}} 1.0'
-            assert ops in text
-            assert f'dcp_read_bytes_total{{rank="{rank}"}}' in text
-            # Each rank counts its own bytes: two saves of the same data (save, async_save).
-            families = {f.name: f for f in text_string_to_metric_families(scrape_openmetrics(url))}
-            (written_sample,) = [s for s in families["dcp_written_bytes"].samples if s.name.endswith("_total")]
-            assert written_sample.labels == {"rank": str(rank)}
-            assert written_sample.value >= 2 * int(written)
-            exemplars = [s.exemplar for s in families["dcp_operation_duration_seconds"].samples if s.exemplar]
-            assert exemplars and all(e.labels["rank"] == str(rank) for e in exemplars)
+        yield base, ready
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -147,6 +136,36 @@ def test_every_rank_of_a_real_job_serves_its_own_metrics(tmp_path) -> None:  # t
             except subprocess.TimeoutExpired:
                 proc.kill()
     assert [proc.returncode for proc in procs] == [0] * world
+
+
+def test_every_rank_of_a_real_job_serves_its_own_metrics(tmp_path: Path) -> None:
+    with metrics_job(tmp_path, 2, {}) as (base, ready):
+        for rank, (_, url, written) in enumerate(ready):
+            assert url == f"http://127.0.0.1:{base + rank}/metrics"  # base port + LOCAL_RANK
+            text = scrape(url)
+            ops = f'dcp_operations_total{{operation="save",rank="{rank}",status="success"}} 1.0'
+            assert ops in text
+            assert f'dcp_read_bytes_total{{rank="{rank}"}}' in text
+            # Each rank counts its own bytes: two saves of its data (save, async_save).
+            families = {f.name: f for f in text_string_to_metric_families(scrape_openmetrics(url))}
+            (written_sample,) = [s for s in families["dcp_written_bytes"].samples if s.name.endswith("_total")]
+            assert written_sample.labels == {"rank": str(rank)}
+            assert written_sample.value >= 2 * int(written)
+            exemplars = [s.exemplar for s in families["dcp_operation_duration_seconds"].samples if s.exemplar]
+            assert exemplars and all(e.labels["rank"] == str(rank) for e in exemplars)
+
+
+def test_multiprocess_mode_serves_the_whole_node_from_local_rank_zero(tmp_path: Path) -> None:
+    shared = tmp_path / "prometheus-multiproc"
+    shared.mkdir()
+    with metrics_job(tmp_path, 2, {"PROMETHEUS_MULTIPROC_DIR": str(shared)}) as (base, ready):
+        assert [line[1] for line in ready] == [f"http://127.0.0.1:{base}/metrics", "none"]
+        text = scrape(ready[0][1])
+        for rank in (0, 1):  # both ranks' metrics, from one endpoint
+            assert f'dcp_operations_total{{operation="save",rank="{rank}",status="success"}} 1.0' in text
+        assert "# {" not in scrape_openmetrics(ready[0][1])  # prometheus_client keeps no exemplars here
+        assert len(list(shared.glob("gauge_livesum_*.db"))) == 2  # the in-flight gauge, one file per rank
+    assert not list(shared.glob("gauge_livesum_*.db"))  # each rank marked itself dead at exit
 
 
 def scrape_openmetrics(url: str) -> str:

@@ -2,8 +2,9 @@
 
 Zero code for metrics: the test sets ``DCP_OTEL_METRICS_PORT`` (base port),
 ``DCP_OTEL_METRICS_ADDR=127.0.0.1`` and ``LOCAL_RANK``; ``instrument()`` serves.
-The rank saves, loads and async-saves, prints ``READY <url> <written bytes>``,
-and stays up until a line arrives on stdin (the test has scraped by then).
+The rank saves, loads and async-saves, prints ``READY <url> <written bytes>``
+(url ``none`` when another rank serves it, as in Prometheus multiprocess
+mode), and stays up until a line arrives on stdin (the test has scraped by then).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def main() -> None:
     dcp.load(sharded, checkpoint_id=os.path.join(args.ckpt, "c"))
     dcp.async_save(sharded, checkpoint_id=os.path.join(args.ckpt, "a")).result()
     dcp_otel.flush(timeout_s=30)
-    endpoint = dcp_otel.DCPInstrumentor().metrics_endpoint
-    assert endpoint is not None
-    print(f"READY {endpoint.url} {sharded[f'rank{args.rank}'].numel() * 4}", flush=True)
+    endpoint = dcp_otel.DCPInstrumentor().metrics_endpoint  # None: another rank serves (multiprocess mode)
+    dist.barrier()  # every rank has recorded before anyone is scraped
+    url = endpoint.url if endpoint is not None else "none"
+    print(f"READY {url} {sharded[f'rank{args.rank}'].numel() * 4}", flush=True)
     sys.stdin.readline()  # the test scraped us
     dist.barrier()
     dcp_otel.uninstrument()
