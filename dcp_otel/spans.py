@@ -37,6 +37,8 @@ from typing import Any
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, Status, StatusCode
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
@@ -619,27 +621,19 @@ class SpanRecorder:
 
 def _written_bytes(obj: object) -> int | None:
     """Total ``size_in_bytes`` if ``obj`` is DCP's list of ``WriteResult``, else ``None``."""
-    if not isinstance(obj, list) or not obj:
+    if not isinstance(obj, list) or not obj or not all(isinstance(item, WriteResult) for item in obj):
         return None
-    total = 0
-    for item in obj:
-        size = getattr(item, "size_in_bytes", None)
-        if not isinstance(size, int):
-            return None
-        total += size
-    return total
+    return int(sum(item.size_in_bytes for item in obj))
 
 
 def _planned_read_bytes(obj: object, storage: object | None) -> int | None:
-    """Bytes a local load plan will read, from the reader's ``storage_data`` (offsets and lengths)."""
-    items = getattr(obj, "items", None)
+    """Bytes a local ``LoadPlan`` will read, from the reader's ``storage_data`` (offsets and lengths)."""
     storage_data = getattr(storage, "storage_data", None)
-    if not isinstance(items, list) or not isinstance(storage_data, dict):
+    if not isinstance(obj, LoadPlan) or not isinstance(storage_data, dict):
         return None
     total = 0
-    for item in items:
-        info = storage_data.get(getattr(item, "storage_index", None))
-        length = getattr(info, "length", None)
+    for item in obj.items:
+        length = getattr(storage_data.get(item.storage_index), "length", None)
         if isinstance(length, int):
             total += length
     return total

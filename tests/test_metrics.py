@@ -55,6 +55,17 @@ def test_a_save_and_a_load_are_counted_timed_and_sized(traced, tmp_path: Path) -
     spans = traced.spans()
     assert named(spans, "dcp.save")[0].attributes[semconv.ATTR_WRITTEN_BYTES] == size
     assert named(spans, "dcp.load")[0].attributes[semconv.ATTR_READ_BYTES] == size
+    assert semconv.ATTR_READ_BYTES not in named(spans, "dcp.save")[0].attributes
+
+
+def test_a_save_plan_is_never_counted_as_a_read(traced, tmp_path: Path) -> None:
+    class WriterWithStorageData(dcp.FileSystemWriter):
+        storage_data: dict = {}  # what a reader has; a save's local plan must still not count as a read
+
+    dcp.save(state(), storage_writer=WriterWithStorageData(str(tmp_path / "c")))
+    (save,) = named(traced.spans(), "dcp.save")
+    assert semconv.ATTR_READ_BYTES not in save.attributes
+    assert sample(traced.registry, "dcp_read_bytes_total", rank="0") is None
 
 
 def test_durations_match_the_spans_and_wait_is_the_uncovered_part(traced, tmp_path: Path) -> None:
