@@ -21,7 +21,7 @@ Usage::
 from __future__ import annotations
 
 import re
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -79,6 +79,8 @@ class CheckpointMetrics:
             semconv.LABEL_PHASE,
         )
         self._collectors: list[Counter | Gauge | Histogram] = []
+        # (operation, step, rank) -> its histogram series; bounded by DCP's step names.
+        self._step_children: dict[tuple[str, str, str], Any] = {}
         try:
             self.operation_duration = self._add(
                 Histogram(semconv.METRIC_OPERATION_DURATION, "Duration of a checkpoint operation on one rank.",
@@ -154,9 +156,11 @@ class CheckpointMetrics:
             self.last_success.labels(operation, rank).set(end_unix_s)
 
     def step_done(self, operation: str, step: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
-        self.step_duration.labels(bounded_name(operation), bounded_name(step), rank).observe(
-            duration_s, exemplar
-        )
+        key = (operation, step, rank)
+        child = self._step_children.get(key)
+        if child is None:  # labels() validates and locks: once per series, not once per step
+            child = self._step_children[key] = self.step_duration.labels(bounded_name(operation), bounded_name(step), rank)
+        child.observe(duration_s, exemplar)
 
     def bytes_written(self, rank: str, amount: int) -> None:
         if amount > 0:

@@ -44,7 +44,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import DCPEvent, operation_fields
-from dcp_otel.metrics import CheckpointMetrics, exemplar_for
+from dcp_otel.metrics import CheckpointMetrics, Exemplar, exemplar_for
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.trace_ids import (
     CheckpointKey,
@@ -84,13 +84,15 @@ class _Operation:
 
     __slots__ = (
         "name", "rank", "tracer", "attributes", "step_attributes", "root", "pending", "failed", "end_ns", "lock",
-        "storage",
+        "storage", "exemplar",
     )  # fmt: skip
 
     def __init__(self, name: str, rank: int, tracer: trace.Tracer, attributes: dict[str, Any]) -> None:
         self.name = name
         self.rank = str(rank)  # the metrics' rank label
         self.storage: object | None = None  # what _storage_setup chose, for read plans' byte counts
+        # The same for every observation of this operation on this rank (one trace, one rank).
+        self.exemplar: Exemplar | None = None
         self.tracer = tracer
         #: On the root and on each rank's operation span: everything we know.
         self.attributes = attributes
@@ -360,6 +362,7 @@ class SpanRecorder:
         entry = _Entry(event.uuid, event.func_name, event.time_ns, span, op, keys, new_operation)
         if new_operation:
             op.add_part()
+            op.exemplar = exemplar_for(span, op.rank)
             if caller is not None and caller.is_recording():
                 add_link = getattr(caller, "add_link", None)
                 if add_link is not None:
@@ -527,7 +530,7 @@ class SpanRecorder:
             return
         try:
             duration_s = (end_ns - entry.start_ns) / 1e9
-            exemplar = exemplar_for(span, op.rank)
+            exemplar = op.exemplar
             if entry.owns_op_part:
                 wait_s = (end_ns - entry.start_ns - entry.children_ns) / 1e9
                 metrics.operation_done(op.name, op.rank, ok, duration_s, wait_s, end_ns / 1e9, exemplar)
