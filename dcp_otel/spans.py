@@ -603,7 +603,10 @@ class SpanRecorder:
             self._uploads_in_flight += 1
         metrics = self._metrics
         if metrics is not None:
-            metrics.async_handed_off(op.rank)
+            try:  # this runs inside torch's async_save: nothing may escape
+                metrics.async_handed_off(op.rank)
+            except Exception:  # noqa: BLE001
+                report("metrics_error", "dcp_otel failed to count an async save in flight", exc_info=True)
 
         def finish(outcome: Future[Any] | BaseException) -> None:
             try:

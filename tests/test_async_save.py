@@ -105,3 +105,18 @@ def test_flush_waits_for_the_upload_and_flushes_the_instrumented_provider(tmp_pa
         dcp_otel.uninstrument()
         provider.shutdown()
     assert {semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_CHECKPOINT, "dcp.write_data"} <= names
+
+
+def test_a_failing_metrics_backend_never_breaks_async_save(traced, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from dcp_otel.metrics import CheckpointMetrics
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("metrics backend broken")
+
+    for name in ("async_handed_off", "async_upload_done", "step_done", "operation_done", "bytes_written"):
+        monkeypatch.setattr(CheckpointMetrics, name, broken)
+    future = dcp.async_save({"w": torch.ones(8)}, checkpoint_id=str(tmp_path / "c"))
+    assert future.result() is not None  # torch's own Metadata, as without dcp-otel
+    assert traced.recorder().wait_for_uploads(timeout=30)
+    assert dcp_otel.diagnostics()["metrics_error"] >= 1
+    assert {semconv.SPAN_ASYNC_UPLOAD, "dcp.write_data"} <= {s.name for s in traced.spans()}  # spans unaffected
