@@ -179,3 +179,21 @@ def test_opentelemetry_instrument_turns_it_on_with_no_code_change(tmp_path: Path
     names = set(re.findall(r'"name": "(dcp\.[a-z_.]+)"', out.stdout))
     assert {"dcp.checkpoint", "dcp.save", "dcp.write_data", "dcp.finish_checkpoint"} <= names, out.stdout[-2000:]
     assert '"service.name": "zero-code-test"' in out.stdout
+
+
+def test_opentelemetry_instrument_torchrun_traces_every_worker_in_one_trace(tmp_path: Path) -> None:
+    from tests.ranks import WORKERS
+
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "none",
+           "OTEL_LOGS_EXPORTER": "none", "OMP_NUM_THREADS": "1", "CKPT": str(tmp_path / "c")}  # fmt: skip
+    bindir = Path(sys.executable).parent
+    run = subprocess.run(
+        [str(bindir / "opentelemetry-instrument"), str(bindir / "torchrun"), "--standalone", "--nproc-per-node", "2",
+         str(WORKERS / "plain_train.py")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    spans = run.stdout + run.stderr  # the console exporter writes to the workers' stdout
+    assert spans.count('"name": "dcp.save"') == 2  # one per worker, with no code in the script
+    assert spans.count('"name": "dcp.checkpoint"') == 1  # one root, from the coordinator
+    assert len(set(re.findall(r'"trace_id": "(0x[0-9a-f]{32})"', spans))) == 1  # one trace for the checkpoint
