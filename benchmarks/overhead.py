@@ -197,8 +197,8 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
 #: allocates and frees multi-MB tensors, and this benchmark toggles
 #: instrument()/uninstrument() between repetitions (a real job instruments
 #: once), so with the dynamic threshold one arm can land on a different
-#: allocator path than the other: loads measured 37% faster or 10% slower
-#: traced for the same work. A fixed threshold gives both arms the same
+#: allocator path than the other: the same loads measured 10-14% slower
+#: traced here (and faster in a single-process experiment). A fixed threshold gives both arms the same
 #: allocator; it is read when a process starts, hence set for the ranks.
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
