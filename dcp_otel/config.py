@@ -86,7 +86,7 @@ class InstrumentOptions:
             values["run_id"] = env
         for name, env_name, low, high in _INT_ENV:
             if name not in values:
-                parsed = _env_int(env_name, low, high)
+                parsed = env_int(env_name, low, high)
                 if parsed is not None:
                     values[name] = parsed
         return cls(**values)
@@ -104,8 +104,12 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise ValueError(f"{name} must be an integer from {low} to {high}, got {value!r}")
 
 
-def _env_int(env_name: str, low: int, high: int) -> int | None:
-    """The integer in ``$env_name``, or ``None`` (with a warning) if unset or bad."""
+def env_int(env_name: str, low: int, high: int) -> int | None:
+    """The integer in ``$env_name`` within ``low..high``; ``None`` if unset, or bad (with a warning).
+
+    Every environment variable dcp-otel reads as a number goes through here,
+    so a bad value always gets the same clear warning and the caller's default.
+    """
     raw = os.environ.get(env_name)
     if raw is None or not raw.strip():
         return None

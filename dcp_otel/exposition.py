@@ -35,6 +35,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_h
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.config import env_int
 
 logger = logging.getLogger("dcp_otel")
 
@@ -74,17 +75,14 @@ def metrics_port(port: int | None = None, per_rank: bool = True) -> int:
     """The port this rank serves on: ``port`` (else ``$DCP_OTEL_METRICS_PORT``, else
     9710), plus ``$LOCAL_RANK`` when ``per_rank``.
 
+    A bad ``$DCP_OTEL_METRICS_PORT`` warns and uses the default.
+
     Raises:
-        ValueError: a port argument or ``$LOCAL_RANK`` outside 0..65535.
+        ValueError: a port argument, or it plus ``$LOCAL_RANK``, outside 0..65535.
     """
     if port is None:
-        raw = os.environ.get(semconv.ENV_METRICS_PORT, "").strip()
-        try:
-            port = int(raw) if raw else semconv.DEFAULT_METRICS_PORT
-        except ValueError:
-            logger.warning("ignoring %s=%r: not a port number; using %d", semconv.ENV_METRICS_PORT, raw,
-                           semconv.DEFAULT_METRICS_PORT)  # fmt: skip
-            port = semconv.DEFAULT_METRICS_PORT
+        from_env = env_int(semconv.ENV_METRICS_PORT, 0, 65535)
+        port = from_env if from_env is not None else semconv.DEFAULT_METRICS_PORT
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be an integer from 0 to 65535, got {port!r}")
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0) if per_rank and port else 0

@@ -20,33 +20,20 @@ spans when an OpenTelemetry SDK is configured in the launcher, e.g.
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 
 from torch.distributed.elastic.metrics.api import configure as configure_elastic_metrics
 
 from dcp_otel import semconv
+from dcp_otel.config import env_int
 from dcp_otel.elastic import OTelMetricHandler
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
-
-logger = logging.getLogger("dcp_otel")
 
 
 def agent_metrics_port() -> int:
     """``$DCP_OTEL_AGENT_METRICS_PORT``, else 9709 (a bad value warns and uses 9709)."""
-    raw = os.environ.get(semconv.ENV_AGENT_METRICS_PORT, "").strip()
-    if not raw:
-        return semconv.DEFAULT_AGENT_METRICS_PORT
-    try:
-        port = int(raw)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        logger.warning("ignoring %s=%r: not a port; using %d", semconv.ENV_AGENT_METRICS_PORT, raw,
-                       semconv.DEFAULT_AGENT_METRICS_PORT)  # fmt: skip
-        return semconv.DEFAULT_AGENT_METRICS_PORT
-    return port
+    port = env_int(semconv.ENV_AGENT_METRICS_PORT, 0, 65535)
+    return port if port is not None else semconv.DEFAULT_AGENT_METRICS_PORT
 
 
 def observe_agent() -> MetricsEndpoint | None:

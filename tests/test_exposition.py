@@ -54,6 +54,19 @@ def test_each_local_rank_serves_on_base_port_plus_local_rank(monkeypatch: pytest
         metrics_port(70000)
 
 
+@pytest.mark.parametrize("bad", ["not-a-port", "70000", "-1"])
+def test_a_bad_port_variable_warns_and_uses_the_default(monkeypatch: pytest.MonkeyPatch, caplog, bad: str) -> None:
+    from dcp_otel.launcher import agent_metrics_port
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv(semconv.ENV_METRICS_PORT, bad)
+    monkeypatch.setenv(semconv.ENV_AGENT_METRICS_PORT, bad)
+    assert metrics_port() == semconv.DEFAULT_METRICS_PORT + 1
+    assert agent_metrics_port() == semconv.DEFAULT_AGENT_METRICS_PORT
+    assert f"ignoring {semconv.ENV_METRICS_PORT}={bad!r}" in caplog.text
+    assert f"ignoring {semconv.ENV_AGENT_METRICS_PORT}={bad!r}" in caplog.text
+
+
 def test_the_endpoint_serves_the_registry(registry: CollectorRegistry) -> None:
     endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry)
     try:
