@@ -145,15 +145,15 @@ class OTelMetricHandler(MetricHandler):
         group = _label(raw_group) or "default"
         if name.endswith(_DURATION_SUFFIX):
             bounded_group, base = self._bounded(group, name[: -len(_DURATION_SUFFIX)])
-            route = _Route(group, name, _DURATION, base, (bounded_group, base))
+            route = _Route(group, name, _DURATION, (bounded_group, base))
         elif name.endswith(_SUCCESS_SUFFIX) or name.endswith(_FAILURE_SUFFIX):
             ok = name.endswith(_SUCCESS_SUFFIX)
             bounded_group, base = self._bounded(group, name[: -len(_SUCCESS_SUFFIX if ok else _FAILURE_SUFFIX)])
             status = semconv.STATUS_SUCCESS if ok else semconv.STATUS_FAILURE
-            route = _Route(group, name, _CALLS, base, (bounded_group, base, status))
+            route = _Route(group, name, _CALLS, (bounded_group, base, status))
         else:
             bounded_group, base = self._bounded(group, name)
-            route = _Route(group, name, _EVENT, base, (bounded_group, base))
+            route = _Route(group, name, _EVENT, (bounded_group, base))
         with self._lock:
             if len(self._routes) < 2 * self._max_series:
                 try:
@@ -207,10 +207,10 @@ class _Route:
     is dropped, or handled by a custom rule, never leaves an empty series.
     """
 
-    __slots__ = ("group", "name", "kind", "base", "labels", "counter", "gauge", "histogram")
+    __slots__ = ("group", "name", "kind", "labels", "counter", "gauge", "histogram")
 
-    def __init__(self, group: str, name: str, kind: str, base: str, labels: tuple[str, ...]) -> None:
-        self.group, self.name, self.kind, self.base, self.labels = group, name, kind, base, labels
+    def __init__(self, group: str, name: str, kind: str, labels: tuple[str, ...]) -> None:
+        self.group, self.name, self.kind, self.labels = group, name, kind, labels
         self.counter: Any = None
         self.gauge: Any = None
         self.histogram: Any = None

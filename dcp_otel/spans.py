@@ -519,15 +519,12 @@ class SpanRecorder:
             parent.children_ns += end_ns - entry.start_ns
         if entry.op is not None:
             if self._metrics is not None:
-                self._observe(entry, entry.op, span, end_ns, ok=description is None)
+                self._observe(self._metrics, entry, entry.op, end_ns, ok=description is None)
             if entry.owns_op_part:
                 entry.op.part_done(end_ns, description)
 
-    def _observe(self, entry: _Entry, op: _Operation, span: Span, end_ns: int, ok: bool) -> None:
+    def _observe(self, metrics: CheckpointMetrics, entry: _Entry, op: _Operation, end_ns: int, ok: bool) -> None:
         """The metrics of one closed span (a separate concern: failures here only count)."""
-        metrics = self._metrics
-        if metrics is None:
-            return
         try:
             duration_s = (end_ns - entry.start_ns) / 1e9
             exemplar = op.exemplar
