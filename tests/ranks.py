@@ -25,6 +25,20 @@ class Job:
     world: int
 
 
+def rank_env(**extra: str) -> dict[str, str]:
+    """The environment of a test rank: this repository importable, one thread, plus ``extra``."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+
+
+def rank_command(worker: str, rank: int, world: int, tmp: Path, out: Path, ckpt: Path) -> list[str]:
+    """The command line of one rank of ``workers/<worker>.py`` (joined through a FileStore in ``tmp``)."""
+    return [
+        sys.executable, str(WORKERS / f"{worker}.py"),
+        "--rank", str(rank), "--world", str(world), "--store", str(tmp / "store"),
+        "--out", str(out), "--ckpt", str(ckpt),
+    ]  # fmt: skip
+
+
 def run_ranks(
     worker: str,
     world: int,
@@ -42,18 +56,13 @@ def run_ranks(
     out, ckpt = tmp / "out", ckpt or tmp / "ckpt"
     out.mkdir(parents=True, exist_ok=True)
     ckpt.mkdir(parents=True, exist_ok=True)
-    store = tmp / "store"
-    child_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = rank_env(**(env or {}))
     procs = []
     logs = []
     for rank in range(world):
         log = open(out / f"stderr-{rank}.txt", "w")  # noqa: SIM115 - closed below
         logs.append(log)
-        cmd = [
-            sys.executable, str(WORKERS / f"{worker}.py"),
-            "--rank", str(rank), "--world", str(world), "--store", str(store),
-            "--out", str(out), "--ckpt", str(ckpt), *(extra_args or []),
-        ]  # fmt: skip
+        cmd = [*rank_command(worker, rank, world, tmp, out, ckpt), *(extra_args or [])]
         procs.append(subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
     deadline = time.monotonic() + timeout_s
     failed = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -130,11 +129,11 @@ def test_process_based_async_save_still_works_and_its_spans_close() -> None:
     import sys
 
     from tests.ports import free_port_range
-    from tests.ranks import REPO, WORKERS
+    from tests.ranks import REPO, WORKERS, rank_env
 
     run = subprocess.run(
         [sys.executable, str(WORKERS / "process_async.py"), str(free_port_range(1))],
-        capture_output=True, text=True, timeout=240, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=240, cwd=REPO, env=rank_env(),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ import dcp_otel
 from dcp_otel import _selftelemetry, semconv
 from dcp_otel.exposition import metrics_port
 from tests.ports import free_port_range
-from tests.ranks import REPO, WORKERS
+from tests.ranks import rank_command, rank_env
 
 
 @pytest.fixture
@@ -128,11 +126,9 @@ def metrics_job(tmp_path: Path, world: int, extra_env: dict[str, str]) -> Iterat
     base = free_port_range(world)
     procs = []
     for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "LOCAL_RANK": str(rank),
-               semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1",
-               semconv.ENV_RUN_ID: "scrape-test", **extra_env}  # fmt: skip
-        cmd = [sys.executable, str(WORKERS / "metrics_rank.py"), "--rank", str(rank), "--world", str(world),
-               "--store", str(tmp_path / "store"), "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")]  # fmt: skip
+        env = rank_env(LOCAL_RANK=str(rank), **{semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1",
+                                                semconv.ENV_RUN_ID: "scrape-test", **extra_env})  # fmt: skip
+        cmd = rank_command("metrics_rank", rank, world, tmp_path, tmp_path, tmp_path / "ckpt")
         procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     try:
         ready = [proc.stdout.readline().split() for proc in procs]  # type: ignore[union-attr]

@@ -23,9 +23,8 @@ import dcp_otel
 from dcp_otel import DCPInstrumentor, semconv
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.handler import DCPLogHandler
+from tests.ranks import REPO
 from tests.spans_io import from_readable, named
-
-REPO = Path(__file__).parent.parent
 
 
 def originals() -> dict[str, object]:

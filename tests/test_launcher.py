@@ -9,16 +9,15 @@ from pathlib import Path
 
 from dcp_otel import semconv
 from tests.ports import free_port_range
-from tests.ranks import REPO, WORKERS
+from tests.ranks import WORKERS, rank_env
 
 
 def test_the_agents_prof_metrics_are_served_while_its_workers_run(tmp_path: Path) -> None:
     port = free_port_range(1)
     url = f"http://127.0.0.1:{port}/metrics"
     scrape = tmp_path / "agent-metrics.txt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           semconv.ENV_AGENT_METRICS_PORT: str(port), semconv.ENV_METRICS_ADDR: "127.0.0.1",
-           "AGENT_METRICS_URL": url, "SCRAPE_OUT": str(scrape)}  # fmt: skip
+    env = rank_env(**{semconv.ENV_AGENT_METRICS_PORT: str(port), semconv.ENV_METRICS_ADDR: "127.0.0.1",
+                      "AGENT_METRICS_URL": url, "SCRAPE_OUT": str(scrape)})  # fmt: skip
     run = subprocess.run(
         [sys.executable, "-m", "dcp_otel.launcher", "--standalone", "--nproc-per-node", "2",
          str(WORKERS / "elastic_worker.py")],

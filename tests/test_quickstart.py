@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -10,13 +9,13 @@ from pathlib import Path
 
 from dcp_otel import semconv
 from tests.otlp_receiver import OtlpReceiver
+from tests.ranks import REPO, rank_env
 
-REPO = Path(__file__).parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 def run_quickstart(out: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(extra_env or {})}
+    env = rank_env(**(extra_env or {}))
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         if extra_env is None or name not in extra_env:
             env.pop(name, None)

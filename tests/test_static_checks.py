@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).parent.parent
+from tests.ranks import REPO
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
