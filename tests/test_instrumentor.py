@@ -30,6 +30,7 @@ from tests.spans_io import from_readable, named
 def originals() -> dict[str, object]:
     return {
         "wrap_exception": dcp_utils.__dict__["_wrap_exception"],
+        "gather_object": dcp_utils._DistWrapper.__dict__["gather_object"],
         "execute_save": thread_executor._ThreadBasedAsyncCheckpointExecutor.__dict__["execute_save"],
         "save_wrapper": thread_executor.__dict__["save_wrapper"],
         "saver_storage_setup": dcp_saver.__dict__["_storage_setup"],
@@ -39,6 +40,12 @@ def originals() -> dict[str, object]:
 
 def our_handlers() -> list[logging.Handler]:
     return [h for h in _dcp_logger.handlers if isinstance(h, DCPLogHandler)]
+
+
+def test_every_patch_point_is_covered_by_the_identity_check() -> None:
+    from dcp_otel.torch_hooks import PATCHES
+
+    assert len(originals()) == len(PATCHES)  # a new patch point must join originals()
 
 
 def test_uninstrument_restores_every_original_object(provider) -> None:
