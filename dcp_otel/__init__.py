@@ -19,15 +19,14 @@ Or with no code change: ``opentelemetry-instrument python train.py``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
 from dcp_otel import _selftelemetry
 from dcp_otel.elastic import OTelMetricHandler
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
+from dcp_otel.flushing import flush_spans
 from dcp_otel.instrumentor import DCPInstrumentor
 from dcp_otel.version import __version__
 
@@ -50,7 +49,8 @@ def instrument(tracer_provider: TracerProvider | None = None, **options: Any) ->
     Args:
         tracer_provider: where spans go; default: the global provider.
         **options: see :class:`dcp_otel.config.InstrumentOptions` (``registry``,
-            ``run_id``, ``slowest_keys``, ``max_open_spans``).
+            ``metrics_port``, ``run_id``, ``slowest_keys``, ``max_open_spans``,
+            ``process_setup``, ``flush_timeout_s``).
 
     Raises:
         ValueError: an unknown option or a bad value.
@@ -68,11 +68,13 @@ def uninstrument() -> None:
 def flush(timeout_s: float = 30.0, tracer_provider: TracerProvider | None = None) -> bool:
     """Wait for in-flight async uploads' spans to end, then flush the provider.
 
-    Call it before exiting a training script that used ``async_save``: the
-    upload span ends in the upload future's done-callback, which runs just
-    after ``future.result()`` returns. ``tracer_provider`` defaults to the one
+    dcp-otel does this by itself at interpreter exit (within
+    ``flush_timeout_s``); call it when you shut the provider down earlier, or
+    want the spans out now: the upload span ends in the upload future's
+    done-callback, which runs just after ``future.result()`` returns. ``tracer_provider`` defaults to the one
     spans go to (given to :func:`instrument`, else the global one). Returns
-    ``False`` if ``timeout_s`` passed first. Never raises.
+    ``False`` if ``timeout_s`` passed first: it never waits longer, even for a
+    hung exporter (the SDK's own ``force_flush`` would). Never raises.
 
     Example::
 
@@ -80,22 +82,7 @@ def flush(timeout_s: float = 30.0, tracer_provider: TracerProvider | None = None
         future.result()
         dcp_otel.flush()
     """
-    deadline = time.monotonic() + timeout_s
-    recorder = DCPInstrumentor().recorder
-    done = recorder.wait_for_uploads(timeout_s) if recorder is not None else True
-    if tracer_provider is not None:
-        provider = tracer_provider
-    else:  # the provider our spans go to, not necessarily the global one
-        provider = recorder.provider() if recorder is not None else trace.get_tracer_provider()
-    force_flush = getattr(provider, "force_flush", None)
-    if force_flush is not None:
-        try:
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            done = bool(force_flush(remaining_ms)) and done
-        except Exception:  # noqa: BLE001 - a broken exporter must not break the caller
-            _selftelemetry.report("flush_error", "dcp_otel.flush: the tracer provider failed to flush", exc_info=True)
-            return False
-    return done
+    return flush_spans(DCPInstrumentor().recorder, timeout_s, tracer_provider)
 
 
 def diagnostics() -> dict[str, int]:

@@ -15,10 +15,13 @@ Usage::
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import Counter
 from typing import Any
+
+from dcp_otel import _forksafe
 
 logger = logging.getLogger("dcp_otel")
 
@@ -58,8 +61,19 @@ def counts() -> dict[str, int]:
         return dict(_counts)
 
 
+def _after_fork_in_child() -> None:
+    """A forked child starts with its own counts, and a lock no parent thread holds."""
+    global _lock
+    _lock = threading.Lock()
+    _counts.clear()
+    _last_logged.clear()
+
+
 def reset() -> None:
     """Forget all counts and rate limits (for tests and after ``fork``)."""
     with _lock:
         _counts.clear()
         _last_logged.clear()
+
+
+_forksafe.register(sys.modules[__name__])

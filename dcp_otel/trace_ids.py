@@ -102,6 +102,10 @@ class SequenceCounter:
         self._lock = threading.Lock()
         self._next: dict[CheckpointKey, int] = {}
 
+    def reset_lock(self) -> None:
+        """After ``fork``: a lock no thread of the child holds (the counts stay)."""
+        self._lock = threading.Lock()
+
     def next(self, key: CheckpointKey) -> int:
         with self._lock:
             seq = self._next.get(key, 0)

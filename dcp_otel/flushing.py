@@ -1,0 +1,76 @@
+"""Flushing spans without ever hanging the caller.
+
+The SDK's ``BatchSpanProcessor.force_flush`` exports in the calling thread and
+does not honour its timeout, so a stuck collector would hang whoever flushes.
+:func:`flush_spans` runs the flush in a helper thread and waits at most
+``timeout_s`` for it; :class:`ExitFlush` does that once at interpreter exit,
+after the in-flight async uploads' spans have ended, so a training script that
+never calls :func:`dcp_otel.flush` still exports its last checkpoint's spans.
+
+Usage::
+
+    flush_spans(recorder, timeout_s=10)      # True: everything exported in time
+    atexit.register(ExitFlush(recorder, 10))
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from opentelemetry import trace
+
+from dcp_otel._selftelemetry import report
+from dcp_otel.spans import SpanRecorder
+
+
+def flush_spans(
+    recorder: SpanRecorder | None, timeout_s: float, provider: trace.TracerProvider | None = None
+) -> bool:
+    """Wait for async uploads' spans to end, then flush ``provider``; ``False`` past ``timeout_s``.
+
+    ``provider`` defaults to the one the recorder's spans go to (else the
+    global one). Never raises and never waits longer than ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    done = recorder.wait_for_uploads(timeout_s) if recorder is not None else True
+    if provider is None:
+        provider = recorder.provider() if recorder is not None else trace.get_tracer_provider()
+    force_flush = getattr(provider, "force_flush", None)
+    if force_flush is None:
+        return done
+    remaining = max(0.0, deadline - time.monotonic())
+    outcome: list[bool] = []
+
+    def run() -> None:
+        try:
+            outcome.append(bool(force_flush(int(remaining * 1000))))
+        except Exception:  # noqa: BLE001 - a broken exporter must not break the caller
+            report("flush_error", "dcp_otel: the tracer provider failed to flush", exc_info=True)
+            outcome.append(False)
+
+    # A daemon thread: if the exporter hangs past the deadline it must not keep
+    # the interpreter alive either.
+    worker = threading.Thread(target=run, name="dcp-otel-flush", daemon=True)
+    worker.start()
+    worker.join(remaining)
+    if worker.is_alive():
+        report("flush_timeout", "dcp_otel: the span exporter did not finish flushing within %.1f s", timeout_s)
+        return False
+    return done and outcome[0]
+
+
+class ExitFlush:
+    """The ``atexit`` hook of one instrumentation; a no-op in forked children."""
+
+    def __init__(self, recorder: SpanRecorder, timeout_s: float) -> None:
+        self._recorder = recorder
+        self._timeout_s = timeout_s
+        self._pid = os.getpid()
+
+    def __call__(self) -> None:
+        # A forked child inherits atexit hooks, but the spans are the parent's.
+        if os.getpid() != self._pid or self._timeout_s <= 0:
+            return
+        flush_spans(self._recorder, self._timeout_s)
