@@ -11,6 +11,11 @@ background ``save`` would start a trace of its own. Two small wrappers fix it:
 * around ``save_wrapper`` (executor thread): run the background ``save`` in
   that context, so it and its steps join the async save's trace.
 
+The process-based executor (``AsyncCheckpointerType.PROCESS``) has the same
+two steps, ``execute_save`` and ``_execute_save_impl``, wrapped the same way;
+from its executor thread :mod:`dcp_otel.process_async` carries the context on
+into the daemon process.
+
 The hand-over is keyed by the identity of the staged object, which the executor
 keeps alive until ``save_wrapper`` runs; entries are removed when used, or when
 the hand-off fails.
@@ -29,6 +34,7 @@ from typing import Any, Callable
 
 from opentelemetry import context as context_api
 
+from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
 from dcp_otel.spans import SpanRecorder
 
@@ -42,6 +48,11 @@ class AsyncContextCarrier:
         self._recorder = recorder
         self._lock = threading.Lock()
         self._pending: dict[int, context_api.Context] = {}
+        _forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = {}  # hand-overs to the parent's executor threads, which the child does not have
 
     def pending_count(self) -> int:
         with self._lock:

@@ -14,9 +14,11 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,17 @@ class InstrumentOptions:
         max_open_spans: bound on DCP spans open at once in this process; past it
             new spans are dropped and counted, so a torch that never logs an
             end event cannot grow memory without limit.
+        process_setup: ``"module:function"`` run first in torch's async
+            checkpoint daemon (``AsyncCheckpointerType.PROCESS``) to configure
+            its tracing; it returns the ``TracerProvider`` the daemon's spans go
+            to (or ``None`` after setting the global one). Only needed when the
+            training script configures its exporter in code: without it the
+            daemon uses an SDK already set up there (``opentelemetry-instrument``),
+            else one built from the ``OTEL_*`` variables it inherits. See
+            :mod:`dcp_otel.daemon`.
+        flush_timeout_s: the longest dcp-otel waits for the exporter when it
+            flushes on its own: at interpreter exit, and in the daemon after each
+            save (0 disables both).
     """
 
     tracer_provider: TracerProvider | None = None
@@ -59,6 +72,8 @@ class InstrumentOptions:
     run_id: str | None = None
     slowest_keys: int = 5
     max_open_spans: int = 10_000
+    process_setup: str | None = None
+    flush_timeout_s: int = 10
 
     def __post_init__(self) -> None:
         if self.registry is not None and not isinstance(self.registry, CollectorRegistry):
@@ -69,6 +84,9 @@ class InstrumentOptions:
         if self.metrics_port is not None:
             _check_int("metrics_port", self.metrics_port, 0, 65535)
         _check_int("max_open_spans", self.max_open_spans, 16, 10_000_000)
+        _check_int("flush_timeout_s", self.flush_timeout_s, 0, 600)
+        if self.process_setup is not None:
+            resolve_callable(self.process_setup)  # a typo fails here, not in the daemon
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> InstrumentOptions:
@@ -84,7 +102,17 @@ class InstrumentOptions:
         values = dict(kwargs)
         if values.get("run_id") is None and (env := os.environ.get(semconv.ENV_RUN_ID, "").strip()):
             values["run_id"] = env
+        if values.get("process_setup") is None and (env := os.environ.get(semconv.ENV_PROCESS_SETUP, "").strip()):
+            try:
+                resolve_callable(env)
+                values["process_setup"] = env
+            except ValueError as exc:
+                logger.warning("ignoring %s=%r: %s", semconv.ENV_PROCESS_SETUP, env, exc)
         for name, env_name, low, high in _INT_ENV:
+            if name == "metrics_port" and not is_rank_process():
+                # The checkpoint daemon, a DataLoader worker or torchrun itself
+                # inherits the rank's environment: the rank serves on that port.
+                continue
             if name not in values:
                 parsed = env_int(env_name, low, high)
                 if parsed is not None:
@@ -96,7 +124,53 @@ _INT_ENV = (
     ("metrics_port", semconv.ENV_METRICS_PORT, 0, 65535),
     ("slowest_keys", semconv.ENV_SLOWEST_KEYS, 0, 100),
     ("max_open_spans", semconv.ENV_MAX_OPEN_SPANS, 16, 10_000_000),
+    ("flush_timeout_s", semconv.ENV_FLUSH_TIMEOUT_S, 0, 600),
 )
+
+
+#: Launchers whose process is not a rank (console script names, ``-m`` modules).
+_LAUNCHER_SCRIPTS = frozenset({"torchrun", "dcp-otel-run"})
+_LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "dcp_otel.launcher"})
+
+
+def is_rank_process() -> bool:
+    """False in torchrun itself and in processes ``multiprocessing`` spawned from a rank.
+
+    ``opentelemetry-instrument torchrun ...`` instruments all of them, and they
+    all inherit the rank's environment, but only the rank itself should serve
+    ``$DCP_OTEL_METRICS_PORT``. Decided from the interpreter's command line
+    (``sys.orig_argv``), because this runs in ``sitecustomize``, before
+    ``sys.argv`` or multiprocessing are set up.
+    """
+    argv = getattr(sys, "orig_argv", sys.argv)
+    if "--multiprocessing-fork" in argv:  # multiprocessing's spawn / forkserver children
+        return False
+    if "-c" in argv[:-1] and argv[argv.index("-c") + 1].startswith("from multiprocessing"):
+        return False  # its helpers (resource tracker, forkserver) too
+    if len(argv) > 1 and os.path.basename(argv[1]) in _LAUNCHER_SCRIPTS:
+        return False
+    return not (len(argv) > 2 and argv[1] == "-m" and argv[2] in _LAUNCHER_MODULES)
+
+
+def resolve_callable(spec: str) -> Callable[..., Any]:
+    """The callable named by ``"package.module:function"``.
+
+    Raises:
+        ValueError: a malformed name, a module that does not import, or no such callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:function', got {spec!r}")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - whatever the import raised, say so plainly
+        raise ValueError(f"cannot import {module_name!r} for {spec!r}: {exc}") from exc
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+    if not callable(target):
+        raise ValueError(f"{spec!r} does not name a callable")
+    found: Callable[..., Any] = target
+    return found
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

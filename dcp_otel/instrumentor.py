@@ -14,6 +14,7 @@ Usage::
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Collection
 from typing import Any
 
@@ -21,7 +22,8 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.metrics import CheckpointMetrics
+from dcp_otel.flushing import ExitFlush
+from dcp_otel.metrics import CheckpointMetrics, MetricsSink
 from dcp_otel.package import _instruments
 from dcp_otel.spans import SpanRecorder
 from dcp_otel.torch_hooks import Installed, install
@@ -40,24 +42,32 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     _installed: Installed | None = None
     _metrics: CheckpointMetrics | None = None
     _endpoint: MetricsEndpoint | None = None
+    _exit_flush: ExitFlush | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
+        # Internal: the async save daemon relays its metrics to its rank instead.
+        sink: MetricsSink | None = kwargs.pop("_metrics_sink", None)
         options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
-        metrics = CheckpointMetrics(options.registry)  # raises if already registered there
+        metrics = CheckpointMetrics(options.registry) if sink is None else None  # raises if already registered
         if options.metrics_port is not None:
             try:  # before anything is attached: a bad address fails here, leaving nothing behind
                 self._endpoint = start_metrics_server(options.metrics_port, registry=options.registry)
             except BaseException:
-                metrics.unregister()
+                if metrics is not None:
+                    metrics.unregister()
                 raise
         self._metrics = metrics
-        self._recorder = SpanRecorder(options, metrics)
-        self._installed = install(self._recorder)
+        self._recorder = SpanRecorder(options, metrics if sink is None else sink)
+        self._installed = install(self._recorder, options, metrics)
+        self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s)
+        atexit.register(self._exit_flush)
 
     def _uninstrument(self, **kwargs: Any) -> None:
+        if self._exit_flush is not None:
+            atexit.unregister(self._exit_flush)
         if self._installed is not None:
             self._installed.remove()
         if self._recorder is not None:
@@ -70,6 +80,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         self._recorder = None
         self._metrics = None
         self._endpoint = None
+        self._exit_flush = None
 
     @property
     def recorder(self) -> SpanRecorder | None:

@@ -21,7 +21,7 @@ Usage::
 from __future__ import annotations
 
 import re
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -58,6 +58,34 @@ def exemplar_for(span: trace.Span | None, rank: str | None = None) -> Exemplar |
 def bounded_name(name: str) -> str:
     """``name`` if it looks like a DCP function name, else ``"other"``."""
     return name if _NAME.match(name) else OTHER
+
+
+class MetricsSink(Protocol):
+    """What the span recorder tells metrics: :class:`CheckpointMetrics`, or the
+    :class:`~dcp_otel.metrics_relay.MetricsRelay` standing in for it in the async save process."""
+
+    def operation_done(
+        self,
+        operation: str,
+        rank: str,
+        ok: bool,
+        duration_s: float,
+        wait_s: float,
+        end_unix_s: float,
+        exemplar: Exemplar | None,
+    ) -> None: ...
+
+    def step_done(self, operation: str, step: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None: ...
+
+    def bytes_written(self, rank: str, amount: int) -> None: ...
+
+    def bytes_read(self, rank: str, amount: int) -> None: ...
+
+    def async_handed_off(self, rank: str) -> None: ...
+
+    def async_phase_done(self, phase: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None: ...
+
+    def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None: ...
 
 
 class CheckpointMetrics:

@@ -61,6 +61,12 @@ ATTR_STATE_DICT_SLOWEST_KEYS: Final = "dcp.state_dict.slowest_keys"  # str[]
 ATTR_STATE_DICT_SLOWEST_SECONDS: Final = "dcp.state_dict.slowest_keys_seconds"  # float[]
 ATTR_STATE_DICT_FAILED_KEY: Final = "dcp.state_dict.failed_key"  # str
 
+#: Resource attribute (``TorchDistributedResourceDetector``); the resource also
+#: carries ATTR_RANK, ATTR_WORLD_SIZE and ATTR_RUN_ID, and ``host.name``.
+RESOURCE_LOCAL_RANK: Final = "dcp.local_rank"  # int
+#: Name of the resource detector entry point (OTEL_EXPERIMENTAL_RESOURCE_DETECTORS).
+RESOURCE_DETECTOR: Final = "dcp_otel"
+
 #: Link attribute telling why a link exists.
 ATTR_LINK_KIND: Final = "dcp.link"
 LINK_CALLER: Final = "caller"  # from a DCP span to the span active when DCP was called
@@ -81,6 +87,8 @@ STATEFUL_KEY_PREFIX: Final = "_stateful_to_state_dict."
 ENV_RUN_ID: Final = "DCP_OTEL_RUN_ID"
 ENV_SLOWEST_KEYS: Final = "DCP_OTEL_SLOWEST_KEYS"
 ENV_MAX_OPEN_SPANS: Final = "DCP_OTEL_MAX_OPEN_SPANS"
+ENV_PROCESS_SETUP: Final = "DCP_OTEL_PROCESS_SETUP"  # module:function configuring the async save daemon
+ENV_FLUSH_TIMEOUT_S: Final = "DCP_OTEL_FLUSH_TIMEOUT_S"  # seconds; bounds the flushes dcp-otel starts
 #: Run-id sources set by launchers, tried in this order after ENV_RUN_ID.
 ENV_TORCHELASTIC_RUN_ID: Final = "TORCHELASTIC_RUN_ID"
 ENV_TORCHELASTIC_RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"

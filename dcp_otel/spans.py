@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as context_api
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, Span, Status, StatusCode
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_otel import semconv
+from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import DCPEvent, operation_fields
-from dcp_otel.metrics import CheckpointMetrics, Exemplar, exemplar_for
+from dcp_otel.metrics import Exemplar, MetricsSink, exemplar_for
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.trace_ids import (
     CheckpointKey,
@@ -185,7 +185,7 @@ class _Entry:
 class SpanRecorder:
     """Turns DCP events into spans; thread-safe; never raises from its ``on_*``."""
 
-    def __init__(self, options: InstrumentOptions, metrics: CheckpointMetrics | None = None) -> None:
+    def __init__(self, options: InstrumentOptions, metrics: MetricsSink | None = None) -> None:
         self._options = options
         self._metrics = metrics
         self._local = threading.local()
@@ -197,6 +197,15 @@ class SpanRecorder:
         # Async uploads whose span is still open. Their future's done-callback
         # ends the span *after* waiters on the future wake up, so anyone who
         # needs the telemetry complete waits on this, not on the future.
+        self._uploads = threading.Condition()
+        self._uploads_in_flight = 0
+        _forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        """The child forgets the parent's spans in flight (they are the parent's to end)."""
+        self._local = threading.local()
+        self._open = {}
+        self._seq.reset_lock()
         self._uploads = threading.Condition()
         self._uploads_in_flight = 0
 
@@ -523,7 +532,7 @@ class SpanRecorder:
             if entry.owns_op_part:
                 entry.op.part_done(end_ns, description)
 
-    def _observe(self, metrics: CheckpointMetrics, entry: _Entry, op: _Operation, end_ns: int, ok: bool) -> None:
+    def _observe(self, metrics: MetricsSink, entry: _Entry, op: _Operation, end_ns: int, ok: bool) -> None:
         """The metrics of one closed span (a separate concern: failures here only count)."""
         try:
             duration_s = (end_ns - entry.start_ns) / 1e9
@@ -566,6 +575,51 @@ class SpanRecorder:
                 span.set_attribute(attr, written if written is not None else read)
         except Exception:  # noqa: BLE001
             report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)
+
+    # --- across a process boundary (async save in a daemon process) -------
+    def export_operation(self) -> dict[str, Any] | None:
+        """The current DCP operation and span as plain data another process can adopt.
+
+        The span context travels as propagation headers (the global
+        propagator's, W3C ``traceparent`` by default), as OpenTelemetry's
+        messaging instrumentations carry it; the operation as its name, rank and
+        step attributes. ``None`` when no DCP operation is current.
+        """
+        try:
+            op = context_api.get_value(_OPERATION_KEY)
+            if not isinstance(op, _Operation):
+                return None
+            headers: dict[str, str] = {}
+            propagate.inject(headers)
+            return {"headers": headers, "operation": op.name, "rank": op.rank, "attributes": dict(op.step_attributes)}
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to carry a DCP operation to another process", exc_info=True)
+            return None
+
+    def adopt_operation(self, carried: object) -> context_api.Context | None:
+        """The context in which DCP calls continue the operation :meth:`export_operation` described.
+
+        Spans started in it are children of the exported span, carry the
+        operation's attributes, and their metrics are that operation's steps.
+        ``None`` (with a counted warning) for anything malformed.
+        """
+        try:
+            if not isinstance(carried, dict):
+                raise TypeError(f"expected a dict, got {type(carried).__name__}")
+            headers, name, rank, attributes = (
+                carried["headers"], carried["operation"], carried["rank"], carried["attributes"]
+            )  # fmt: skip
+            if not (isinstance(headers, dict) and isinstance(name, str) and isinstance(attributes, dict)):
+                raise TypeError("malformed operation carrier")
+            ctx = propagate.extract({str(k): str(v) for k, v in headers.items()})
+            op = _Operation(name, int(rank), self._tracer()[0], attributes)
+            parent = trace.get_current_span(ctx).get_span_context()
+            if parent.is_valid and parent.trace_flags.sampled:
+                op.exemplar = {semconv.EXEMPLAR_TRACE_ID: format(parent.trace_id, "032x"), semconv.EXEMPLAR_RANK: op.rank}
+            return context_api.set_value(_OPERATION_KEY, op, ctx)
+        except Exception:  # noqa: BLE001
+            report("malformed_carrier", "dcp_otel could not continue a DCP operation from another process", exc_info=True)
+            return None
 
     # --- async save -----------------------------------------------------
     def begin_async_upload(

@@ -26,7 +26,10 @@ import wrapt
 from opentelemetry.instrumentation.utils import unwrap
 
 from dcp_otel.async_context import AsyncContextCarrier
+from dcp_otel.config import InstrumentOptions
 from dcp_otel.handler import DCPLogHandler
+from dcp_otel.metrics import MetricsSink
+from dcp_otel.process_async import DAEMON_CLASS, DAEMON_ENTRY, PROCESS_MODULE, ProcessBridge, replace_daemon_entry
 from dcp_otel.spans import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
@@ -42,10 +45,21 @@ class Patch:
     module: str
     name: str  # "function" or "Class.method"
     lost: str
-    wrapper: Callable[[SpanRecorder, AsyncContextCarrier], Callable[..., Any]]
+    wrapper: Callable[[Hooks], Callable[..., Any]]
 
 
-def _wrap_exception_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class Hooks:
+    """The objects the wrappers report to."""
+
+    recorder: SpanRecorder
+    carrier: AsyncContextCarrier
+    bridge: ProcessBridge
+
+
+def _wrap_exception_wrapper(hooks: Hooks) -> Callable[..., Any]:
+    recorder = hooks.recorder
+
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args:
             recorder.on_wrapped_exception(args[0])
@@ -54,7 +68,9 @@ def _wrap_exception_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> C
     return wrapper
 
 
-def _storage_setup_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Callable[..., Any]:
+def _storage_setup_wrapper(hooks: Hooks) -> Callable[..., Any]:
+    recorder = hooks.recorder
+
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         storage = wrapped(*args, **kwargs)
         reader = kwargs.get("reader", args[2] if len(args) > 2 else False)
@@ -64,7 +80,9 @@ def _storage_setup_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Ca
     return wrapper
 
 
-def _gather_object_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Callable[..., Any]:
+def _gather_object_wrapper(hooks: Hooks) -> Callable[..., Any]:
+    recorder = hooks.recorder
+
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         recorder.on_gathered(args[0] if args else kwargs.get("object"))
         return wrapped(*args, **kwargs)
@@ -73,6 +91,8 @@ def _gather_object_wrapper(recorder: SpanRecorder, _: AsyncContextCarrier) -> Ca
 
 
 _NO_STORAGE_CLASS = "no storage class on spans when DCP infers it from checkpoint_id"
+_NO_PROCESS_TRACE = "the save in the async save process is not part of the checkpoint's trace"
+_NO_DAEMON = "the async save process is not traced"
 
 PATCHES: tuple[Patch, ...] = (
     # save and load each import _storage_setup into their own namespace.
@@ -94,14 +114,32 @@ PATCHES: tuple[Patch, ...] = (
         "torch.distributed.checkpoint._async_thread_executor",
         "_ThreadBasedAsyncCheckpointExecutor.execute_save",
         "no dcp.async_upload span; the background save of async_save starts its own trace",
-        lambda _, carrier: carrier.execute_save,
+        lambda hooks: hooks.carrier.execute_save,
     ),
     Patch(
         "torch.distributed.checkpoint._async_thread_executor",
         "save_wrapper",
         "the background save of async_save starts its own trace",
-        lambda _, carrier: carrier.save_wrapper,
+        lambda hooks: hooks.carrier.save_wrapper,
     ),
+    # async_save in a daemon process (AsyncCheckpointerType.PROCESS): the same
+    # hand-over to the executor thread, then across the process boundary.
+    Patch(
+        PROCESS_MODULE,
+        "_ProcessBasedAsyncCheckpointExecutor.execute_save",
+        _NO_PROCESS_TRACE,
+        lambda hooks: hooks.carrier.execute_save,
+    ),
+    Patch(
+        PROCESS_MODULE,
+        "_ProcessBasedAsyncCheckpointExecutor._execute_save_impl",
+        _NO_PROCESS_TRACE,
+        lambda hooks: hooks.carrier.save_wrapper,
+    ),
+    Patch(PROCESS_MODULE, "_ProcessGroupInitInfo.__init__", _NO_DAEMON, lambda hooks: hooks.bridge.init_info),
+    Patch(PROCESS_MODULE, "_AsyncCheckpointProcess._send", _NO_PROCESS_TRACE, lambda hooks: hooks.bridge.send),
+    Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.save", "no metrics from the async save process",
+          lambda hooks: hooks.bridge.save),  # fmt: skip
 )
 
 
@@ -112,13 +150,20 @@ class Installed:
     handler: DCPLogHandler | None = None
     dcp_logger: logging.Logger | None = None
     carrier: AsyncContextCarrier | None = None
+    bridge: ProcessBridge | None = None
     wrapped: list[tuple[Any, str]] = field(default_factory=list)  # (owner, attribute)
+    restore_daemon_entry: Callable[[], None] | None = None
     missing: list[str] = field(default_factory=list)
 
     def remove(self) -> None:
         for owner, attr in reversed(self.wrapped):
             unwrap(owner, attr)
         self.wrapped.clear()
+        if self.restore_daemon_entry is not None:
+            self.restore_daemon_entry()
+            self.restore_daemon_entry = None
+        if self.bridge is not None:
+            self.bridge.close()
         if self.dcp_logger is not None and self.handler is not None:
             self.dcp_logger.removeHandler(self.handler)
         self.handler = self.dcp_logger = None
@@ -150,10 +195,17 @@ def _resolve(patch: Patch) -> tuple[Any, str] | None:
     return (owner, attr) if callable(found) else None
 
 
-def install(recorder: SpanRecorder) -> Installed:
-    """Attach to torch; warn once about anything this torch does not have."""
+def install(
+    recorder: SpanRecorder, options: InstrumentOptions | None = None, metrics: MetricsSink | None = None
+) -> Installed:
+    """Attach to torch; warn once about anything this torch does not have.
+
+    ``metrics`` receive what the async save process observed (``None``: dropped).
+    """
     carrier = AsyncContextCarrier(recorder)
-    installed = Installed(carrier=carrier)
+    bridge = ProcessBridge(recorder, options or InstrumentOptions(), metrics)
+    hooks = Hooks(recorder, carrier, bridge)
+    installed = Installed(carrier=carrier, bridge=bridge)
     dcp_logger = find_dcp_logger()
     if dcp_logger is None:
         installed.missing.append(f"{LOGGER_MODULE}.{LOGGER_ATTR} (no spans at all)")
@@ -167,8 +219,11 @@ def install(recorder: SpanRecorder) -> Installed:
             installed.missing.append(f"{patch.module}.{patch.name} ({patch.lost})")
             continue
         owner, attr = target
-        wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(recorder, carrier))
+        wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(hooks))
         installed.wrapped.append((owner, attr))
+    installed.restore_daemon_entry = replace_daemon_entry()
+    if installed.restore_daemon_entry is None:
+        installed.missing.append(f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})")
     if installed.missing:
         logger.warning(
             "dcp_otel: this torch's DCP internals differ from what dcp_otel expects; instrumenting "

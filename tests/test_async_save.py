@@ -120,23 +120,3 @@ def test_a_failing_metrics_backend_never_breaks_async_save(traced, tmp_path: Pat
     assert traced.recorder().wait_for_uploads(timeout=30)
     assert dcp_otel.diagnostics()["metrics_error"] >= 1
     assert {semconv.SPAN_ASYNC_UPLOAD, "dcp.write_data"} <= {s.name for s in traced.spans()}  # spans unaffected
-
-
-def test_process_based_async_save_still_works_and_its_spans_close() -> None:
-    """The daemon process is not traced yet; the checkpoint and the caller's spans must be unaffected."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.ports import free_port_range
-    from tests.ranks import REPO, WORKERS, rank_env
-
-    run = subprocess.run(
-        [sys.executable, str(WORKERS / "process_async.py"), str(free_port_range(1))],
-        capture_output=True, text=True, timeout=240, cwd=REPO, env=rank_env(),
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    seen = json.loads(run.stdout.strip().splitlines()[-1])
-    assert seen["loaded"] == [float(i) for i in range(10)]  # the checkpoint round-trips
-    assert {"dcp.checkpoint", "dcp.async_save", "dcp.stage_state_dict", "dcp.load"} <= set(seen["spans"])
-    assert seen["diagnostics"] == {"open_spans": 0}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint._async_process_executor as process_executor
 import torch.distributed.checkpoint._async_thread_executor as thread_executor
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
@@ -28,6 +29,7 @@ from tests.spans_io import from_readable, named
 
 
 def originals() -> dict[str, object]:
+    process = process_executor
     return {
         "wrap_exception": dcp_utils.__dict__["_wrap_exception"],
         "gather_object": dcp_utils._DistWrapper.__dict__["gather_object"],
@@ -35,7 +37,16 @@ def originals() -> dict[str, object]:
         "save_wrapper": thread_executor.__dict__["save_wrapper"],
         "saver_storage_setup": dcp_saver.__dict__["_storage_setup"],
         "loader_storage_setup": dcp_loader.__dict__["_storage_setup"],
+        "process_execute_save": process._ProcessBasedAsyncCheckpointExecutor.__dict__["execute_save"],
+        "process_execute_save_impl": process._ProcessBasedAsyncCheckpointExecutor.__dict__["_execute_save_impl"],
+        "init_info": process._ProcessGroupInitInfo.__dict__["__init__"],
+        "daemon_send": process._AsyncCheckpointProcess.__dict__["_send"],
+        "daemon_save": process._AsyncCheckpointProcess.__dict__["save"],
     }
+
+
+def daemon_entry() -> object:  # replaced, not wrapped: torch pickles it by name into the daemon
+    return process_executor._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"]
 
 
 def our_handlers() -> list[logging.Handler]:
@@ -49,15 +60,17 @@ def test_every_patch_point_is_covered_by_the_identity_check() -> None:
 
 
 def test_uninstrument_restores_every_original_object(provider) -> None:
-    before, handlers_before = originals(), list(_dcp_logger.handlers)
+    before, handlers_before, entry_before = originals(), list(_dcp_logger.handlers), daemon_entry()
 
     dcp_otel.instrument(tracer_provider=provider[0])
-    during = originals()
+    during, entry_during = originals(), daemon_entry()
     dcp_otel.uninstrument()
 
     assert all(during[name] is not before[name] for name in before)  # really patched
+    assert entry_during is not entry_before
     after = originals()
     assert all(after[name] is before[name] for name in before), after
+    assert daemon_entry() is entry_before
     assert _dcp_logger.handlers == handlers_before and not our_handlers()
 
 
@@ -187,19 +200,62 @@ def test_opentelemetry_instrument_turns_it_on_with_no_code_change(tmp_path: Path
     assert '"service.name": "zero-code-test"' in out.stdout
 
 
-def test_opentelemetry_instrument_torchrun_traces_every_worker_in_one_trace(tmp_path: Path) -> None:
+def test_opentelemetry_instrument_torchrun_needs_no_code_in_workers_or_their_checkpoint_daemons(
+    tmp_path: Path,
+) -> None:
+    """Zero code, end to end: OTEL_* and DCP_OTEL_* reach every worker and daemon.
+
+    Spans travel over real OTLP/HTTP to a loopback receiver; the per-rank
+    metrics endpoints are read by the workers themselves at the end.
+    """
+    from tests.otlp_receiver import OtlpReceiver
+    from tests.ports import free_port_range
     from tests.ranks import WORKERS
 
-    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "none",
-           "OTEL_LOGS_EXPORTER": "none", "OMP_NUM_THREADS": "1", "CKPT": str(tmp_path / "c")}  # fmt: skip
     bindir = Path(sys.executable).parent
-    run = subprocess.run(
-        [str(bindir / "opentelemetry-instrument"), str(bindir / "torchrun"), "--standalone", "--nproc-per-node", "2",
-         str(WORKERS / "plain_train.py")],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    with OtlpReceiver() as receiver:
+        env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+               "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_METRICS_EXPORTER": "none",
+               "OTEL_LOGS_EXPORTER": "none", "OTEL_SERVICE_NAME": "zero-code-torchrun",
+               "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "dcp_otel", "OMP_NUM_THREADS": "1",
+               "DCP_OTEL_METRICS_PORT": str(free_port_range(2)), "CKPT": str(tmp_path / "c"),
+               "ASYNC_PROCESS": "1", "SCRAPE_TO": str(tmp_path)}  # fmt: skip
+        run = subprocess.run(
+            [str(bindir / "opentelemetry-instrument"), str(bindir / "torchrun"), "--standalone", "--nproc-per-node",
+             "2", str(WORKERS / "plain_train.py")],
+            capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+        )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    spans = run.stdout + run.stderr  # the console exporter writes to the workers' stdout
-    assert spans.count('"name": "dcp.save"') == 2  # one per worker, with no code in the script
-    assert spans.count('"name": "dcp.checkpoint"') == 1  # one root, from the coordinator
-    assert len(set(re.findall(r'"trace_id": "(0x[0-9a-f]{32})"', spans))) == 1  # one trace for the checkpoint
+    assert "cannot serve metrics" not in run.stderr  # no launcher, daemon or helper took a rank's port
+    spans = receiver.spans
+
+    # One trace per checkpoint, as received: the save, and the async save whose
+    # upload each rank's daemon did.
+    saves = [s for s in spans if s.name == "dcp.save" and s.attributes["dcp.operation"] == "save"]
+    assert sorted(s.attributes["dcp.rank"] for s in saves) == [0, 1]
+    async_saves = [s for s in spans if s.name == "dcp.async_save"]
+    assert len(async_saves) == 2
+    for trace_id in {saves[0].trace_id, async_saves[0].trace_id}:
+        in_trace = [s for s in spans if s.trace_id == trace_id]
+        assert [s.name for s in in_trace].count("dcp.checkpoint") == 1
+        ids = {s.span_id for s in in_trace}
+        assert all(s.parent_id in ids for s in in_trace if s.name != "dcp.checkpoint")  # no orphans
+    assert len({s.trace_id for s in saves}) == 1 and len({s.trace_id for s in async_saves}) == 1
+    uploads = {s.span_id: s for s in spans if s.name == "dcp.async_upload"}
+    daemon_saves = [s for s in spans if s.name == "dcp.save" and s.attributes["dcp.operation"] == "async_save"]
+    assert sorted(uploads[s.parent_id].attributes["dcp.rank"] for s in daemon_saves) == [0, 1]
+
+    # Resource attributes: service, host, rank and run id, per process.
+    for span in spans:
+        resource = span.resource
+        assert resource["service.name"] == "zero-code-torchrun" and resource["host.name"]
+        assert resource["dcp.rank"] == span.attributes["dcp.rank"]
+        assert resource["dcp.world_size"] == 2
+    assert len({s.resource["dcp.run_id"] for s in spans}) == 1  # torchrun's run id, on every rank
+
+    # Each rank's endpoint, on base port + LOCAL_RANK, serves that rank, daemon included.
+    for rank in (0, 1):
+        text = (tmp_path / f"metrics-{rank}.txt").read_text()
+        assert f'dcp_operations_total{{operation="save",rank="{rank}",status="success"}} 1.0' in text
+        assert (f'dcp_step_duration_seconds_count{{operation="async_save",rank="{rank}",step="write_data"}} 1.0'
+                in text)  # fmt: skip

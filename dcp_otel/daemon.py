@@ -1,0 +1,203 @@
+"""Tracing inside torch's async checkpoint daemon (``AsyncCheckpointerType.PROCESS``).
+
+:func:`daemon_main` replaces the daemon's entry point (see
+:mod:`dcp_otel.process_async`). Before running torch's own, it:
+
+1. picks the tracer provider the daemon's spans go to, first that applies:
+   the rank's ``process_setup`` hook (``"module:function"``, returning a
+   ``TracerProvider`` or ``None`` after setting the global one); an SDK already
+   configured in the daemon (``opentelemetry-instrument`` runs there too, since
+   the daemon inherits ``PYTHONPATH`` and every ``OTEL_*`` variable); else an SDK
+   built from the inherited ``OTEL_*`` variables (``OTEL_TRACES_EXPORTER``, or
+   OTLP when an ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set) with the rank's
+   resource attributes, so the daemon's spans say which rank and job they
+   belong to;
+2. instruments DCP there with the rank's options, its metrics going to a
+   :class:`~dcp_otel.metrics_relay.MetricsRelay` back to the rank;
+3. runs every save request in the context the rank sent with it, so the
+   daemon's ``dcp.save`` and its steps are children of the rank's
+   ``dcp.async_upload`` span, in the checkpoint's one trace;
+4. after every save, sends the metrics and flushes the spans (bounded by
+   ``flush_timeout_s``) before torch answers the rank: the daemon may be
+   terminated at any moment after that.
+
+Nothing here raises into torch: a failure to set up tracing leaves the daemon
+checkpointing exactly as before, counted in ``dcp_otel.diagnostics()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+import wrapt
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.instrumentation.utils import unwrap
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider as SDKTracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from dcp_otel._selftelemetry import report
+from dcp_otel.config import resolve_callable
+from dcp_otel.flushing import flush_spans
+from dcp_otel.instrumentor import DCPInstrumentor
+from dcp_otel.metrics_relay import MetricsRelay
+from dcp_otel.process_async import BOOTSTRAP_ATTR, CARRIER_ATTR, DAEMON_CLASS, PROCESS_MODULE, DaemonBootstrap
+
+#: torch's own daemon entry point, set when it is replaced in this process.
+TORCH_ENTRY: Callable[..., None] | None = None
+_OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+def daemon_main(pg_init_info: Any, parent_conn: Any) -> None:
+    """The daemon's entry point: set up tracing, then run torch's."""
+    entry = _torch_entry()
+    bootstrap = getattr(pg_init_info, BOOTSTRAP_ATTR, None)
+    session = DaemonSession.start(bootstrap) if isinstance(bootstrap, DaemonBootstrap) else None
+    try:
+        entry(pg_init_info, parent_conn)
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _torch_entry() -> Callable[..., None]:
+    if TORCH_ENTRY is not None:
+        return TORCH_ENTRY
+    import importlib
+
+    owner = getattr(importlib.import_module(PROCESS_MODULE), DAEMON_CLASS)
+    entry: Callable[..., None] = vars(owner)["_checkpointing_subprocess"].__func__
+    return entry
+
+
+class DaemonSession:
+    """Tracing set up in one daemon, undone when torch's entry point returns."""
+
+    def __init__(self, bootstrap: DaemonBootstrap, provider: trace.TracerProvider, owned: bool) -> None:
+        self._bootstrap = bootstrap
+        self._provider = provider
+        self._owned = owned
+        self._relay = MetricsRelay(bootstrap.relay)
+        self._instrumentor = DCPInstrumentor()
+        self._owner: Any = None
+
+    @classmethod
+    def start(cls, bootstrap: DaemonBootstrap) -> DaemonSession | None:
+        """Set up tracing in this daemon; ``None`` (counted) if that fails."""
+        try:
+            provider, owned = _daemon_provider(bootstrap)
+            session = cls(bootstrap, provider, owned)
+            session._install()
+            return session
+        except Exception:  # noqa: BLE001 - the checkpoint goes on untraced
+            report("daemon_setup_error", "dcp_otel could not trace the async save process", exc_info=True)
+            return None
+
+    def _install(self) -> None:
+        import importlib
+
+        if self._instrumentor.is_instrumented_by_opentelemetry:  # opentelemetry-instrument got here first
+            self._instrumentor.uninstrument()
+        b = self._bootstrap
+        self._instrumentor.instrument(
+            tracer_provider=self._provider,
+            metrics_port=None,  # the rank serves this daemon's metrics
+            run_id=b.run_id,
+            slowest_keys=b.slowest_keys,
+            max_open_spans=b.max_open_spans,
+            flush_timeout_s=b.flush_timeout_s,
+            _metrics_sink=self._relay,
+        )
+        self._owner = getattr(importlib.import_module(PROCESS_MODULE), DAEMON_CLASS)
+        wrapt.wrap_function_wrapper(self._owner, "_execute_save", self.execute_save)
+
+    def execute_save(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Around ``_AsyncCheckpointProcess._execute_save``: one save request, in the rank's context."""
+        recorder = self._instrumentor.recorder
+        carried = getattr(kwargs.get("checkpoint_request_id"), CARRIER_ATTR, None)
+        ctx = recorder.adopt_operation(carried) if recorder is not None and carried is not None else None
+        token = context_api.attach(ctx) if ctx is not None else None
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            if token is not None:
+                context_api.detach(token)
+            self._relay.send()
+            if self._bootstrap.flush_timeout_s > 0:
+                flush_spans(recorder, self._bootstrap.flush_timeout_s, self._provider)
+
+    def close(self) -> None:
+        try:
+            if self._owner is not None:
+                unwrap(self._owner, "_execute_save")
+            self._relay.send()
+            flush_spans(self._instrumentor.recorder, self._bootstrap.flush_timeout_s, self._provider)
+            self._instrumentor.uninstrument()
+            if self._owned and isinstance(self._provider, SDKTracerProvider):
+                self._provider.shutdown()
+        except Exception:  # noqa: BLE001
+            report("daemon_setup_error", "dcp_otel failed to shut down tracing in the async save process", exc_info=True)
+
+
+def _daemon_provider(bootstrap: DaemonBootstrap) -> tuple[trace.TracerProvider, bool]:
+    """The provider for the daemon's spans, and whether this session built it (and shuts it down)."""
+    if bootstrap.process_setup:
+        try:
+            provider = resolve_callable(bootstrap.process_setup)()
+            if provider is None:
+                return trace.get_tracer_provider(), False
+            if isinstance(provider, trace.TracerProvider):
+                return provider, False
+            report("daemon_setup_error", "%s returned %s, not a TracerProvider", bootstrap.process_setup, type(provider))
+        except Exception:  # noqa: BLE001
+            report("daemon_setup_error", "dcp_otel: %s failed in the async save process", bootstrap.process_setup,
+                   exc_info=True)  # fmt: skip
+    current = trace.get_tracer_provider()
+    if isinstance(current, SDKTracerProvider):
+        return current, False
+    return _provider_from_environment(bootstrap), True
+
+
+def _provider_from_environment(bootstrap: DaemonBootstrap) -> SDKTracerProvider:
+    """An SDK provider from the ``OTEL_*`` variables, with the rank's resource."""
+    # The SDK's own environment rules (exporter names, OTLP protocol); what
+    # opentelemetry-instrument's configurator uses too.
+    from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names, _import_exporters
+
+    names = _get_exporter_names("traces")
+    if not names and "OTEL_TRACES_EXPORTER" not in os.environ and any(os.environ.get(v) for v in _OTLP_ENDPOINT_VARS):
+        names = [_default_otlp_exporter(_get_exporter_entry_point)]
+    attributes = dict(bootstrap.resource) or dict(Resource.create().attributes)
+    attributes["process.pid"] = os.getpid()
+    provider = SDKTracerProvider(resource=Resource(attributes))
+    if not names:
+        report(
+            "daemon_no_exporter",
+            "the async save process has no span exporter: set OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_ENDPOINT, "
+            "or DCP_OTEL_PROCESS_SETUP=module:function when the exporter is configured in code",
+        )
+        return provider
+    try:
+        exporters, _, _ = _import_exporters(names, [], [])
+    except Exception:  # noqa: BLE001 - e.g. an exporter package that is not installed
+        report("daemon_no_exporter", "the async save process cannot load span exporter(s) %s", names, exc_info=True)
+        return provider
+    for exporter_class in exporters.values():
+        provider.add_span_processor(BatchSpanProcessor(exporter_class()))
+    return provider
+
+
+def _default_otlp_exporter(entry_point_for: Callable[[str, Any], str]) -> str:
+    """OTLP with no exporter named: the protocol asked for, else the OTLP exporter installed.
+
+    Only an OTLP endpoint is set. The SDK would pick gRPC, the spec's default is
+    HTTP; what the rank can actually use is whichever of them is installed.
+    """
+    if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL"):
+        return entry_point_for("otlp", "traces")
+    installed = {ep.name for ep in entry_points(group="opentelemetry_traces_exporter")}
+    return "otlp_proto_http" if "otlp_proto_http" in installed or "otlp_proto_grpc" not in installed else "otlp_proto_grpc"

@@ -1,0 +1,148 @@
+"""Checkpoint metrics observed in torch's checkpoint daemon, counted by the rank that owns it.
+
+With ``AsyncCheckpointerType.PROCESS`` the background ``save`` runs in a daemon
+process. Its metrics belong on the rank's own endpoint (one scrape target per
+rank, the same ``rank`` label), so the daemon does not record them: a
+:class:`MetricsRelay` stands in for :class:`~dcp_otel.metrics.CheckpointMetrics`
+there, queues each observation, and :meth:`MetricsRelay.send` ships them to the
+rank over a pipe after every save; :func:`drain` applies them to the rank's real
+metrics when the save's response arrives.
+
+The pipe never blocks the daemon: messages are JSON below ``PIPE_BUF`` bytes, so
+a write is atomic, and the writer is non-blocking, so a full pipe (a rank that
+stopped reading) drops the message with a counted warning instead of stalling
+the checkpoint.
+
+Usage::
+
+    relay = MetricsRelay(writer)            # in the daemon, instead of CheckpointMetrics
+    relay.step_done("async_save", "write_data", "0", 0.4, None)
+    relay.send()                            # after the save
+    drain(reader, metrics)                  # in the rank, when the save returned
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dcp_otel._selftelemetry import report
+from dcp_otel.metrics import Exemplar, MetricsSink
+
+#: The observations a daemon can make (the operation itself belongs to the rank).
+RELAYED = frozenset(
+    {"operation_done", "step_done", "bytes_written", "bytes_read", "async_handed_off", "async_phase_done", "async_upload_done"}
+)
+#: Below POSIX PIPE_BUF (4096 on Linux) with room for the connection's 4-byte header.
+MAX_MESSAGE_BYTES = 3800
+#: Observations waiting to be sent; past it the oldest ones are dropped and counted.
+MAX_QUEUED = 4096
+#: Messages applied per drain, so a flooded pipe cannot hold up the rank.
+MAX_DRAINED = 4096
+
+
+class MetricsRelay:
+    """The daemon's stand-in for :class:`~dcp_otel.metrics.CheckpointMetrics`: same methods, queued."""
+
+    def __init__(self, writer: Connection | None) -> None:
+        self._writer = writer
+        self._lock = threading.Lock()
+        self._queue: list[list[Any]] = []
+        if writer is not None:
+            os.set_blocking(writer.fileno(), False)
+
+    def _put(self, name: str, *args: Any) -> None:
+        with self._lock:
+            if len(self._queue) >= MAX_QUEUED:
+                self._queue.pop(0)
+                report("relay_dropped", "dropped a checkpoint metric of the async save process: too many queued")
+            self._queue.append([name, *args])
+
+    def operation_done(
+        self,
+        operation: str,
+        rank: str,
+        ok: bool,
+        duration_s: float,
+        wait_s: float,
+        end_unix_s: float,
+        exemplar: Exemplar | None,
+    ) -> None:
+        self._put("operation_done", operation, rank, ok, duration_s, wait_s, end_unix_s, exemplar)
+
+    def step_done(self, operation: str, step: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self._put("step_done", operation, step, rank, duration_s, exemplar)
+
+    def bytes_written(self, rank: str, amount: int) -> None:
+        self._put("bytes_written", rank, amount)
+
+    def bytes_read(self, rank: str, amount: int) -> None:
+        self._put("bytes_read", rank, amount)
+
+    def async_handed_off(self, rank: str) -> None:
+        self._put("async_handed_off", rank)
+
+    def async_phase_done(self, phase: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self._put("async_phase_done", phase, rank, duration_s, exemplar)
+
+    def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self._put("async_upload_done", rank, duration_s, exemplar)
+
+    def send(self) -> None:
+        """Ship everything queued to the rank; never blocks, never raises."""
+        with self._lock:
+            queued, self._queue = self._queue, []
+        if self._writer is None or not queued:
+            return
+        for message in _pack(queued):
+            try:
+                self._writer.send_bytes(message)
+            except BlockingIOError:
+                report("relay_dropped", "dropped checkpoint metrics of the async save process: the rank is not reading")
+            except (OSError, ValueError):  # the rank is gone (closed pipe); nothing left to tell
+                report("relay_dropped", "dropped checkpoint metrics of the async save process: the pipe is closed")
+                return
+
+
+def _pack(observations: list[list[Any]]) -> list[bytes]:
+    """JSON arrays of observations, each message at most MAX_MESSAGE_BYTES."""
+    messages: list[bytes] = []
+    current: list[bytes] = []
+    size = 2
+    for observation in observations:
+        encoded = json.dumps(observation, separators=(",", ":")).encode()
+        if len(encoded) + 3 > MAX_MESSAGE_BYTES:
+            report("relay_dropped", "dropped an oversized checkpoint metric of the async save process")
+            continue
+        if current and size + len(encoded) + 1 > MAX_MESSAGE_BYTES:
+            messages.append(b"[" + b",".join(current) + b"]")
+            current, size = [], 2
+        current.append(encoded)
+        size += len(encoded) + 1
+    if current:
+        messages.append(b"[" + b",".join(current) + b"]")
+    return messages
+
+
+def drain(reader: Connection, metrics: MetricsSink) -> int:
+    """Apply the daemon's queued observations to ``metrics``; return how many. Never raises."""
+    applied = 0
+    try:
+        for _ in range(MAX_DRAINED):
+            if not reader.poll(0):
+                break
+            for observation in json.loads(reader.recv_bytes()):
+                name = observation[0] if isinstance(observation, list) and observation else None
+                if name not in RELAYED:
+                    report("relay_dropped", "dropped an unknown metric from the async save process: %r", name)
+                    continue
+                getattr(metrics, name)(*observation[1:])
+                applied += 1
+    except (EOFError, OSError):  # the daemon exited: nothing more will come
+        pass
+    except Exception:  # noqa: BLE001 - a garbled message must not break the save's caller
+        report("metrics_error", "dcp_otel failed to apply metrics from the async save process", exc_info=True)
+    return applied

@@ -1,0 +1,181 @@
+"""Carry the trace and the metrics across torch's async checkpoint daemon (rank side).
+
+``async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` runs
+the background ``save`` in a daemon process that torch spawns on the first such
+save and reuses afterwards. Left alone, that process is invisible. The rank
+side of the bridge, installed by :mod:`dcp_otel.torch_hooks`:
+
+* the daemon's entry point becomes :func:`dcp_otel.daemon.daemon_main`, which
+  sets up tracing there and then runs torch's own entry point unchanged;
+* ``_ProcessGroupInitInfo``, which torch hands to the new daemon, also carries a
+  :class:`DaemonBootstrap`: this rank's options, its resource attributes, and
+  the write end of a pipe for the daemon's metrics;
+* every save request sent to the daemon carries the current operation and span
+  (:meth:`~dcp_otel.spans.SpanRecorder.export_operation`), the way OTel's
+  messaging instrumentations put context in message headers;
+* when the daemon answers a request, its metrics are applied to this rank's
+  (:func:`dcp_otel.metrics_relay.drain`), so one scrape target per rank shows
+  them all.
+
+The caller thread's context reaches the executor thread that talks to the
+daemon through :class:`~dcp_otel.async_context.AsyncContextCarrier`, exactly as
+for the thread-based executor.
+
+Usage (what :mod:`dcp_otel.torch_hooks` installs)::
+
+    bridge = ProcessBridge(recorder, options, metrics)
+    wrapt.wrap_function_wrapper(module, "_AsyncCheckpointProcess._send", bridge.send)
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dcp_otel import _forksafe
+from dcp_otel._selftelemetry import report
+from dcp_otel.config import InstrumentOptions
+from dcp_otel.metrics import MetricsSink
+from dcp_otel.metrics_relay import drain
+from dcp_otel.spans import SpanRecorder
+
+PROCESS_MODULE = "torch.distributed.checkpoint._async_process_executor"
+DAEMON_CLASS = "_AsyncCheckpointProcess"
+DAEMON_ENTRY = "_checkpointing_subprocess"
+#: Attribute of torch's ``_ProcessGroupInitInfo`` carrying the :class:`DaemonBootstrap`.
+BOOTSTRAP_ATTR = "_dcp_otel_bootstrap"
+#: Attribute of torch's ``_CheckpointRequestIdentifier`` carrying the operation.
+CARRIER_ATTR = "_dcp_otel_operation"
+
+
+@dataclass(frozen=True)
+class DaemonBootstrap:
+    """What the daemon needs to trace like its rank; pickled into it by torch."""
+
+    run_id: str | None
+    slowest_keys: int
+    max_open_spans: int
+    flush_timeout_s: int
+    process_setup: str | None
+    resource: dict[str, Any] = field(default_factory=dict)
+    relay: Connection | None = None
+
+
+class ProcessBridge:
+    """The rank's side: bootstrap the daemon, tag requests, collect the daemon's metrics."""
+
+    def __init__(self, recorder: SpanRecorder, options: InstrumentOptions, metrics: MetricsSink | None) -> None:
+        self._recorder = recorder
+        self._options = options
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._reader: Connection | None = None
+        self._writer: Connection | None = None  # our copy; closed once the daemon has its own
+        _forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The pipe belongs to the parent's daemon; a forked child never reads it.
+        self._lock = threading.Lock()
+        self._reader = self._writer = None
+
+    def bootstrap(self) -> DaemonBootstrap:
+        """A bootstrap for a new daemon, with a fresh metrics pipe (replacing any older one)."""
+        reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        with self._lock:
+            old = (self._reader, self._writer)
+            self._reader, self._writer = reader, writer
+        for conn in old:
+            if conn is not None:
+                conn.close()
+        resource = getattr(self._recorder.provider(), "resource", None)
+        options = self._options
+        return DaemonBootstrap(
+            run_id=options.run_id,
+            slowest_keys=options.slowest_keys,
+            max_open_spans=options.max_open_spans,
+            flush_timeout_s=options.flush_timeout_s,
+            process_setup=options.process_setup,
+            resource=dict(getattr(resource, "attributes", None) or {}),
+            relay=writer,
+        )
+
+    # --- wrappers (wrapt signature) -----------------------------------------
+    def init_info(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Around ``_ProcessGroupInitInfo.__init__``: what torch gives a new daemon."""
+        result = wrapped(*args, **kwargs)
+        try:
+            setattr(instance, BOOTSTRAP_ATTR, self.bootstrap())
+        except Exception:  # noqa: BLE001
+            report("process_bridge_error", "dcp_otel could not prepare the async save process", exc_info=True)
+        return result
+
+    def send(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Around ``_AsyncCheckpointProcess._send`` (executor thread): tag save requests."""
+        data = args[0] if args else kwargs.get("data")
+        request_id = getattr(data, "checkpoint_request_id", None)
+        if request_id is not None:
+            carried = self._recorder.export_operation()
+            if carried is not None:
+                try:
+                    setattr(request_id, CARRIER_ATTR, carried)
+                except Exception:  # noqa: BLE001
+                    report("process_bridge_error", "dcp_otel could not tag an async save request", exc_info=True)
+        return wrapped(*args, **kwargs)
+
+    def save(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Around ``_AsyncCheckpointProcess.save``: apply the daemon's metrics once it answered."""
+        with self._lock:  # the daemon runs: it holds its own copy of the write end now
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            self.drain()
+
+    def drain(self) -> int:
+        """Apply whatever metrics the daemon has sent so far; return how many."""
+        with self._lock:
+            reader = self._reader
+            if reader is None or self._metrics is None:
+                return 0
+            return drain(reader, self._metrics)
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._reader, self._writer = (self._reader, self._writer), None, None
+        for conn in conns:
+            if conn is not None:
+                conn.close()
+
+
+def replace_daemon_entry() -> Callable[[], None] | None:
+    """Make :func:`dcp_otel.daemon.daemon_main` the daemon's entry point.
+
+    Not a ``wrapt`` wrapper: torch pickles the entry point by name into the
+    spawned process, so it must be a plain module-level function. Returns the
+    function that restores torch's, or ``None`` if this torch has no such entry
+    point.
+    """
+    from dcp_otel import daemon
+
+    try:
+        owner = getattr(importlib.import_module(PROCESS_MODULE), DAEMON_CLASS)
+    except Exception:  # noqa: BLE001 - any import failure means "not this torch"
+        return None
+    original = vars(owner).get(DAEMON_ENTRY)
+    if not isinstance(original, staticmethod):
+        return None
+    if original.__func__ is not daemon.daemon_main:
+        daemon.TORCH_ENTRY = original.__func__
+    setattr(owner, DAEMON_ENTRY, staticmethod(daemon.daemon_main))
+
+    def restore() -> None:
+        setattr(owner, DAEMON_ENTRY, original)
+
+    return restore

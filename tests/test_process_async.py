@@ -1,0 +1,94 @@
+"""async_save in torch's checkpoint daemon process (AsyncCheckpointerType.PROCESS), traced end to end.
+
+Each test runs a real rank (``workers/process_async.py``) whose daemon torch
+spawns; spans from both processes go through the real OTLP/HTTP exporter to a
+receiver on 127.0.0.1 that decodes the protobuf.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from dcp_otel import semconv
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.ports import free_port_range
+from tests.ranks import REPO, WORKERS, rank_env
+
+#: How the daemon learns where its spans go: from the inherited OTEL_* variables,
+#: or from the DCP_OTEL_PROCESS_SETUP hook when the rank configured its exporter in code.
+MODES = {
+    "env": lambda endpoint: {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint},
+    "setup": lambda endpoint: {"TEST_DAEMON_OTLP": endpoint,
+                               "DCP_OTEL_PROCESS_SETUP": "tests.workers.daemon_setup:provider"},  # fmt: skip
+}
+
+
+def run_rank(mode: str, receiver: OtlpReceiver) -> dict[str, Any]:
+    env = rank_env(**MODES[mode](receiver.endpoint))
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "DCP_OTEL_METRICS_PORT"):
+        env.pop(name, None)
+    if mode == "setup":
+        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    run = subprocess.run(
+        [sys.executable, str(WORKERS / "process_async.py"), str(free_port_range(1)), mode, receiver.endpoint],
+        capture_output=True, text=True, timeout=240, cwd=REPO, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return seen
+
+
+def sample(seen: dict[str, Any], name: str, **labels: str) -> float | None:
+    for sample_name, sample_labels, value in seen["samples"]:
+        if sample_name == name and sample_labels == labels:
+            return float(value)
+    return None
+
+
+def named(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
+    return [s for s in spans if s.name == name]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_daemon_save_and_its_steps_join_the_trace_of_the_async_save(mode: str) -> None:
+    with OtlpReceiver() as receiver:
+        seen = run_rank(mode, receiver)
+    spans = receiver.spans
+    assert seen["results"] == ["Metadata", "Metadata"]  # what torch returns, untouched
+    assert seen["loaded"] == [2.0 * i for i in range(10)]
+    assert seen["flushed"] is True and seen["diagnostics"] == {"open_spans": 0}
+
+    uploads = named(spans, semconv.SPAN_ASYNC_UPLOAD)
+    saves = named(spans, "dcp.save")  # with a daemon, only the daemon runs save
+    assert len(uploads) == 2 and len(saves) == 2, sorted(s.name for s in spans)
+    assert len({u.trace_id for u in uploads}) == 2  # the first save (starting the daemon) and the second (reusing it)
+    for upload in uploads:
+        (save,) = [s for s in saves if s.trace_id == upload.trace_id]
+        assert save.parent_id == upload.span_id  # across the process boundary
+        assert save.attributes[semconv.ATTR_OPERATION] == "async_save" and save.attributes[semconv.ATTR_RANK] == 0
+        steps = [s for s in spans if s.parent_id == save.span_id]
+        assert {"dcp.local_step", "dcp.write_data", "dcp.finish_checkpoint"} <= {s.name for s in steps}
+        roots = [s for s in spans if s.trace_id == upload.trace_id and s.name == semconv.SPAN_CHECKPOINT]
+        assert len(roots) == 1  # still one checkpoint, one root
+    if mode == "env":  # the daemon built its SDK from OTEL_*, with the rank's resource and its own pid
+        assert {s.resource["service.name"] for s in saves} == {"process-async-test"}
+        assert {s.resource["process.pid"] for s in saves} == {seen["daemon_pid"]}
+    else:  # the hook's provider
+        assert {s.resource["service.name"] for s in saves} == {"process-async-daemon"}
+
+    # The daemon's metrics are on the rank's endpoint, labelled with its rank.
+    assert sample(seen, "dcp_step_duration_seconds_count", operation="async_save", step="write_data", rank="0") == 2
+    written = sample(seen, "dcp_written_bytes_total", rank="0")
+    assert written is not None and written > 0
+    assert sample(seen, "dcp_async_saves_in_flight", rank="0") == 0
+
+    # Nothing left behind: no dcp-otel thread after uninstrument, no daemon after exit.
+    assert not [t for t in seen["threads"] if t.startswith("dcp-otel")]
+    with pytest.raises(ProcessLookupError):
+        os.kill(seen["daemon_pid"], 0)
