@@ -4,7 +4,8 @@ torchelastic's agent (rendezvous, worker start, restarts, run results) emits
 its metrics in the launcher process, not in the workers. This drop-in for
 ``torchrun`` configures :class:`~dcp_otel.OTelMetricHandler` for every metric
 group and serves the agent's metrics on their own endpoint, then runs torchrun
-unchanged with the same arguments.
+unchanged with the same arguments. Its workers also get dcp-otel's resource
+detector (host, rank, run id; see :mod:`dcp_otel.resource`).
 
 Usage::
 
@@ -20,6 +21,7 @@ spans when an OpenTelemetry SDK is configured in the launcher, e.g.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torch.distributed.elastic.metrics.api import configure as configure_elastic_metrics
@@ -28,6 +30,8 @@ from dcp_otel import semconv
 from dcp_otel.config import env_int
 from dcp_otel.elastic import OTelMetricHandler
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
+
+_DETECTORS_ENV = "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS"
 
 
 def agent_metrics_port() -> int:
@@ -49,10 +53,23 @@ def observe_agent() -> MetricsEndpoint | None:
     return endpoint
 
 
+def enable_resource_detector() -> None:
+    """Let the workers' OpenTelemetry SDK say which host, rank and run they are.
+
+    Adds dcp-otel's detector to ``$OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``, which
+    every worker inherits (see :mod:`dcp_otel.resource`); detectors already
+    listed stay, in their order.
+    """
+    names = [n.strip() for n in os.environ.get(_DETECTORS_ENV, "").split(",") if n.strip()]
+    if semconv.RESOURCE_DETECTOR not in names:
+        os.environ[_DETECTORS_ENV] = ",".join([*names, semconv.RESOURCE_DETECTOR])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with ``argv`` (default: this process's arguments)."""
     from torch.distributed.run import main as torchrun_main
 
+    enable_resource_detector()
     endpoint = observe_agent()
     try:
         torchrun_main(argv)

@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export import (
 )
 
 import dcp_otel
+from dcp_otel.resource import TorchDistributedResourceDetector
 
 
 def make_exporter(out: Path, rank: int) -> SpanExporter:
@@ -51,8 +52,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
 
-    # 1. An OpenTelemetry SDK, as any traced application has (OTEL_SERVICE_NAME etc. apply).
+    # 1. An OpenTelemetry SDK, as any traced application has (OTEL_SERVICE_NAME etc. apply);
+    #    dcp-otel's detector adds host, rank and run id to the resource.
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "dcp-otel-quickstart")})
+    resource = resource.merge(TorchDistributedResourceDetector().detect())
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(make_exporter(args.out, rank)))
     trace.set_tracer_provider(provider)

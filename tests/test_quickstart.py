@@ -59,3 +59,9 @@ def test_quickstart_sends_spans_over_otlp_http_with_the_standard_variables(tmp_p
         run_ids = {s.attributes[semconv.ATTR_RUN_ID] for s in [root, *operations]}
         assert len(run_ids) == 1 and run_ids != {"none"}  # torchrun --standalone's rendezvous id
     assert {s.resource["service.name"] for s in receiver.spans} == {"otlp-quickstart-test"}
+    # The resource says which host, rank and run each process is.
+    for span in receiver.spans:
+        assert span.resource["host.name"] and span.resource[semconv.ATTR_WORLD_SIZE] == 2
+        if span.name.startswith(semconv.SPAN_PREFIX):  # (the script's own train_step spans have no rank)
+            assert span.resource[semconv.ATTR_RANK] == span.attributes[semconv.ATTR_RANK]
+    assert {s.resource[semconv.ATTR_RUN_ID] for s in receiver.spans} == run_ids  # the run id of the trace ids
