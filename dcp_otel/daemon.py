@@ -135,7 +135,8 @@ class DaemonSession:
             if self._owner is not None:
                 unwrap(self._owner, "_execute_save")
             self._relay.send()
-            flush_spans(self._instrumentor.recorder, self._bootstrap.flush_timeout_s, self._provider)
+            if self._bootstrap.flush_timeout_s > 0:
+                flush_spans(self._instrumentor.recorder, self._bootstrap.flush_timeout_s, self._provider)
             self._instrumentor.uninstrument()
             if self._owned and isinstance(self._provider, SDKTracerProvider):
                 self._provider.shutdown()
