@@ -45,7 +45,7 @@ from dcp_otel.config import resolve_callable
 from dcp_otel.flushing import flush_spans
 from dcp_otel.instrumentor import DCPInstrumentor
 from dcp_otel.metrics_relay import MetricsRelay
-from dcp_otel.process_async import BOOTSTRAP_ATTR, CARRIER_ATTR, DAEMON_CLASS, PROCESS_MODULE, DaemonBootstrap
+from dcp_otel.process_async import BOOTSTRAP_ATTR, CARRIER_ATTR, DAEMON_ENTRY, DaemonBootstrap, daemon_class
 
 #: torch's own daemon entry point, set when it is replaced in this process.
 TORCH_ENTRY: Callable[..., None] | None = None
@@ -67,10 +67,7 @@ def daemon_main(pg_init_info: Any, parent_conn: Any) -> None:
 def _torch_entry() -> Callable[..., None]:
     if TORCH_ENTRY is not None:
         return TORCH_ENTRY
-    import importlib
-
-    owner = getattr(importlib.import_module(PROCESS_MODULE), DAEMON_CLASS)
-    entry: Callable[..., None] = vars(owner)["_checkpointing_subprocess"].__func__
+    entry: Callable[..., None] = vars(daemon_class())[DAEMON_ENTRY].__func__
     return entry
 
 
@@ -98,8 +95,6 @@ class DaemonSession:
             return None
 
     def _install(self) -> None:
-        import importlib
-
         if self._instrumentor.is_instrumented_by_opentelemetry:  # opentelemetry-instrument got here first
             self._instrumentor.uninstrument()
         b = self._bootstrap
@@ -112,7 +107,7 @@ class DaemonSession:
             flush_timeout_s=b.flush_timeout_s,
             _metrics_sink=self._relay,
         )
-        self._owner = getattr(importlib.import_module(PROCESS_MODULE), DAEMON_CLASS)
+        self._owner = daemon_class()
         wrapt.wrap_function_wrapper(self._owner, "_execute_save", self.execute_save)
 
     def execute_save(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

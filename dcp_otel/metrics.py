@@ -46,7 +46,12 @@ def exemplar_for(span: trace.Span | None, rank: str | None = None) -> Exemplar |
     """
     if span is None or isinstance(span, trace.NonRecordingSpan):
         return None
-    ctx = span.get_span_context()
+    return exemplar_for_context(span.get_span_context(), rank)
+
+
+def exemplar_for_context(ctx: trace.SpanContext, rank: str | None = None) -> Exemplar | None:
+    """The exemplar for a span known only by its context (say, a parent in another
+    process, whose sampled flag says whether its trace is recorded)."""
     if not ctx.is_valid or not ctx.trace_flags.sampled:
         return None
     exemplar = {semconv.EXEMPLAR_TRACE_ID: format(ctx.trace_id, "032x")}

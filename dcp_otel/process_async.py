@@ -154,6 +154,11 @@ class ProcessBridge:
                 conn.close()
 
 
+def daemon_class() -> Any:
+    """torch's ``_AsyncCheckpointProcess`` (raises if this torch has none)."""
+    return getattr(importlib.import_module(PROCESS_MODULE), DAEMON_CLASS)
+
+
 def replace_daemon_entry() -> Callable[[], None] | None:
     """Make :func:`dcp_otel.daemon.daemon_main` the daemon's entry point.
 
@@ -165,7 +170,7 @@ def replace_daemon_entry() -> Callable[[], None] | None:
     from dcp_otel import daemon
 
     try:
-        owner = getattr(importlib.import_module(PROCESS_MODULE), DAEMON_CLASS)
+        owner = daemon_class()
     except Exception:  # noqa: BLE001 - any import failure means "not this torch"
         return None
     original = vars(owner).get(DAEMON_ENTRY)

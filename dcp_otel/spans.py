@@ -44,7 +44,7 @@ from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import DCPEvent, operation_fields
-from dcp_otel.metrics import Exemplar, MetricsSink, exemplar_for
+from dcp_otel.metrics import Exemplar, MetricsSink, exemplar_for, exemplar_for_context
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.trace_ids import (
     CheckpointKey,
@@ -613,9 +613,7 @@ class SpanRecorder:
                 raise TypeError("malformed operation carrier")
             ctx = propagate.extract({str(k): str(v) for k, v in headers.items()})
             op = _Operation(name, int(rank), self._tracer()[0], attributes)
-            parent = trace.get_current_span(ctx).get_span_context()
-            if parent.is_valid and parent.trace_flags.sampled:
-                op.exemplar = {semconv.EXEMPLAR_TRACE_ID: format(parent.trace_id, "032x"), semconv.EXEMPLAR_RANK: op.rank}
+            op.exemplar = exemplar_for_context(trace.get_current_span(ctx).get_span_context(), op.rank)
             return context_api.set_value(_OPERATION_KEY, op, ctx)
         except Exception:  # noqa: BLE001
             report("malformed_carrier", "dcp_otel could not continue a DCP operation from another process", exc_info=True)
