@@ -36,6 +36,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_h
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import env_int
+from dcp_otel.file_sd import Role, TargetFile, announce, configured_dir
 
 logger = logging.getLogger("dcp_otel")
 
@@ -49,6 +50,8 @@ class MetricsEndpoint:
     requested_port: int
     _server: object = field(repr=False, default=None)
     _thread: threading.Thread | None = field(repr=False, default=None)
+    #: This endpoint's Prometheus file_sd target file, when discovery files are on.
+    target_file: TargetFile | None = field(repr=False, default=None)
 
     @property
     def url(self) -> str:
@@ -61,7 +64,10 @@ class MetricsEndpoint:
         return self.port != self.requested_port
 
     def close(self) -> None:
-        """Stop serving and free the port."""
+        """Stop serving, free the port and withdraw the discovery file."""
+        if self.target_file is not None:
+            self.target_file.remove()
+            self.target_file = None
         server = self._server
         if server is not None:
             server.shutdown()  # type: ignore[attr-defined]
@@ -114,6 +120,8 @@ def start_metrics_server(
     *,
     registry: CollectorRegistry | None = None,
     per_rank: bool = True,
+    file_sd_dir: str | os.PathLike[str] | None = None,
+    role: Role = "rank",
 ) -> MetricsEndpoint | None:
     """Serve ``registry`` (default: the global one) for Prometheus to scrape.
 
@@ -131,6 +139,10 @@ def start_metrics_server(
     In multiprocess mode (``$PROMETHEUS_MULTIPROC_DIR`` set) local rank 0
     serves every process's metrics from that folder on the base port, and
     every other rank returns ``None``; ``registry`` is not used then.
+
+    With ``file_sd_dir`` (default ``$DCP_OTEL_FILE_SD_DIR``) the endpoint
+    writes its Prometheus file_sd target file there as ``<role>-<host>-<port>.json``
+    (see :mod:`dcp_otel.file_sd`).
     """
     bind = addr or os.environ.get(semconv.ENV_METRICS_ADDR, "").strip() or semconv.DEFAULT_METRICS_ADDR
     shared = multiprocess_dir()
@@ -151,6 +163,7 @@ def start_metrics_server(
                bind, wanted, exc)  # fmt: skip
         server, thread = start_http_server(0, bind, target)
     endpoint = MetricsEndpoint(bind, int(server.server_address[1]), wanted, server, thread)
+    endpoint.target_file = announce(configured_dir(file_sd_dir), role, bind, endpoint.port)
     if endpoint.fell_back:
         logger.warning("dcp_otel: metrics of this rank are at %s", endpoint.url)
     return endpoint

@@ -47,7 +47,7 @@ def observe_agent() -> MetricsEndpoint | None:
     like the ranks, and its endpoint serves the whole node's files.
     """
     configure_elastic_metrics(OTelMetricHandler())
-    endpoint = start_metrics_server(agent_metrics_port(), per_rank=False)
+    endpoint = start_metrics_server(agent_metrics_port(), per_rank=False, role="agent")
     if endpoint is not None:
         print(f"dcp-otel-run: torchelastic agent metrics at {endpoint.url}", file=sys.stderr, flush=True)
     return endpoint

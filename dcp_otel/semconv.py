@@ -134,6 +134,8 @@ ATTR_READ_BYTES: Final = "dcp.read_bytes"  # int, on the operation span
 
 ENV_METRICS_PORT: Final = "DCP_OTEL_METRICS_PORT"  # base port; each rank serves on base + LOCAL_RANK
 ENV_METRICS_ADDR: Final = "DCP_OTEL_METRICS_ADDR"
+#: Folder where each metrics endpoint writes its Prometheus file_sd target file.
+ENV_FILE_SD_DIR: Final = "DCP_OTEL_FILE_SD_DIR"
 DEFAULT_METRICS_PORT: Final = 9710
 DEFAULT_METRICS_ADDR: Final = "0.0.0.0"  # noqa: S104 - Prometheus scrapes from elsewhere; configurable
 

@@ -79,12 +79,14 @@ class _Operation:
     ``pending`` counts the spans of this operation that outlive their call
     stack (the operation span itself and an async upload); when it drops to
     zero the coordinator's root span ends, so for an async save the root covers
-    the upload too.
+    the upload too, and the operation's metrics are recorded: an async save
+    counts as a success, with its duration up to the end of the upload, only
+    once its checkpoint is durable.
     """
 
     __slots__ = (
         "name", "rank", "tracer", "attributes", "step_attributes", "root", "pending", "failed", "end_ns", "lock",
-        "storage", "exemplar",
+        "storage", "exemplar", "start_ns", "wait_s",
     )  # fmt: skip
 
     def __init__(self, name: str, rank: int, tracer: trace.Tracer, attributes: dict[str, Any]) -> None:
@@ -103,24 +105,30 @@ class _Operation:
         self.pending = 0
         self.failed: str | None = None
         self.end_ns = 0
+        self.start_ns = 0  # of this rank's operation span
+        self.wait_s = 0.0  # of the operation span: not covered by its steps
         self.lock = threading.Lock()
 
     def add_part(self) -> None:
         with self.lock:
             self.pending += 1
 
-    def part_done(self, end_ns: int, error: str | None) -> None:
+    def part_done(self, end_ns: int, error: str | None) -> bool:
+        """One part ended; True when it was the last (the operation is complete)."""
         with self.lock:
             self.pending -= 1
             self.end_ns = max(self.end_ns, end_ns)
             if error and not self.failed:
                 self.failed = error
-            if self.pending > 0 or self.root is None:
-                return
+            if self.pending > 0:
+                return False
+            if self.root is None:
+                return True
             root, self.root = self.root, None
         if self.failed:
             root.set_status(Status(StatusCode.ERROR, self.failed))
         root.end(end_time=self.end_ns)
+        return True
 
 
 @dataclass
@@ -526,24 +534,24 @@ class SpanRecorder:
             entry.token = None
         if parent is not None:
             parent.children_ns += end_ns - entry.start_ns
-        if entry.op is not None:
-            if self._metrics is not None:
-                self._observe(self._metrics, entry, entry.op, end_ns, ok=description is None)
+        op = entry.op
+        if op is not None:
             if entry.owns_op_part:
-                entry.op.part_done(end_ns, description)
+                op.start_ns = entry.start_ns
+                op.wait_s = (end_ns - entry.start_ns - entry.children_ns) / 1e9
+                if op.part_done(end_ns, description) and self._metrics is not None:
+                    _operation_metrics(self._metrics, op)
+            elif self._metrics is not None:
+                self._observe(self._metrics, entry, op, end_ns)
 
-    def _observe(self, metrics: MetricsSink, entry: _Entry, op: _Operation, end_ns: int, ok: bool) -> None:
-        """The metrics of one closed span (a separate concern: failures here only count)."""
+    def _observe(self, metrics: MetricsSink, entry: _Entry, op: _Operation, end_ns: int) -> None:
+        """The metrics of one closed step span (a separate concern: failures here only count)."""
         try:
             duration_s = (end_ns - entry.start_ns) / 1e9
             exemplar = op.exemplar
-            if entry.owns_op_part:
-                wait_s = (end_ns - entry.start_ns - entry.children_ns) / 1e9
-                metrics.operation_done(op.name, op.rank, ok, duration_s, wait_s, end_ns / 1e9, exemplar)
-            else:
-                metrics.step_done(op.name, entry.func_name, op.rank, duration_s, exemplar)
-                if entry.func_name == _STAGE_STEP:
-                    metrics.async_phase_done(semconv.PHASE_STAGING, op.rank, duration_s, exemplar)
+            metrics.step_done(op.name, entry.func_name, op.rank, duration_s, exemplar)
+            if entry.func_name == _STAGE_STEP:
+                metrics.async_phase_done(semconv.PHASE_STAGING, op.rank, duration_s, exemplar)
         except Exception:  # noqa: BLE001
             report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
 
@@ -661,9 +669,11 @@ class SpanRecorder:
             try:
                 error = _end_from_future(upload, outcome)
                 end_ns = time.time_ns()
-                op.part_done(end_ns, error)
+                complete = op.part_done(end_ns, error)
                 if metrics is not None:
                     metrics.async_upload_done(op.rank, (end_ns - now) / 1e9, exemplar_for(upload, op.rank))
+                    if complete:
+                        _operation_metrics(metrics, op)
             except Exception:  # noqa: BLE001
                 report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
             finally:
@@ -672,6 +682,15 @@ class SpanRecorder:
                     self._uploads.notify_all()
 
         return trace.set_span_in_context(upload, ctx), finish
+
+
+def _operation_metrics(metrics: MetricsSink, op: _Operation) -> None:
+    """The metrics of a complete operation (failures here only count)."""
+    try:
+        duration_s = (op.end_ns - op.start_ns) / 1e9
+        metrics.operation_done(op.name, op.rank, op.failed is None, duration_s, op.wait_s, op.end_ns / 1e9, op.exemplar)
+    except Exception:  # noqa: BLE001
+        report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
 
 
 def _written_bytes(obj: object) -> int | None:

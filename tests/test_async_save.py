@@ -52,6 +52,16 @@ def test_background_save_and_its_steps_join_the_async_save_trace(traced, tmp_pat
     assert root.end_ns >= upload.end_ns
     assert all(s.attributes[semconv.ATTR_OPERATION] == "async_save" for s in spans)
     assert_bookkeeping_empty()
+    # The operation's metrics describe the durable checkpoint: they end with the upload.
+    labels = {"operation": "async_save", "rank": "0"}
+    assert traced.registry.get_sample_value("dcp_operations_total", {**labels, "status": "success"}) == 1
+    last_success = traced.registry.get_sample_value("dcp_last_success_timestamp_seconds", labels)
+    assert abs(last_success - upload.end_ns / 1e9) < 0.01  # set when the upload ended
+    assert last_success >= background.end_ns / 1e9
+    duration = traced.registry.get_sample_value(
+        "dcp_operation_duration_seconds_sum", {**labels, "status": "success"}
+    )
+    assert duration >= (upload.end_ns - call.start_ns) / 1e9 - 0.01
 
 
 def test_a_failed_upload_marks_the_upload_and_root_as_errors(traced, tmp_path: Path) -> None:
@@ -71,6 +81,12 @@ def test_a_failed_upload_marks_the_upload_and_root_as_errors(traced, tmp_path: P
     assert upload.status == "ERROR" and root.status == "ERROR"
     assert call.status == "UNSET"  # handing off worked; the upload did not
     assert_bookkeeping_empty()
+    # An async save whose upload failed is a failed save: it counts as one, and is no success.
+    labels = {"operation": "async_save", "rank": "0"}
+    assert traced.registry.get_sample_value("dcp_operations_total", {**labels, "status": "failure"}) == 1
+    assert traced.registry.get_sample_value("dcp_operations_total", {**labels, "status": "success"}) is None
+    assert traced.registry.get_sample_value("dcp_last_success_timestamp_seconds", labels) is None
+    assert traced.registry.get_sample_value("dcp_async_saves_in_flight", {"rank": "0"}) == 0
 
 
 def test_an_asynchronous_stager_gets_its_own_staging_span(traced, tmp_path: Path) -> None:

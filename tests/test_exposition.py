@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import urllib.request
@@ -182,3 +183,48 @@ def scrape_openmetrics(url: str) -> str:
     request = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback URL we built
         return response.read().decode()
+
+
+def test_an_endpoint_announces_itself_to_prometheus_file_discovery_until_it_closes(
+    registry: CollectorRegistry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    targets = tmp_path / "targets"  # created on demand
+    monkeypatch.setenv(semconv.ENV_FILE_SD_DIR, str(targets))
+    endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry)
+    agent = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry, per_rank=False, role="agent")
+    assert endpoint is not None and agent is not None
+    try:
+        rank_file = targets / f"rank-127.0.0.1-{endpoint.port}.json"
+        # Exactly the format of Prometheus's file_sd_configs; nothing else (no partial file) in the folder.
+        assert json.loads(rank_file.read_text()) == [{"targets": [f"127.0.0.1:{endpoint.port}"], "labels": {}}]
+        assert sorted(p.name for p in targets.iterdir()) == sorted([rank_file.name, f"agent-127.0.0.1-{agent.port}.json"])
+        (target,) = json.loads(rank_file.read_text())[0]["targets"]
+        assert "probe_total 1.0" in scrape(f"http://{target}/metrics")  # the announced address serves the metrics
+    finally:
+        endpoint.close()
+        agent.close()
+    assert list(targets.iterdir()) == []
+
+
+def test_every_interface_is_announced_by_host_name() -> None:
+    from dcp_otel.file_sd import target_host
+
+    assert target_host("0.0.0.0") == socket.getfqdn()
+    assert target_host("10.1.2.3") == "10.1.2.3"
+    assert target_host("::1") == "[::1]"
+
+
+def test_an_unwritable_discovery_folder_is_counted_and_never_breaks_serving(
+    registry: CollectorRegistry, tmp_path: Path
+) -> None:
+    _selftelemetry.reset()
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry, file_sd_dir=not_a_folder)
+    assert endpoint is not None
+    try:
+        assert endpoint.target_file is None
+        assert "probe_total 1.0" in scrape(endpoint.url)
+        assert dcp_otel.diagnostics()["file_sd_error"] == 1
+    finally:
+        endpoint.close()
