@@ -41,6 +41,33 @@ from dcp_otel.file_sd import Role, TargetFile, announce, configured_dir
 logger = logging.getLogger("dcp_otel")
 
 
+class ScrapeWatch:
+    """A collector that yields nothing and counts scrapes, so a process can wait for one."""
+
+    def __init__(self) -> None:
+        self._scraped = threading.Condition()
+        self._count = 0
+
+    def describe(self) -> list[object]:
+        return []  # registering must not count as a scrape
+
+    def collect(self) -> list[object]:
+        with self._scraped:
+            self._count += 1
+            self._scraped.notify_all()
+        return []
+
+    def count(self) -> int:
+        """Scrapes so far."""
+        with self._scraped:
+            return self._count
+
+    def wait_past(self, seen: int, timeout_s: float) -> bool:
+        """Wait until there were more than ``seen`` scrapes; ``False`` after ``timeout_s``."""
+        with self._scraped:
+            return self._scraped.wait_for(lambda: self._count > seen, timeout=timeout_s)
+
+
 @dataclass
 class MetricsEndpoint:
     """A running metrics endpoint of this rank."""
@@ -52,6 +79,11 @@ class MetricsEndpoint:
     _thread: threading.Thread | None = field(repr=False, default=None)
     #: This endpoint's Prometheus file_sd target file, when discovery files are on.
     target_file: TargetFile | None = field(repr=False, default=None)
+    #: How long :meth:`finish` waits for a last scrape (``$DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S``).
+    final_scrape_timeout_s: float = 0.0
+    _watch: ScrapeWatch = field(repr=False, default_factory=ScrapeWatch)
+    _registry: CollectorRegistry | None = field(repr=False, default=None)
+    _pid: int = field(repr=False, default_factory=os.getpid)
 
     @property
     def url(self) -> str:
@@ -63,8 +95,39 @@ class MetricsEndpoint:
         """True when the requested port was taken and the OS picked this one."""
         return self.port != self.requested_port
 
+    def wait_for_scrape(self, timeout_s: float) -> bool:
+        """Wait until Prometheus scrapes this endpoint again; ``False`` after ``timeout_s``."""
+        return self._server is not None and self._watch.wait_past(self._watch.count(), timeout_s)
+
+    def finish(self) -> None:
+        """Let Prometheus take what happened last, then close.
+
+        The last checkpoint of a job (and a torchelastic agent's run results)
+        happen just before exit, after the last scrape. With
+        ``final_scrape_timeout_s`` set, this waits for one more scrape, at
+        most that long, before closing. It runs at exit (also in the
+        launcher, after its workers ended); not in forked children.
+        """
+        if os.getpid() != self._pid:
+            return
+        timeout_s = self.final_scrape_timeout_s if self._server is not None else 0.0
+        if timeout_s > 0:
+            seen = self._watch.count()  # before the log line: a scrape it prompts still counts
+            logger.info("dcp_otel: waiting up to %gs for a last scrape of %s", timeout_s, self.url)
+            if not self._watch.wait_past(seen, timeout_s):
+                report("final_scrape_timeout", "dcp_otel: no scrape of %s within %gs before exit; its last values are lost",
+                       self.url, timeout_s)  # fmt: skip
+        self.close()
+
     def close(self) -> None:
         """Stop serving, free the port and withdraw the discovery file."""
+        atexit.unregister(self.finish)
+        if self._registry is not None:
+            try:
+                self._registry.unregister(self._watch)  # type: ignore[arg-type]
+            except KeyError:
+                pass
+            self._registry = None
         if self.target_file is not None:
             self.target_file.remove()
             self.target_file = None
@@ -142,7 +205,9 @@ def start_metrics_server(
 
     With ``file_sd_dir`` (default ``$DCP_OTEL_FILE_SD_DIR``) the endpoint
     writes its Prometheus file_sd target file there as ``<role>-<host>-<port>.json``
-    (see :mod:`dcp_otel.file_sd`).
+    (see :mod:`dcp_otel.file_sd`). With ``$DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S``
+    the process waits at exit (that long at most) for one last scrape, so the
+    final checkpoint's metrics reach Prometheus (see :meth:`MetricsEndpoint.finish`).
     """
     bind = addr or os.environ.get(semconv.ENV_METRICS_ADDR, "").strip() or semconv.DEFAULT_METRICS_ADDR
     shared = multiprocess_dir()
@@ -163,7 +228,13 @@ def start_metrics_server(
                bind, wanted, exc)  # fmt: skip
         server, thread = start_http_server(0, bind, target)
     endpoint = MetricsEndpoint(bind, int(server.server_address[1]), wanted, server, thread)
+    target.register(endpoint._watch)  # type: ignore[arg-type]
+    endpoint._registry = target
     endpoint.target_file = announce(configured_dir(file_sd_dir), role, bind, endpoint.port)
+    final_scrape = env_int(semconv.ENV_FINAL_SCRAPE_TIMEOUT_S, 0, 3600)
+    if final_scrape:
+        endpoint.final_scrape_timeout_s = float(final_scrape)
+        atexit.register(endpoint.finish)  # after the discovery file's hook: runs before it
     if endpoint.fell_back:
         logger.warning("dcp_otel: metrics of this rank are at %s", endpoint.url)
     return endpoint

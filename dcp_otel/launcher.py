@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         torchrun_main(argv)
     finally:
         if endpoint is not None:
-            endpoint.close()
+            endpoint.finish()  # the run results are recorded last: let Prometheus take them
 
 
 if __name__ == "__main__":

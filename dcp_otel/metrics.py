@@ -183,7 +183,12 @@ class CheckpointMetrics:
         operation = bounded_name(operation)
         status = semconv.STATUS_SUCCESS if ok else semconv.STATUS_FAILURE
         self.operation_duration.labels(operation, status, rank).observe(duration_s, exemplar)
-        self.operations.labels(operation, status, rank).inc()
+        # Both outcomes exist from the first operation on: a failure counter that is
+        # born at 1 is invisible to increase(), so alerts and dashboards would miss it.
+        for outcome in (semconv.STATUS_SUCCESS, semconv.STATUS_FAILURE):
+            child = self.operations.labels(operation, outcome, rank)
+            if outcome == status:
+                child.inc()
         self.collective_wait.labels(operation, rank).observe(max(0.0, wait_s), exemplar)
         if ok:
             self.last_success.labels(operation, rank).set(end_unix_s)

@@ -136,6 +136,8 @@ ENV_METRICS_PORT: Final = "DCP_OTEL_METRICS_PORT"  # base port; each rank serves
 ENV_METRICS_ADDR: Final = "DCP_OTEL_METRICS_ADDR"
 #: Folder where each metrics endpoint writes its Prometheus file_sd target file.
 ENV_FILE_SD_DIR: Final = "DCP_OTEL_FILE_SD_DIR"
+#: Seconds a process waits at exit for one last scrape of its endpoint (0: not at all).
+ENV_FINAL_SCRAPE_TIMEOUT_S: Final = "DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S"
 DEFAULT_METRICS_PORT: Final = 9710
 DEFAULT_METRICS_ADDR: Final = "0.0.0.0"  # noqa: S104 - Prometheus scrapes from elsewhere; configurable
 

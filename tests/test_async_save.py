@@ -84,7 +84,7 @@ def test_a_failed_upload_marks_the_upload_and_root_as_errors(traced, tmp_path: P
     # An async save whose upload failed is a failed save: it counts as one, and is no success.
     labels = {"operation": "async_save", "rank": "0"}
     assert traced.registry.get_sample_value("dcp_operations_total", {**labels, "status": "failure"}) == 1
-    assert traced.registry.get_sample_value("dcp_operations_total", {**labels, "status": "success"}) is None
+    assert traced.registry.get_sample_value("dcp_operations_total", {**labels, "status": "success"}) == 0
     assert traced.registry.get_sample_value("dcp_last_success_timestamp_seconds", labels) is None
     assert traced.registry.get_sample_value("dcp_async_saves_in_flight", {"rank": "0"}) == 0
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,3 +230,34 @@ def test_an_unwritable_discovery_folder_is_counted_and_never_breaks_serving(
         assert dcp_otel.diagnostics()["file_sd_error"] == 1
     finally:
         endpoint.close()
+
+
+def test_at_exit_a_process_waits_for_one_last_scrape_so_its_last_values_are_not_lost(tmp_path: Path) -> None:
+    env = {**os.environ, semconv.ENV_FINAL_SCRAPE_TIMEOUT_S: "120", semconv.ENV_FILE_SD_DIR: str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.workers.final_scrape"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    try:
+        url = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if "waiting up to 120s for a last scrape of " + url in line:
+                break
+        else:
+            pytest.fail("the process never waited for a last scrape")
+        assert "last_checkpoint_total 1.0" in scrape(url)  # the value recorded after the last regular scrape
+        assert proc.wait(timeout=60) == 0  # and then it exits at once, not after 120 s
+        assert list(tmp_path.iterdir()) == []  # its discovery file withdrawn
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_without_a_final_scrape_the_wait_ends_at_its_timeout_and_is_counted(registry: CollectorRegistry) -> None:
+    _selftelemetry.reset()
+    endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry)
+    assert endpoint is not None
+    endpoint.final_scrape_timeout_s = 0.05
+    endpoint.finish()
+    assert dcp_otel.diagnostics()["final_scrape_timeout"] == 1
+    assert not endpoint.wait_for_scrape(0)  # closed

@@ -92,10 +92,19 @@ def test_a_failed_save_counts_as_failure_and_is_not_a_success(traced, tmp_path: 
 
     r = traced.registry
     assert sample(r, "dcp_operations_total", status="failure", **SAVE) == 1
-    assert sample(r, "dcp_operations_total", status="success", **SAVE) is None
+    assert sample(r, "dcp_operations_total", status="success", **SAVE) == 0
     assert sample(r, "dcp_operation_duration_seconds_count", status="failure", **SAVE) == 1
     assert sample(r, "dcp_last_success_timestamp_seconds", **SAVE) is None
     assert sample(r, "dcp_written_bytes_total", rank="0") is None
+
+
+def test_the_failure_counter_exists_at_zero_from_the_first_success_on(traced, tmp_path: Path) -> None:
+    # Prometheus's increase() cannot see a counter that is born at 1: the first failure
+    # after successes must be an increase of an existing series.
+    dcp.save(state(), checkpoint_id=str(tmp_path / "c"))
+    r = traced.registry
+    assert sample(r, "dcp_operations_total", status="success", **SAVE) == 1
+    assert sample(r, "dcp_operations_total", status="failure", **SAVE) == 0
 
 
 def test_async_save_phases_and_in_flight_gauge(traced, tmp_path: Path) -> None:
