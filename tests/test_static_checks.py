@@ -13,10 +13,10 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_package_type_checks_strictly() -> None:
-    checked = run("mypy")  # settings in pyproject.toml: strict, files = dcp_otel
+    checked = run("mypy")  # settings in pyproject.toml: strict, files = dcp_otel, mixin
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_ruff_finds_nothing() -> None:
-    checked = run("ruff", "check", "dcp_otel", "tests", "examples", "benchmarks")
+    checked = run("ruff", "check", "dcp_otel", "mixin", "tests", "examples", "benchmarks")
     assert checked.returncode == 0, checked.stdout + checked.stderr
