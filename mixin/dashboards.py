@@ -315,11 +315,11 @@ def torchelastic(cfg: MixinConfig) -> dict[str, Any]:
             _query(f"sum(max_over_time({calls}{s(restart)}[{RANGE}]))", instant=True)))
         .with_panel(_table(
             "Run results", "short", "Per role: runs that succeeded or failed, with or without retries.",
-            _query(f"sum by (job, name) ({events}{s(run_results)})", instant=True, fmt="table")))
+            _query(f"sum by (job, name) ({events}{s(run_results)})", "{{name}}", instant=True, fmt="table")))
         .with_panel(_table(
             "Agent calls", "s", "Every profiled agent function: mean duration.",
             _query(f"sum by (group, name) ({dur}_sum{s()}) / sum by (group, name) ({dur}_count{s()})",
-                   instant=True, fmt="table")))
+                   "{{name}}", instant=True, fmt="table")))
         .with_panel(_timeseries(
             "Worker group states", "short", "How often the agent's monitor saw each state (healthy, failed, ...).",
             _query(f"sum by (name) (increase({events}{s(states)}[{RATE}]))", "{{name}}")))

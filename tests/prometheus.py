@@ -15,19 +15,18 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
 import threading
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from mixin.promapi import PrometheusAPI
 
 _LISTENING = re.compile(r'msg="Listening on" address=(127\.0\.0\.1:\d+)')
 _READY = "Server is ready to receive web requests."
@@ -43,8 +42,9 @@ def binary(name: str) -> str:
     return path
 
 
-class PrometheusServer:
-    """``prometheus`` with ``config`` (a dict, written as YAML), its data in ``workdir``."""
+class PrometheusServer(PrometheusAPI):
+    """``prometheus`` with ``config`` (a dict, written as YAML), its data in ``workdir``;
+    its HTTP API once started."""
 
     def __init__(self, config: dict[str, Any], workdir: Path, *, start_timeout_s: float = 60.0) -> None:
         self.workdir = workdir
@@ -52,7 +52,7 @@ class PrometheusServer:
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.start_timeout_s = start_timeout_s
         self.log: list[str] = []
-        self.url = ""
+        super().__init__("")
         self._proc: subprocess.Popen[str] | None = None
         self._ready = threading.Event()
 
@@ -96,32 +96,3 @@ class PrometheusServer:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
-
-    # --- HTTP API ------------------------------------------------------------
-    def api(self, path: str, **params: str | float | list[str]) -> Any:
-        """GET ``/api/v1/<path>``; the ``data`` of a successful answer, else ``AssertionError``."""
-        query = urllib.parse.urlencode(params, doseq=True)
-        request = f"{self.url}/api/v1/{path}?{query}"
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - our loopback server
-                body = json.load(response)
-        except urllib.error.HTTPError as err:
-            body = json.load(err)
-        assert body.get("status") == "success", f"{path} {params}: {body.get('error', body)}"
-        return body["data"]
-
-    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
-        params: dict[str, str | float] = {"query": expr}
-        if at is not None:
-            params["time"] = at
-        data = self.api("query", **params)
-        return data["result"] if isinstance(data["result"], list) else [data["result"]]
-
-    def query_range(self, expr: str, start: float, end: float, step: float = 1.0) -> list[dict[str, Any]]:
-        return self.api("query_range", query=expr, start=start, end=end, step=step)["result"]  # type: ignore[no-any-return]
-
-    def exemplars(self, expr: str, start: float, end: float) -> list[dict[str, Any]]:
-        return self.api("query_exemplars", query=expr, start=start, end=end)  # type: ignore[no-any-return]
-
-    def series(self, match: str, start: float, end: float) -> list[dict[str, str]]:
-        return self.api("series", **{"match[]": [match], "start": start, "end": end})  # type: ignore[no-any-return]

@@ -125,3 +125,34 @@ class Stack:
 
     def log_tail(self) -> str:
         return self.job_log.read_text(errors="replace")[-6000:] + "\n--- prometheus ---\n" + "".join(self.prom.log[-20:])
+
+
+def draw(live: Stack, dashboard: str, at: float, out_dir: Path) -> dict[str, int]:
+    """The README picture of ``dashboard``'s main panels, from this run, up to ``at``."""
+    import json
+
+    from mixin.pictures import MAIN_PANELS, render
+
+    model = json.loads((REPO / "grafana" / "dashboards" / dashboard).read_text())
+    out = out_dir / dashboard.replace(".json", ".png")
+    return render(live.prom, model, MAIN_PANELS[dashboard], live.t_start, at, out)
+
+
+def pictures(out_dir: Path, tmp: Path) -> None:
+    """Run the stack once and draw every dashboard's picture into ``out_dir``."""
+    with Stack(tmp) as live:
+        live.run_job(lambda: [draw(live, name, live.t_ranks, out_dir)
+                              for name in ("dcp-otel-checkpoints.json", "dcp-otel-ranks.json")])  # fmt: skip
+        draw(live, "dcp-otel-torchelastic.json", live.t_agent, out_dir)
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description="Draw the dashboards' pictures from a live run of the stack.")
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dcp-otel-pictures-") as scratch:
+        pictures(args.out_dir, Path(scratch))
+    print(f"pictures in {args.out_dir}")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mixin.dashboards import panels, render_expr
-from tests.stack import AGENT_JOB, FAIL_RANK, RANK_JOB, SLOW_RANK, WORLD, Stack
+from tests.stack import AGENT_JOB, FAIL_RANK, RANK_JOB, SLOW_RANK, WORLD, Stack, draw
 
 DASHBOARDS = Path(__file__).parent.parent / "grafana" / "dashboards"
 RULES = Path(__file__).parent.parent / "exporters" / "prometheus" / "rules"
@@ -46,9 +46,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 for group in results["rules"]["groups"] for rule in group["rules"] if rule["type"] == "recording"
             }  # fmt: skip
             results["targets_live"] = sorted(p.name for p in live.targets.iterdir())
+            for name in ("dcp-otel-checkpoints.json", "dcp-otel-ranks.json"):
+                results["drawn"][name] = draw(live, name, live.t_ranks, pictures)
 
+        pictures = live.tmp / "pictures"
+        results["drawn"] = {}
         live.run_job(while_ranks_live)
         results["dcp-otel-torchelastic.json"] = evaluate(live, load("dcp-otel-torchelastic.json"), live.t_agent)
+        results["drawn"]["dcp-otel-torchelastic.json"] = draw(live, "dcp-otel-torchelastic.json", live.t_agent, pictures)
+        results["pictures"] = pictures
         results["targets_after"] = sorted(p.name for p in live.targets.iterdir())
         yield results
 
@@ -159,3 +165,10 @@ def test_the_agent_dashboard_tells_the_restart_and_the_run_result(stack: dict[st
     assert all(float(r["value"][1]) > 0 for r in by_panel["Rendezvous duration"]["result"])
     dropped = {r["metric"]["reason"]: float(r["value"][1]) for r in by_panel["Dropped metrics"]["result"]}
     assert dropped == {"bad_value": WORLD}  # each rank's NaN loss, refused and counted
+
+
+def test_the_readme_pictures_are_drawn_from_the_runs_query_results(stack: dict[str, Any]) -> None:
+    for name, drawn in stack["drawn"].items():
+        assert drawn and all(count > 0 for count in drawn.values()), (name, drawn)
+        png = stack["pictures"] / name.replace(".json", ".png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
