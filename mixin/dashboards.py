@@ -35,6 +35,7 @@ from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DashboardLinkType,
     DataSourceRef,
+    DataTransformerConfig,
     VariableRefresh,
     VariableSort,
 )
@@ -82,6 +83,8 @@ def _stat(title: str, unit: str, description: str, query: Dataquery, w: int = 6,
 
 def _table(title: str, unit: str, description: str, *queries: Dataquery, w: int = 12, h: int = 8) -> Panel:
     panel = table.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE).span(w).height(h)
+    # An instant query's table: one row per series; its time column says nothing.
+    panel = panel.with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": {"Time": True}}))
     return _ref_ids(panel, list(queries))
 
 
@@ -199,10 +202,14 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
                    "max {{operation}}")))
         .with_panel(_timeseries(
             "Step duration p95", "s", "p95 of each step of each operation (write_data, read_data, planning...).",
-            _query(quantile("0.95", step_dur, "operation, step"), "{{operation}} {{step}}", exemplar=True)))
+            _query(quantile("0.95", step_dur, "operation, step"), "{{operation}} {{step}}", exemplar=True), w=8))
         .with_panel(_timeseries(
             "Step duration p50", "s", "p50 of each step of each operation.",
-            _query(quantile("0.5", step_dur, "operation, step"), "{{operation}} {{step}}", exemplar=True)))
+            _query(quantile("0.5", step_dur, "operation, step"), "{{operation}} {{step}}", exemplar=True), w=8))
+        .with_panel(_timeseries(
+            "Step duration max", "s", "Each step's slowest rank (its mean per call): the Ranks dashboard says which.",
+            _query(f"max by (operation, step) (rate({step_dur}_sum{s()}[{RATE}]) / rate({step_dur}_count{s()}[{RATE}]) > 0)",
+                   "{{operation}} {{step}}"), w=8))
         .with_row(Row("Bytes"))
         .with_panel(_timeseries(
             "Bytes per second", "Bps", "Checkpoint bytes written and read per second, all selected ranks.",

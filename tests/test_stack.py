@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mixin.dashboards import panels, render_expr
-from tests.stack import AGENT_JOB, FAIL_RANK, RANK_JOB, SLOW_RANK, WORLD, Stack, draw
+from tests.stack import AGENT_JOB, RANK_JOB, SLOW_RANK, WORLD, Stack, draw
 
 DASHBOARDS = Path(__file__).parent.parent / "grafana" / "dashboards"
 RULES = Path(__file__).parent.parent / "exporters" / "prometheus" / "rules"
@@ -144,7 +144,8 @@ def test_the_failed_save_fires_its_alert_and_nothing_else_fires(stack: dict[str,
     assert firing == {("DCPCheckpointOperationFailed", "save")}
     (alert,) = [a for a in stack["alerts"] if a["state"] == "firing"]
     assert alert["labels"]["job"] == RANK_JOB and alert["labels"]["severity"] == "warning"
-    assert FAIL_RANK >= 0  # the failing rank's exception fails the save on every rank
+    # One rank's full disk fails the save on every rank (increase() extrapolates a little).
+    assert WORLD <= float(alert["value"]) < WORLD * 1.5
 
 
 def test_targets_come_from_the_files_dcp_otel_writes_and_leave_with_the_job(stack: dict[str, Any]) -> None:
