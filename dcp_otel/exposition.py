@@ -42,7 +42,11 @@ logger = logging.getLogger("dcp_otel")
 
 
 class ScrapeWatch:
-    """A collector that yields nothing and counts scrapes, so a process can wait for one."""
+    """A collector that yields nothing and counts scrapes, so a process can wait for one.
+
+    It counts every collection of the registry it is in: the endpoint's scrapes,
+    and any other reader of that registry (say, a push to a gateway).
+    """
 
     def __init__(self) -> None:
         self._scraped = threading.Condition()

@@ -14,7 +14,10 @@ Usage::
 
 The agent serves on ``$DCP_OTEL_AGENT_METRICS_PORT`` (default 9709; the ranks
 use ``$DCP_OTEL_METRICS_PORT`` + ``LOCAL_RANK``, default 9710 + ``LOCAL_RANK``)
-at ``$DCP_OTEL_METRICS_ADDR`` (default all interfaces). Agent phases become
+at ``$DCP_OTEL_METRICS_ADDR`` (default all interfaces), announced in
+``$DCP_OTEL_FILE_SD_DIR`` when set. The run results are recorded when the
+workers are done: with ``$DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S`` the agent waits for
+one last scrape before it exits, so they reach Prometheus. Agent phases become
 spans when an OpenTelemetry SDK is configured in the launcher, e.g.
 ``opentelemetry-instrument dcp-otel-run ...``.
 """
