@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
 from dcp_otel.async_context import AsyncContextCarrier
 from dcp_otel.config import InstrumentOptions
@@ -151,13 +150,15 @@ class Installed:
     dcp_logger: logging.Logger | None = None
     carrier: AsyncContextCarrier | None = None
     bridge: ProcessBridge | None = None
-    wrapped: list[tuple[Any, str]] = field(default_factory=list)  # (owner, attribute)
+    wrapped: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, attribute, original)
     restore_daemon_entry: Callable[[], None] | None = None
     missing: list[str] = field(default_factory=list)
 
     def remove(self) -> None:
-        for owner, attr in reversed(self.wrapped):
-            unwrap(owner, attr)
+        for owner, attr, original in reversed(self.wrapped):
+            # The exact object we replaced: unwrapping a staticmethod would leave its bare
+            # function behind, which the class would then bind as a method.
+            setattr(owner, attr, original)
         self.wrapped.clear()
         if self.restore_daemon_entry is not None:
             self.restore_daemon_entry()
@@ -219,8 +220,9 @@ def install(
             installed.missing.append(f"{patch.module}.{patch.name} ({patch.lost})")
             continue
         owner, attr = target
+        original = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
         wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(hooks))
-        installed.wrapped.append((owner, attr))
+        installed.wrapped.append((owner, attr, original))
     installed.restore_daemon_entry = replace_daemon_entry()
     if installed.restore_daemon_entry is None:
         installed.missing.append(f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})")
