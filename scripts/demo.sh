@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The demo, from a fresh clone: a 2-rank torchrun job that checkpoints with
-# save, async_save and load; its spans go to out/quickstart/ (or to
-# $OTEL_EXPORTER_OTLP_ENDPOINT if set), then one summary per checkpoint trace.
+# The demo, from a fresh clone: `dcp-otel demo` with 4 ranks (gloo on CPU) of a small
+# training job that saves, async-saves and resumes with load; rank 2's storage is slow
+# and rank 1's disk fills up once, so the report has something to find. Spans go to
+# out/demo/traces (OTLP JSON; also to $OTEL_EXPORTER_OTLP_ENDPOINT if set); the report is
+# printed and written to out/demo/report.html and out/demo/trace.perfetto.json.
+# Extra arguments go to `dcp-otel demo` (e.g. --ranks 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-out=out/quickstart
-rm -rf "$out" && mkdir -p "$out"
-OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 examples/quickstart.py --out "$out"
-.venv/bin/python examples/show_traces.py "$out"
+exec .venv/bin/dcp-otel demo --slow-rank 2 --fail-rank 1 "$@"

@@ -2,7 +2,7 @@
 # Set up everything dcp-otel needs on a fresh machine, idempotently:
 #   - .venv with torch==2.13.0 (the CPU build; a bare "torch" could pull a multi-GB
 #     CUDA build), numpy (torch's object collectives need it) and dcp-otel itself;
-#   - with --prometheus, the Prometheus server and promtool (Debian package).
+#   - with --prometheus / --browser, Prometheus and promtool / Chromium and its driver (Debian).
 # Re-running is cheap: packages are reinstalled only when pyproject.toml changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,12 +27,23 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-if [ "${1:-}" = "--prometheus" ] && ! command -v promtool >/dev/null 2>&1; then
-    echo "setup: installing Prometheus (Debian package)" >&2
+# System tools the tests use (Debian packages), each installed only when missing:
+#   --prometheus  prometheus and promtool
+#   --browser     chromium and chromium-driver (the HTML report's browser test)
+debs=()
+for flag in "$@"; do
+    case "$flag" in
+        --prometheus) command -v promtool >/dev/null 2>&1 || debs+=(prometheus) ;;
+        --browser) command -v chromedriver >/dev/null 2>&1 || debs+=(chromium chromium-driver) ;;
+        *) echo "setup: unknown option $flag" >&2; exit 2 ;;
+    esac
+done
+if [ "${#debs[@]}" -gt 0 ]; then
+    echo "setup: installing ${debs[*]} (Debian packages)" >&2
     if [ "$(id -u)" = 0 ]; then
-        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >&2
+        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${debs[@]}" >&2
     else
-        echo "setup: not root; install the 'prometheus' package yourself" >&2
+        echo "setup: not root; install these packages yourself: ${debs[*]}" >&2
         exit 1
     fi
 fi

@@ -3,5 +3,5 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k multiprocess).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --prometheus
+bash scripts/setup.sh --prometheus --browser
 exec .venv/bin/python -m pytest "$@"

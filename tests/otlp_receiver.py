@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import threading
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -24,24 +23,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+from dcp_otel.otlp_file import FileSpan, spans_of
 
-@dataclass(frozen=True)
-class ReceivedSpan:
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str
-    attributes: dict[str, Any]
-    resource: dict[str, Any]
-
-
-def _value(v: AnyValue) -> Any:
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
+#: A decoded span, as dcp-otel's own OTLP decoding reads it.
+ReceivedSpan = FileSpan
 
 
 class OtlpReceiver:
@@ -83,20 +69,7 @@ class OtlpReceiver:
     def _add(self, request: ExportTraceServiceRequest) -> None:
         with self._lock:
             self.requests += 1
-            for resource_spans in request.resource_spans:
-                resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        self.spans.append(
-                            ReceivedSpan(
-                                name=span.name,
-                                trace_id=span.trace_id.hex(),
-                                span_id=span.span_id.hex(),
-                                parent_id=span.parent_span_id.hex(),
-                                attributes={a.key: _value(a.value) for a in span.attributes},
-                                resource=resource,
-                            )
-                        )
+            self.spans.extend(spans_of(request))
 
     def __enter__(self) -> OtlpReceiver:
         self._thread.start()

@@ -1,0 +1,53 @@
+"""``dcp-otel``: the command line (also ``python -m dcp_otel``).
+
+Usage::
+
+    dcp-otel demo [--ranks 4] [--slow-rank R] [--fail-rank R] [--out out/demo]
+    dcp-otel report out/demo/traces [--html report.html] [--perfetto trace.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dcp_otel import demo
+from dcp_otel.otlp_file import SpanFileError
+from dcp_otel.report import build
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dcp-otel", description="Observability for PyTorch Distributed Checkpoint.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_demo = commands.add_parser("demo", help="run a small multi-rank training job that checkpoints, and report")
+    demo.add_arguments(run_demo)
+    report = commands.add_parser("report", help="report the checkpoints in OTLP JSON trace files")
+    report.add_argument("traces", nargs="+", type=Path, help="trace files, or folders of .json/.jsonl files")
+    report.add_argument("--html", type=Path, help="also write the report as a self-contained HTML page")
+    report.add_argument("--perfetto", type=Path, help="also write a Chrome/Perfetto trace JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "demo":
+            return demo.run(args)
+        result = build(args.traces)
+    except (ValueError, SpanFileError) as exc:  # SpanFileError is a ValueError; both are the user's to fix
+        parser.exit(2, f"dcp-otel {args.command}: error: {exc}\n")
+    print(result.text(), end="")
+    if args.html:
+        args.html.write_text(result.html(), encoding="utf-8")
+        print(f"report (HTML): {args.html}")
+    if args.perfetto:
+        args.perfetto.write_text(json.dumps(result.perfetto()), encoding="utf-8")
+        print(f"trace (Perfetto): {args.perfetto}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

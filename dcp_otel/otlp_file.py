@@ -1,0 +1,199 @@
+"""Spans to and from files in the standard OTLP JSON format.
+
+Each line of a file is one ``ExportTraceServiceRequest`` in the OTLP/JSON
+encoding (the OpenTelemetry protocol's JSON mapping: hex trace and span ids,
+integer enums), which is also what the Collector's ``file`` exporter writes.
+Encoding and decoding go through the official protobuf messages
+(``opentelemetry-proto``), so a file we write is one any OTLP tool reads, and a
+file we read is checked field by field.
+
+Usage::
+
+    from dcp_otel.otlp_file import OTLPJsonFileExporter, read_spans
+
+    provider.add_span_processor(BatchSpanProcessor(OTLPJsonFileExporter("out/traces/rank-0.jsonl")))
+    spans = read_spans(["out/traces/rank-0.jsonl"])   # -> list[FileSpan]; SpanFileError if malformed
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from dcp_otel._selftelemetry import report
+
+_ID_FIELDS: Final = ("traceId", "spanId", "parentSpanId")
+STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+
+
+class SpanFileError(ValueError):
+    """A span file that is not OTLP JSON (or is cut short); the message says where and why."""
+
+
+class OTLPJsonFileExporter(SpanExporter):
+    """Appends each batch of spans to ``path`` as one OTLP/JSON line."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            line = json.dumps(to_otlp_json(encode_spans(spans)), separators=(",", ":"))
+            with self._lock:
+                self._file.write(line + "\n")
+                self._file.flush()
+            return SpanExportResult.SUCCESS
+        except Exception:  # noqa: BLE001 - an exporter reports, it does not raise into the SDK
+            report("span_file_error", "dcp_otel could not write spans to %s", self.path, exc_info=True)
+            return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True  # every export is flushed as it is written
+
+
+def to_otlp_json(request: ExportTraceServiceRequest) -> dict[str, Any]:
+    """The OTLP/JSON form of ``request``: protobuf's JSON mapping, with ids in hex as OTLP requires."""
+    data: dict[str, Any] = json_format.MessageToDict(request, use_integers_for_enums=True)
+    _convert_ids(data, lambda b64: base64.b64decode(b64).hex())
+    return data
+
+
+def from_otlp_json(data: object) -> ExportTraceServiceRequest:
+    """Parse one OTLP/JSON request (raises ``ValueError`` or ``json_format.ParseError``)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    _convert_ids(data, lambda hexid: base64.b64encode(bytes.fromhex(hexid)).decode())
+    request = ExportTraceServiceRequest()
+    json_format.ParseDict(data, request)
+    return request
+
+
+def _convert_ids(node: object, convert: Any) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _ID_FIELDS and isinstance(value, str):
+                node[key] = convert(value) if value else value
+            else:
+                _convert_ids(value, convert)
+    elif isinstance(node, list):
+        for item in node:
+            _convert_ids(item, convert)
+
+
+@dataclass
+class FileSpan:
+    """One span read back from a file: what the report needs, ids in hex."""
+
+    trace_id: str
+    span_id: str
+    parent_id: str
+    name: str
+    start_ns: int
+    end_ns: int
+    error: bool
+    status_message: str
+    attributes: dict[str, Any] = field(default_factory=dict)
+    resource: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+def _value(value: AnyValue) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: _value(kv.value) for kv in value.kvlist_value.values}
+    return getattr(value, kind) if kind else None
+
+
+def spans_of(request: ExportTraceServiceRequest) -> Iterable[FileSpan]:
+    for resource_spans in request.resource_spans:
+        resource = {kv.key: _value(kv.value) for kv in resource_spans.resource.attributes}
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                yield FileSpan(
+                    trace_id=span.trace_id.hex(),
+                    span_id=span.span_id.hex(),
+                    parent_id=span.parent_span_id.hex(),
+                    name=span.name,
+                    start_ns=span.start_time_unix_nano,
+                    end_ns=span.end_time_unix_nano,
+                    error=span.status.code == STATUS_ERROR,
+                    status_message=span.status.message,
+                    attributes={kv.key: _value(kv.value) for kv in span.attributes},
+                    resource=resource,
+                )
+
+
+def read_spans(paths: Iterable[str | os.PathLike[str]]) -> list[FileSpan]:
+    """Every span in the files (a folder means its ``*.json`` and ``*.jsonl`` files).
+
+    Raises:
+        SpanFileError: a file is missing, empty, not OTLP JSON, or cut short; the
+            message names the file and line.
+    """
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files.extend(sorted(p for p in path.iterdir() if p.suffix in {".json", ".jsonl"}))
+        else:
+            files.append(path)
+    if not files:
+        raise SpanFileError("no trace files given (or the folder has no .json/.jsonl files)")
+    spans: list[FileSpan] = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpanFileError(f"{path}: cannot read it ({exc})") from None
+        documents = _documents(path, text)
+        for line, document in documents:
+            try:
+                spans.extend(spans_of(from_otlp_json(document)))
+            except (ValueError, json_format.ParseError) as exc:
+                raise SpanFileError(f"{path}:{line}: not an OTLP JSON trace request ({exc})") from None
+    return spans
+
+
+def _documents(path: Path, text: str) -> list[tuple[int, object]]:
+    """The JSON documents of a file: one per line, or the whole file as one (pretty-printed) document."""
+    if not text.strip():
+        raise SpanFileError(f"{path}: the file is empty")
+    try:
+        return [(1, json.loads(text))]
+    except json.JSONDecodeError:
+        pass
+    documents = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            documents.append((number, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            cut = " (the file looks cut short)" if number == len(text.splitlines()) else ""
+            raise SpanFileError(f"{path}:{number}: not JSON{cut}: {exc.msg}") from None
+    return documents

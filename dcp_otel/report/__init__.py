@@ -1,0 +1,57 @@
+"""The offline checkpoint report: ``dcp-otel report <trace files>``.
+
+Reads spans from OTLP JSON files (what ``dcp-otel demo`` writes, or a
+Collector's ``file`` exporter) and answers, per checkpoint operation: how long
+each rank and step took, which rank was the straggler and by how much, how long
+each rank waited in collectives, bytes and throughput, whether async uploads
+completed, and which rank failed with what. Three outputs: a terminal table,
+a self-contained HTML page with a timeline per checkpoint (one lane per rank,
+the straggler highlighted), and a Chrome/Perfetto trace JSON.
+
+Usage::
+
+    dcp-otel report out/demo/traces --html report.html --perfetto trace.json
+
+    from dcp_otel.report import build
+    report = build(["out/demo/traces"])       # SpanFileError on a malformed file
+    print(report.text())
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dcp_otel.otlp_file import SpanFileError, read_spans
+from dcp_otel.report.model import Checkpoint, checkpoints
+
+__all__ = ["Report", "SpanFileError", "build"]
+
+
+@dataclass
+class Report:
+    checkpoints: list[Checkpoint]
+
+    def text(self) -> str:
+        from dcp_otel.report.terminal import render
+
+        return render(self.checkpoints)
+
+    def html(self) -> str:
+        from dcp_otel.report.html import render
+
+        return render(self.checkpoints)
+
+    def perfetto(self) -> dict[str, object]:
+        from dcp_otel.report.perfetto import render
+
+        return render(self.checkpoints)
+
+
+def build(paths: Iterable[str | os.PathLike[str]]) -> Report:
+    """The report of the checkpoints in these trace files (or folders of them)."""
+    found = checkpoints(read_spans(paths))
+    if not found:
+        raise SpanFileError("the files hold no dcp-otel checkpoint spans")
+    return Report(found)

@@ -1,0 +1,201 @@
+"""From spans to answers: per checkpoint operation, per rank and per step.
+
+A checkpoint operation is one trace (dcp-otel puts every rank of a save,
+async save or load into one). For each, this finds each rank's operation span,
+its steps, the time it spent waiting for the others, its bytes and their
+throughput, whether its async upload completed, and who failed. The straggler
+is the rank that was busy longest (its own steps: the others wait for it in the
+collectives), with its skew against the median rank.
+
+Usage::
+
+    from dcp_otel.otlp_file import read_spans
+    from dcp_otel.report.model import checkpoints
+
+    for ckpt in checkpoints(read_spans(["out/traces"])):
+        print(ckpt.operation, ckpt.straggler, ckpt.straggler_skew)
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Final
+
+from dcp_otel import semconv
+from dcp_otel.otlp_file import FileSpan
+
+#: Spans that are not steps of a rank's operation.
+_NOT_STEPS: Final = frozenset({semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING})
+_OPERATION_SPANS: Final = frozenset(semconv.span_name(op) for op in semconv.OPERATIONS)
+#: Steps that move the bytes: where their throughput is measured.
+_IO_STEP: Final = {"write_data": semconv.ATTR_WRITTEN_BYTES, "read_data": semconv.ATTR_READ_BYTES}
+#: A skew below this is noise, not a straggler.
+STRAGGLER_SKEW: Final = 1.5
+
+
+@dataclass
+class RankResult:
+    """One rank's part of a checkpoint operation."""
+
+    rank: int
+    duration_s: float  # its operation span
+    busy_s: float  # in its own steps
+    wait_s: float  # the rest: waiting for other ranks
+    bytes: int
+    io_s: float  # in write_data / read_data
+    upload: str | None = None  # async save only: "completed", "failed" or "unfinished"
+    upload_s: float = 0.0
+    error: str | None = None  # the first error among this rank's spans
+
+    @property
+    def throughput_bps(self) -> float | None:
+        return self.bytes / self.io_s if self.bytes and self.io_s > 0 else None
+
+
+@dataclass
+class StepResult:
+    """One step across ranks (durations summed when a rank ran it more than once)."""
+
+    name: str
+    by_rank: dict[int, float]
+
+    @property
+    def slowest_rank(self) -> int:
+        return max(self.by_rank, key=lambda r: (self.by_rank[r], -r))
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.by_rank.values())
+
+    @property
+    def skew(self) -> float:
+        median = self.median_s
+        return self.by_rank[self.slowest_rank] / median if median > 0 else 1.0
+
+
+@dataclass
+class Checkpoint:
+    """One checkpoint operation: one trace."""
+
+    trace_id: str
+    operation: str
+    checkpoint_id: str
+    start_ns: int
+    end_ns: int
+    ranks: list[RankResult]
+    steps: list[StepResult]
+    failed_ranks: list[int]
+    error: str | None
+    spans: list[FileSpan] = field(repr=False, default_factory=list)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+    @property
+    def straggler(self) -> int | None:
+        """The rank busy longest, if it stands out (``STRAGGLER_SKEW`` times the median), else ``None``."""
+        if len(self.ranks) < 2:
+            return None
+        slowest = max(self.ranks, key=lambda r: (r.busy_s, -r.rank))
+        return slowest.rank if self.straggler_skew >= STRAGGLER_SKEW else None
+
+    @property
+    def straggler_skew(self) -> float:
+        busy = [r.busy_s for r in self.ranks]
+        median = statistics.median(busy) if busy else 0.0
+        return max(busy) / median if busy and median > 0 else 1.0
+
+
+def _rank_of(span: FileSpan) -> int | None:
+    rank = span.attributes.get(semconv.ATTR_RANK)
+    return int(rank) if isinstance(rank, int) else None
+
+
+def checkpoints(spans: list[FileSpan]) -> list[Checkpoint]:
+    """Every checkpoint operation in ``spans`` (DCP spans only), oldest first."""
+    by_trace: dict[str, list[FileSpan]] = defaultdict(list)
+    for span in spans:
+        if span.name.startswith(semconv.SPAN_PREFIX) and span.attributes.get(semconv.ATTR_OPERATION):
+            by_trace[span.trace_id].append(span)
+    found = [_checkpoint(trace_id, group) for trace_id, group in by_trace.items()]
+    return sorted((c for c in found if c.ranks), key=lambda c: c.start_ns)
+
+
+def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
+    operation = str(spans[0].attributes[semconv.ATTR_OPERATION])
+    op_name = semconv.span_name(operation)
+    by_id = {s.span_id: s for s in spans}
+    children: dict[str, list[FileSpan]] = defaultdict(list)
+    for span in spans:
+        children[span.parent_id].append(span)
+
+    def is_operation_span(span: FileSpan) -> bool:
+        # The rank's own operation span: not the background save under an async upload.
+        parent = by_id.get(span.parent_id)
+        return span.name == op_name and (parent is None or parent.name == semconv.SPAN_CHECKPOINT)
+
+    bytes_key = _IO_STEP["read_data" if operation == "load" else "write_data"]
+    ranks: list[RankResult] = []
+    steps: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    failed: set[int] = set()
+    first_error: str | None = None  # what the first rank to fail said
+    root_cause: str | None = None  # what the step that raised said (not torch's CheckpointException)
+    for op_span in sorted((s for s in spans if is_operation_span(s)), key=lambda s: _rank_of(s) or 0):
+        rank = _rank_of(op_span)
+        if rank is None:
+            continue
+        subtree = _subtree(op_span, children)
+        own_steps = [s for s in subtree if s.name not in _NOT_STEPS and s.name not in _OPERATION_SPANS]
+        # Busy: in steps run right under an operation span (the rank's, or an async save's
+        # background save); the rest of the operation span is waiting for the other ranks.
+        busy = sum(s.duration_s for s in own_steps if by_id[s.parent_id].name in _OPERATION_SPANS)
+        direct = sum(s.duration_s for s in children[op_span.span_id] if s.name not in _NOT_STEPS)
+        result = RankResult(
+            rank=rank,
+            duration_s=op_span.duration_s,
+            busy_s=busy,
+            wait_s=max(0.0, op_span.duration_s - direct),
+            # On the operation span; for an async save, on its background save.
+            bytes=max(int(s.attributes.get(bytes_key) or 0) for s in subtree if s.name in _OPERATION_SPANS),
+            io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
+        )
+        for step in own_steps:
+            steps[step.name.removeprefix(semconv.SPAN_PREFIX)][rank] += step.duration_s
+        uploads = [s for s in subtree if s.name == semconv.SPAN_ASYNC_UPLOAD]
+        if operation == "async_save":
+            result.upload = "unfinished" if not uploads else "failed" if uploads[0].error else "completed"
+            result.upload_s = uploads[0].duration_s if uploads else 0.0
+        errors = sorted((s for s in subtree if s.error), key=lambda s: s.end_ns)
+        if errors:
+            result.error = errors[0].status_message or f"{errors[0].name} failed"
+            first_error = first_error or result.error
+        raising = [s for s in errors if s.name.removeprefix(semconv.SPAN_PREFIX) in semconv.COLLECTIVE_STEPS]
+        if raising:
+            failed.add(rank)
+            root_cause = root_cause or raising[0].status_message or None
+        failed.update(int(r) for r in op_span.attributes.get(semconv.ATTR_FAILED_RANKS, []) or [])
+        ranks.append(result)
+    return Checkpoint(
+        trace_id=trace_id,
+        operation=operation,
+        checkpoint_id=str(spans[0].attributes.get(semconv.ATTR_CHECKPOINT_ID, "")),
+        start_ns=min(s.start_ns for s in spans),
+        end_ns=max(s.end_ns for s in spans),
+        ranks=ranks,
+        steps=[StepResult(name, dict(by_rank)) for name, by_rank in steps.items()],
+        failed_ranks=sorted(failed),
+        error=root_cause or first_error,
+        spans=spans,
+    )
+
+
+def _subtree(root: FileSpan, children: dict[str, list[FileSpan]]) -> list[FileSpan]:
+    found, todo = [], [root]
+    while todo:
+        span = todo.pop()
+        found.append(span)
+        todo.extend(children[span.span_id])
+    return found

@@ -1,0 +1,57 @@
+"""The report as a Chrome trace (JSON Object Format), which Perfetto and chrome://tracing open.
+
+PyTorch users open ``torch.profiler`` traces the same way. One process per
+rank; the rank's operation and steps on one thread, each async upload (which
+outlives its call) on a second, so every thread's events nest properly.
+
+Usage::
+
+    json.dump(render(checkpoints(spans)), open("trace.json", "w"))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dcp_otel import semconv
+from dcp_otel.otlp_file import FileSpan
+from dcp_otel.report.model import Checkpoint
+
+_MAIN, _UPLOAD = 0, 1
+
+
+def _under_upload(span: FileSpan, uploads: set[str], by_id: dict[str, FileSpan]) -> bool:
+    node: FileSpan | None = span
+    while node is not None:
+        if node.span_id in uploads:
+            return True
+        node = by_id.get(node.parent_id)
+    return False
+
+
+def render(checkpoints: list[Checkpoint]) -> dict[str, Any]:
+    events: list[dict[str, Any]] = []
+    ranks: set[int] = set()
+    for ckpt in checkpoints:
+        uploads = {s.span_id for s in ckpt.spans if s.name == semconv.SPAN_ASYNC_UPLOAD}
+        by_id = {s.span_id: s for s in ckpt.spans}
+        for span in ckpt.spans:
+            rank = span.attributes.get(semconv.ATTR_RANK)
+            if not isinstance(rank, int) or span.name == semconv.SPAN_CHECKPOINT:
+                continue
+            ranks.add(rank)
+            tid = _UPLOAD if _under_upload(span, uploads, by_id) else _MAIN
+            events.append({
+                "name": span.name.removeprefix(semconv.SPAN_PREFIX), "cat": ckpt.operation, "ph": "X",
+                "ts": span.start_ns / 1000, "dur": max(0.0, (span.end_ns - span.start_ns) / 1000),
+                "pid": rank, "tid": tid,
+                "args": {"trace_id": ckpt.trace_id, "checkpoint_id": ckpt.checkpoint_id,
+                         "error": span.status_message if span.error else None,
+                         "straggler": rank == ckpt.straggler},
+            })  # fmt: skip
+    for rank in sorted(ranks):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": _MAIN, "args": {"name": "checkpoint"}})
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": _UPLOAD, "args": {"name": "async upload"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "dcp-otel report"}}

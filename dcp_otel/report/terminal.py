@@ -1,0 +1,53 @@
+"""The report as a terminal table: one block per checkpoint operation.
+
+Usage::
+
+    print(render(checkpoints(spans)))
+"""
+
+from __future__ import annotations
+
+from dcp_otel.report.model import Checkpoint
+
+_COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "MB/s", "upload", "error")
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def render_one(ckpt: Checkpoint) -> str:
+    status = "FAILED" if ckpt.error else "ok"
+    lines = [f"{ckpt.operation} {ckpt.checkpoint_id or '(no id)'}  {ckpt.duration_s:.3f} s  {status}  "
+             f"trace {ckpt.trace_id}"]  # fmt: skip
+    rows: list[tuple[str, ...]] = [_COLUMNS]
+    for r in ckpt.ranks:
+        mbps = f"{r.throughput_bps / 1e6:.1f}" if r.throughput_bps else "-"
+        upload = f"{r.upload} {r.upload_s:.3f}s" if r.upload else "-"
+        mark = " <- straggler" if r.rank == ckpt.straggler else ""
+        rows.append((f"{r.rank}{mark}", f"{r.duration_s:.3f}s", f"{r.busy_s:.3f}s", f"{r.wait_s:.3f}s",
+                     _bytes(r.bytes), mbps, upload, (r.error or "")[:60]))  # fmt: skip
+    lines += _table(rows)
+    if ckpt.straggler is not None:
+        lines.append(f"  straggler: rank {ckpt.straggler}, busy {ckpt.straggler_skew:.1f}x the median rank")
+    worst = max(ckpt.steps, key=lambda s: (s.skew, s.median_s), default=None)
+    if worst is not None and len(worst.by_rank) > 1:
+        lines.append(f"  most skewed step: {worst.name} on rank {worst.slowest_rank}: "
+                     f"{worst.by_rank[worst.slowest_rank]:.3f}s vs median {worst.median_s:.3f}s ({worst.skew:.1f}x)")  # fmt: skip
+    if ckpt.failed_ranks:
+        lines.append(f"  failed on rank {', '.join(map(str, ckpt.failed_ranks))}: {ckpt.error}")
+    return "\n".join(lines)
+
+
+def render(checkpoints: list[Checkpoint]) -> str:
+    head = f"{len(checkpoints)} checkpoint operations, {len({r.rank for c in checkpoints for r in c.ranks})} ranks"
+    return "\n\n".join([head, *(render_one(c) for c in checkpoints)]) + "\n"

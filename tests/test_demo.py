@@ -1,0 +1,82 @@
+"""`dcp-otel demo`: the whole product in one command, end to end (2 ranks, a few steps)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from dcp_otel import semconv
+from dcp_otel.report import build
+from tests.otlp_receiver import OtlpReceiver
+from tests.ranks import rank_env
+
+REPO = Path(__file__).parent.parent
+
+
+def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dcp_otel", "demo", *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=rank_env(**(env or {})))  # fmt: skip
+
+
+def test_the_demo_trains_checkpoints_resumes_and_reports_the_slow_rank(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    with OtlpReceiver() as receiver:
+        run = demo("--ranks", "2", "--steps", "8", "--every", "2", "--slow-rank", "1", "--slow-seconds", "0.3",
+                   "--fail-rank", "0", "--out", str(out),
+                   env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, semconv.ENV_METRICS_PORT: "0"})  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = run.stdout
+    # Progress while it runs, then the report, then where everything is.
+    assert "[step   2/8]" in text and "save step-2" in text and "async_save step-4: durable" in text
+    assert "save step-6 FAILED: CheckpointException" in text  # --fail-rank: the third checkpoint
+    assert "resumed from step-8 (step 8)" in text
+    assert re.search(r"metrics of rank 0: http://127\.0\.0\.1:\d+/metrics", text)
+    assert "5 checkpoint operations, 2 ranks" in text and text.count("straggler: rank 1") >= 4
+    assert "failed on rank 0: OSError: [Errno 28] No space left on device" in text
+    for name in ("report.html", "trace.perfetto.json"):
+        assert (out / name).stat().st_size > 1000 and str(out / name) in text
+    json.loads((out / "trace.perfetto.json").read_text())
+    # The span files are OTLP JSON that the report reads back, and the same spans went over OTLP.
+    report = build([out / "traces"])
+    assert [c.operation for c in report.checkpoints] == ["save", "async_save", "save", "async_save", "load"]
+    file_spans = {s.span_id for c in report.checkpoints for s in c.spans}
+    assert file_spans <= {s.span_id for s in receiver.spans}
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
+
+
+def test_the_demo_serves_each_ranks_metrics_while_it_runs(tmp_path: Path) -> None:
+    # A rank prints its endpoint as soon as it serves; the test reads it from rank 0's output
+    # and scrapes while the job trains (the job waits for nothing: it is slowed by its storage).
+    out = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "dcp_otel", "demo", "--ranks", "2", "--steps", "6", "--every",
+                             "2", "--slow-rank", "0", "--slow-seconds", "1.0", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=rank_env(**{semconv.ENV_METRICS_PORT: "0"}))  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        scraped = None
+        for line in proc.stdout:
+            url = re.search(r"metrics of rank 0: (\S+)", line)
+            if url:
+                endpoint = url.group(1)
+            if line.startswith("[step   2/6]"):  # the first save is done; the ranks still run
+                with urllib.request.urlopen(endpoint, timeout=30) as reply:  # noqa: S310 - loopback
+                    scraped = reply.read().decode()
+                break
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert scraped is not None
+    assert 'dcp_operations_total{operation="save",rank="0",status="success"} 1.0' in scraped
+
+
+def test_bad_options_are_clear_errors_before_anything_starts(tmp_path: Path) -> None:
+    for args, message in ((["--ranks", "0"], "--ranks must be from 1 to 64"),
+                          (["--ranks", "2", "--slow-rank", "2"], "--slow-rank must be a rank from 0 to 1")):  # fmt: skip
+        run = demo(*args, "--out", str(tmp_path))
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr

@@ -1,0 +1,163 @@
+"""`dcp-otel report`: the answers in a recorded run's spans, in three forms, and clear errors.
+
+tests/data/demo-3-ranks holds the OTLP JSON spans of a recorded 3-rank demo run
+with known answers (see tests/data/README.md): rank 2 is slow, rank 1's disk
+fills up at the third checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from dcp_otel.report import SpanFileError, build
+
+RECORDED = Path(__file__).parent / "data" / "demo-3-ranks"
+SLOW, FAILING = 2, 1
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dcp_otel", "report", *args], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parent.parent)  # fmt: skip
+
+
+def test_the_report_names_the_slow_rank_the_failure_and_the_uploads() -> None:
+    report = build([RECORDED])
+    assert [c.operation for c in report.checkpoints] == ["save", "async_save", "save", "async_save", "load"]
+    for ckpt in report.checkpoints:
+        assert [r.rank for r in ckpt.ranks] == [0, 1, 2]
+        assert ckpt.straggler == SLOW and ckpt.straggler_skew > 5
+        io_step = "read_data" if ckpt.operation == "load" else "write_data"
+        (io,) = [s for s in ckpt.steps if s.name == io_step]
+        assert io.slowest_rank == SLOW and io.by_rank[SLOW] >= 0.5  # it slept 0.5 s per write and read
+        # The others wait for it: waiting is where a fast rank's time goes.
+        fast = [r for r in ckpt.ranks if r.rank != SLOW]
+        if ckpt.operation != "async_save":
+            assert all(r.wait_s > r.busy_s for r in fast)
+    failed = report.checkpoints[2]
+    assert failed.failed_ranks == [FAILING] and "No space left on device" in (failed.error or "")
+    assert all(c.error is None for i, c in enumerate(report.checkpoints) if i != 2)
+    for ckpt in (report.checkpoints[1], report.checkpoints[3]):
+        assert [r.upload for r in ckpt.ranks] == ["completed"] * 3
+        assert all(r.bytes > 1_000_000 and r.throughput_bps for r in ckpt.ranks)
+
+
+def test_the_terminal_table_says_it_in_words() -> None:
+    shown = run_cli(str(RECORDED))
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout
+    assert text.startswith("5 checkpoint operations, 3 ranks")
+    assert text.count(f"straggler: rank {SLOW}") == 5
+    assert f"failed on rank {FAILING}: OSError: [Errno 28] No space left on device" in text
+    assert "most skewed step: read_data on rank 2" in text and "completed" in text
+
+
+def test_the_perfetto_trace_has_one_process_per_rank_and_nested_events(tmp_path: Path) -> None:
+    out = tmp_path / "trace.json"
+    assert run_cli(str(RECORDED), "--perfetto", str(out)).returncode == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["name"] for e in spans} >= {"save", "async_save", "load", "write_data", "read_data", "async_upload"}
+    assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
+    # The trace format requires events on one thread to nest: each starts after, and ends
+    # before, the one it starts in, or starts after it ended.
+    threads: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for event in spans:
+        threads[(event["pid"], event["tid"])].append(event)
+    for events_of_thread in threads.values():
+        open_ends: list[float] = []
+        for event in sorted(events_of_thread, key=lambda e: (e["ts"], -e["dur"])):
+            while open_ends and event["ts"] >= open_ends[-1]:
+                open_ends.pop()
+            assert not open_ends or event["ts"] + event["dur"] <= open_ends[-1] + 1  # 1 us of rounding
+            open_ends.append(event["ts"] + event["dur"])
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("", "the file is empty"),
+        ("not json at all\n", "rank.jsonl:1: not JSON"),
+        ('{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz"}]}]}]}\n', "not an OTLP JSON trace request"),
+        ('{"something": "else"}\n', "not an OTLP JSON trace request"),
+        ("[1, 2]\n", "expected a JSON object"),
+        ('{"resourceSpans": []}\n', "no dcp-otel checkpoint spans"),
+    ],
+)  # fmt: skip
+def test_a_bad_trace_file_is_a_clear_error_not_a_traceback(tmp_path: Path, content: str, expected: str) -> None:
+    bad = tmp_path / "rank.jsonl"
+    bad.write_text(content)
+    shown = run_cli(str(bad))
+    assert shown.returncode == 2
+    assert expected in shown.stderr and "Traceback" not in shown.stderr
+    with pytest.raises(SpanFileError, match=expected.split(":")[-1].strip()):
+        build([bad])
+
+
+def test_a_truncated_trace_file_says_it_looks_cut_short(tmp_path: Path) -> None:
+    text = (RECORDED / "rank-0.jsonl").read_text()
+    cut = tmp_path / "rank-0.jsonl"
+    cut.write_text(text[: len(text) - 500])  # a file whose writer died mid-line
+    shown = run_cli(str(cut))
+    assert shown.returncode == 2 and "Traceback" not in shown.stderr
+    assert f"{cut}:{text.count(chr(10))}: not JSON (the file looks cut short)" in shown.stderr
+    missing = run_cli(str(tmp_path / "nowhere.jsonl"))
+    assert missing.returncode == 2 and "cannot read it" in missing.stderr
+
+
+# --- the HTML page, in a real browser ---------------------------------------------
+@pytest.fixture(scope="module")
+def browser():  # type: ignore[no-untyped-def]
+    """Headless Chromium through the Debian chromium-driver (fails under $CI when missing)."""
+    driver_path = shutil.which("chromedriver")
+    if driver_path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromedriver is missing in CI: scripts/setup.sh --browser installs it")
+        pytest.skip("chromium-driver not installed (scripts/test.sh installs it)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--window-size=1300,1000"):  # fmt: skip
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+def test_the_html_report_draws_one_lane_per_rank_and_highlights_the_straggler(browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    page = tmp_path / "report.html"
+    assert run_cli(str(RECORDED), "--html", str(page)).returncode == 0
+    browser.get(page.as_uri())  # offline: a file, no server, nothing fetched
+    assert browser.execute_script("return document.body.dataset.rendered") == "5"
+    lanes = browser.execute_script("""
+        return [...document.querySelectorAll('.timeline-host')].map(host =>
+            [...host.querySelectorAll('g.lane')].map(g => ({
+                rank: g.dataset.rank, straggler: g.classList.contains('straggler'),
+                label: g.querySelector('.lane-label').textContent,
+                bars: g.querySelectorAll('rect.bar').length,
+                ioFill: [...g.querySelectorAll('rect.bar.io')].map(r => getComputedStyle(r).fill)})))""")
+    assert len(lanes) == 5
+    for timeline in lanes:
+        assert [lane["rank"] for lane in timeline] == ["0", "1", "2"]
+        assert [lane["straggler"] for lane in timeline] == [False, False, True]
+        assert timeline[SLOW]["label"] == f"rank {SLOW} (straggler)"
+        assert all(lane["bars"] >= 3 for lane in timeline)
+        # Highlighted: the straggler's write/read bars are orange, the others' blue.
+        assert set(timeline[SLOW]["ioFill"]) == {"rgb(212, 91, 0)"}
+        assert set(timeline[0]["ioFill"]) == {"rgb(50, 116, 217)"}
+    failed = browser.execute_script("return document.querySelectorAll('#timeline-2 rect.bar.error').length")
+    assert failed >= 1
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == []
