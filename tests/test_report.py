@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,9 @@ def test_the_terminal_table_says_it_in_words() -> None:
     assert text.count(f"straggler: rank {SLOW}") == 5
     assert f"failed on rank {FAILING}: OSError: [Errno 28] No space left on device" in text
     assert "most skewed step: read_data on rank 2" in text and "completed" in text
+    # Per step: the slowest rank, its time, the median across ranks and the skew.
+    assert len(re.findall(r"\n  write_data +2 +0\.5\d\ds +0\.0\d\ds +\d+\.\dx", text)) == 4
+    assert len(re.findall(r"\n  read_data +2 +0\.5\d\ds", text)) == 1
 
 
 def test_the_perfetto_trace_has_one_process_per_rank_and_nested_events(tmp_path: Path) -> None:

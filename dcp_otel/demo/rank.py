@@ -73,9 +73,13 @@ def tracing(out: Path) -> TracerProvider:
     provider = TracerProvider(resource=resource.merge(TorchDistributedResourceDetector().detect()))
     provider.add_span_processor(BatchSpanProcessor(OTLPJsonFileExporter(out / "traces" / f"rank-{RANK}.jsonl")))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint etc. from OTEL_*
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            say("OTEL_EXPORTER_OTLP_ENDPOINT is set, but the OTLP exporter is not installed "
+                "(pip install 'dcp-otel[otlp]'): spans go to the files only")  # fmt: skip
+        else:
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint etc. from OTEL_*
     trace.set_tracer_provider(provider)
     return provider
 

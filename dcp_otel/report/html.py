@@ -28,6 +28,8 @@ h1 { font-size: 20px; } h2 { font-size: 16px; margin: 28px 0 6px; }
 table { border-collapse: collapse; margin: 6px 0 10px; font-size: 13px; }
 th, td { padding: 3px 10px; text-align: right; border-bottom: 1px solid #e3e6ea; }
 th:first-child, td:first-child, th:last-child, td:last-child { text-align: left; }
+table.steps td:last-child { text-align: right; }
+details { margin: 4px 0; font-size: 13px; } summary { cursor: pointer; color: #3274d9; }
 tr.straggler td { background: #fff1e6; font-weight: 600; }
 .timeline { background: #fff; border: 1px solid #e3e6ea; border-radius: 4px; }
 .lane-label { font-size: 12px; fill: #1d2330; }
@@ -123,6 +125,11 @@ def _summary(index: int, ckpt: Checkpoint) -> str:
         rows.append(f"<tr{cls}><td>{r.rank}</td><td>{r.duration_s:.3f}</td><td>{r.busy_s:.3f}</td>"
                     f"<td>{r.wait_s:.3f}</td><td>{e(_bytes(r.bytes))}</td><td>{mbps}</td><td>{e(upload)}</td>"
                     f"<td>{e(r.error or '')}</td></tr>")  # fmt: skip
+    step_rows = "".join(
+        f"<tr><td>{e(step.name)}</td><td>{step.slowest_rank}</td><td>{step.by_rank[step.slowest_rank]:.3f}</td>"
+        f"<td>{step.median_s:.3f}</td><td>{step.skew:.1f}x</td></tr>"
+        for step in sorted(ckpt.steps, key=lambda s: -s.by_rank[s.slowest_rank])
+    )
     notes = []
     if ckpt.straggler is not None:
         notes.append(f"Straggler: <b>rank {ckpt.straggler}</b>, busy {ckpt.straggler_skew:.1f}x the median rank.")
@@ -136,6 +143,8 @@ def _summary(index: int, ckpt: Checkpoint) -> str:
         f'<div class="meta">trace {e(ckpt.trace_id)}</div>'
         "<table><tr><th>rank</th><th>total s</th><th>busy s</th><th>waiting s</th><th>bytes</th>"
         "<th>MB/s</th><th>async upload</th><th>error</th></tr>" + "".join(rows) + "</table>"
+        '<details><summary>steps</summary><table class="steps"><tr><th>step</th><th>slowest rank</th>'
+        "<th>its time s</th><th>median s</th><th>skew</th></tr>" + step_rows + "</table></details>"
         f"<p>{' '.join(notes)}</p>"
         f'<div class="timeline-host" id="timeline-{index}"></div></section>'
     )

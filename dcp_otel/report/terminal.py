@@ -37,6 +37,12 @@ def render_one(ckpt: Checkpoint) -> str:
         rows.append((f"{r.rank}{mark}", f"{r.duration_s:.3f}s", f"{r.busy_s:.3f}s", f"{r.wait_s:.3f}s",
                      _bytes(r.bytes), mbps, upload, (r.error or "")[:60]))  # fmt: skip
     lines += _table(rows)
+    if ckpt.steps and len(ckpt.ranks) > 1:
+        steps: list[tuple[str, ...]] = [("step", "slowest rank", "its time", "median", "skew")]
+        for step in sorted(ckpt.steps, key=lambda s: -s.by_rank[s.slowest_rank]):
+            steps.append((step.name, str(step.slowest_rank), f"{step.by_rank[step.slowest_rank]:.3f}s",
+                          f"{step.median_s:.3f}s", f"{step.skew:.1f}x"))  # fmt: skip
+        lines += _table(steps)
     if ckpt.straggler is not None:
         lines.append(f"  straggler: rank {ckpt.straggler}, busy {ckpt.straggler_skew:.1f}x the median rank")
     worst = max(ckpt.steps, key=lambda s: (s.skew, s.median_s), default=None)
