@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import IO
@@ -84,50 +85,64 @@ def run(args: argparse.Namespace) -> int:
     for stale in ("traces", "checkpoints", "logs"):
         shutil.rmtree(out / stale, ignore_errors=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "WORLD_SIZE": str(args.ranks), "LOCAL_WORLD_SIZE": str(args.ranks),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-        semconv.ENV_RUN_ID: os.environ.get(semconv.ENV_RUN_ID) or f"demo-{uuid.uuid4().hex[:12]}",
-        semconv.ENV_METRICS_ADDR: os.environ.get(semconv.ENV_METRICS_ADDR, "127.0.0.1"),
-        "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
-    command = [sys.executable, "-m", "dcp_otel.demo.rank", "--out", str(out), "--steps", str(args.steps),
+    print(f"dcp-otel demo: {args.ranks} ranks, {args.steps} steps, a checkpoint every {args.every}; output in {out}/",
+          flush=True)  # fmt: skip
+    codes = _run_ranks(_command(args), args.ranks, out)
+    if any(codes):
+        failed = next(rank for rank, code in enumerate(codes) if code)
+        log = out / "logs" / f"rank-{failed}.log"
+        print(f"dcp-otel demo: rank {failed} exited with {codes[failed]}; its log: {log}", file=sys.stderr)
+        print(log.read_text()[-3000:], file=sys.stderr)
+        return 1
+    return write_report(out)
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    command = [sys.executable, "-m", "dcp_otel.demo.rank", "--out", str(args.out), "--steps", str(args.steps),
                "--every", str(args.every), "--slow-seconds", str(args.slow_seconds)]  # fmt: skip
     if args.slow_rank is not None:
         command += ["--slow-rank", str(args.slow_rank)]
     if args.fail_rank is not None:
         command += ["--fail-rank", str(args.fail_rank)]
-    print(f"dcp-otel demo: {args.ranks} ranks, {args.steps} steps, a checkpoint every {args.every}; output in {out}/",
-          flush=True)  # fmt: skip
-    procs, threads, logs = [], [], []
-    for rank in range(args.ranks):
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-        log = (out / "logs" / f"rank-{rank}.log").open("w")
-        logs.append(log)
-        proc = subprocess.Popen(command, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        procs.append(proc)
-        thread = threading.Thread(target=_forward, args=(proc.stdout, log, rank == 0), daemon=True)
-        thread.start()
-        threads.append(thread)
-    codes = _wait_all(procs)
-    for thread in threads:
-        thread.join(timeout=10)
-    for log in logs:
-        log.close()
-    if any(codes):
-        failed = next(rank for rank, code in enumerate(codes) if code)
-        print(f"dcp-otel demo: rank {failed} exited with {codes[failed]}; its log: {out}/logs/rank-{failed}.log",
-              file=sys.stderr)  # fmt: skip
-        print((out / "logs" / f"rank-{failed}.log").read_text()[-3000:], file=sys.stderr)
-        return 1
-    return write_report(out)
+    return command
+
+
+def _run_ranks(command: list[str], ranks: int, out: Path) -> list[int]:
+    """Start every rank with torchrun's environment, forward their output, and wait for them all."""
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+        semconv.ENV_RUN_ID: os.environ.get(semconv.ENV_RUN_ID) or f"demo-{uuid.uuid4().hex[:12]}",
+        semconv.ENV_METRICS_ADDR: os.environ.get(semconv.ENV_METRICS_ADDR, "127.0.0.1"),
+        "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    procs: list[subprocess.Popen[str]] = []
+    threads, logs = [], []
+    try:
+        for rank in range(ranks):
+            log = (out / "logs" / f"rank-{rank}.log").open("w")
+            logs.append(log)
+            proc = subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            procs.append(proc)
+            thread = threading.Thread(target=_forward, args=(proc.stdout, log, rank == 0), daemon=True)
+            thread.start()
+            threads.append(thread)
+        return _wait_all(procs)
+    finally:  # also on Ctrl-C: no rank is left behind
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for thread in threads:
+            thread.join(timeout=10)
+        for log in logs:
+            log.close()
 
 
 def _wait_all(procs: list[subprocess.Popen[str]]) -> list[int]:
     """Wait for every rank; if one fails, stop the others (they would wait for it forever)."""
-    import time
-
     deadline = time.monotonic() + TIMEOUT_S
     while True:
         codes = [p.poll() for p in procs]
@@ -140,7 +155,7 @@ def _wait_all(procs: list[subprocess.Popen[str]]) -> list[int]:
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
-    return [p.wait() if p.returncode is None else p.returncode for p in procs]
+    return [p.wait() for p in procs]
 
 
 def write_report(out: Path) -> int:
