@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mixin.dashboards import panels, render_expr
-from tests.stack import AGENT_JOB, RANK_JOB, SLOW_RANK, WORLD, Stack, draw
+from tests.stack import AGENT_JOB, FAIL_RANK, RANK_JOB, SLOW_RANK, WORLD, Stack, draw
 
 DASHBOARDS = Path(__file__).parent.parent / "grafana" / "dashboards"
 RULES = Path(__file__).parent.parent / "exporters" / "prometheus" / "rules"
@@ -39,6 +39,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         def while_ranks_live() -> None:
             for name in ("dcp-otel-checkpoints.json", "dcp-otel-ranks.json"):
                 results[name] = evaluate(live, load(name), live.t_ranks)
+            # One rank and one step, as a user drills down to the straggler.
+            results["one rank"] = {name: evaluate(live, load(name), live.t_ranks, pick)
+                                   for name, pick in (("dcp-otel-checkpoints.json", {"rank": str(FAIL_RANK)}),
+                                                      ("dcp-otel-ranks.json", {"rank": str(SLOW_RANK),
+                                                                               "step": "write_data"}))}  # fmt: skip
             results["rules"] = live.prom.api("rules")
             results["alerts"] = live.prom.api("alerts")["alerts"]
             results["records"] = {
@@ -67,8 +72,9 @@ def finite(values: list[Any]) -> bool:
     return any(math.isfinite(float(v)) for v in values)
 
 
-def evaluate(live: Stack, model: dict[str, Any], at: float) -> dict[str, Any]:
-    """Run the dashboard's variable queries, then every panel query with "All" selected."""
+def evaluate(live: Stack, model: dict[str, Any], at: float, pick: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the dashboard's variable queries, then every panel query with "All" selected
+    (or, for the variables in ``pick``, that one value, which must be among the variable's)."""
     prom, start = live.prom, live.t_start
     variables: dict[str, list[str]] = {}
     chosen = {"datasource": "prometheus"}
@@ -81,6 +87,9 @@ def evaluate(live: Stack, model: dict[str, Any], at: float) -> dict[str, Any]:
         values = sorted({s.get(match["label"], "") for s in prom.series(selector, start, at)} - {""})
         variables[var["name"]] = values
         chosen[var["name"]] = var["allValue"]  # "All", as Grafana sends it
+        if pick and var["name"] in pick:
+            assert pick[var["name"]] in values, (var["name"], values)
+            chosen[var["name"]] = pick[var["name"]]
     queries = []
     for panel in panels(model):
         for target in panel["targets"]:
@@ -102,6 +111,15 @@ def test_every_query_of_every_panel_returns_data(stack: dict[str, Any], name: st
     assert len(queries) >= 6
     empty = [f"{q['panel']}: {q['expr']}" for q in queries if not q["ok"]]
     assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+@pytest.mark.parametrize("name", ["dcp-otel-checkpoints.json", "dcp-otel-ranks.json"])
+def test_every_query_returns_data_for_one_chosen_rank_too(stack: dict[str, Any], name: str) -> None:
+    queries = stack["one rank"][name]["queries"]
+    empty = [f"{q['panel']}: {q['expr']}" for q in queries if not q["ok"]]
+    assert not empty, "queries without data:\n" + "\n".join(empty)
+    rank = FAIL_RANK if name == "dcp-otel-checkpoints.json" else SLOW_RANK
+    assert all(f'rank=~"{rank}"' in q["expr"] and 'rank=~".+"' not in q["expr"] for q in queries)
 
 
 def test_the_variables_list_the_jobs_ranks_and_steps_of_the_run(stack: dict[str, Any]) -> None:
