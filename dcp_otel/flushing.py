@@ -5,7 +5,8 @@ does not honour its timeout, so a stuck collector would hang whoever flushes.
 :func:`flush_spans` runs the flush in a helper thread and waits at most
 ``timeout_s`` for it; :class:`ExitFlush` does that once at interpreter exit,
 after the in-flight async uploads' spans have ended, so a training script that
-never calls :func:`dcp_otel.flush` still exports its last checkpoint's spans.
+never calls :func:`dcp_otel.flush` still exports its last checkpoint's spans;
+and if the exporter is stuck, the process still exits within ``timeout_s``.
 
 Usage::
 
@@ -15,9 +16,11 @@ Usage::
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from opentelemetry import trace
 
@@ -73,4 +76,20 @@ class ExitFlush:
         # A forked child inherits atexit hooks, but the spans are the parent's.
         if os.getpid() != self._pid or self._timeout_s <= 0:
             return
-        flush_spans(self._recorder, self._timeout_s)
+        if flush_spans(self._recorder, self._timeout_s):
+            return
+        # The exporter is stuck. The SDK's own exit hook would now shut the provider down and
+        # wait for that exporter again (30 s per batch processor, plus the exporter's retries):
+        # exit would not be bounded by our timeout. So the shutdown runs in a daemon thread,
+        # which exports what it still can while the interpreter exits, and the SDK's hook goes.
+        shutdown = getattr(self._recorder.provider(), "shutdown", None)
+        if callable(shutdown):
+            atexit.unregister(shutdown)  # the SDK registers the provider's bound shutdown
+            threading.Thread(target=_shutdown_quietly, args=(shutdown,), name="dcp-otel-shutdown", daemon=True).start()
+
+
+def _shutdown_quietly(shutdown: Callable[[], object]) -> None:
+    try:
+        shutdown()
+    except Exception:  # noqa: BLE001 - at exit, with a broken exporter: nothing to tell anyone
+        pass

@@ -1,0 +1,96 @@
+"""Telemetry faults never reach the checkpoint: a dead or hung OTLP endpoint, a raising
+exporter or span processor. (A taken metrics port: test_exposition.py; a full disk on one
+rank: test_multiprocess.py.)"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from prometheus_client import CollectorRegistry
+
+import dcp_otel
+from dcp_otel import _selftelemetry
+from tests.ranks import REPO, WORKERS, rank_env
+
+FLUSH_TIMEOUT_S = 2
+SAVES = 3000
+
+
+@pytest.fixture(params=["down", "hung"])
+def endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
+    """An OTLP endpoint that refuses connections, or accepts them and never answers."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        if request.param == "hung":
+            server.listen(128)  # the kernel completes connections; nobody ever reads or answers
+            yield f"http://127.0.0.1:{port}"
+            return
+    yield f"http://127.0.0.1:{port}"  # closed: connection refused
+
+
+def test_a_dead_or_hung_otlp_endpoint_costs_neither_the_saves_nor_memory_nor_the_exit(endpoint: str) -> None:
+    env = rank_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, DCP_OTEL_FLUSH_TIMEOUT_S=str(FLUSH_TIMEOUT_S))
+    run = subprocess.run([sys.executable, str(WORKERS / "otlp_fault.py"), str(SAVES)], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=REPO)  # fmt: skip
+    exited = time.time()
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["saves"] == SAVES
+    # The SDK's queue is bounded and drops when full: memory stops growing.
+    assert (result["rss_end_kib"] - result["rss_warm_kib"]) / 1024 < 4, result
+    # The exit waits for the exporter at most DCP_OTEL_FLUSH_TIMEOUT_S (plus interpreter teardown),
+    # not the SDK's 30 s shutdown and the exporter's retries.
+    assert exited - result["done_at"] < FLUSH_TIMEOUT_S + 3, exited - result["done_at"]
+    assert "Traceback" not in run.stderr
+
+
+class RaisingExporter(SpanExporter):
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        raise RuntimeError("exporter bug")
+
+
+class RaisingProcessor(SpanProcessor):
+    def on_start(self, span: Span, parent_context: object = None) -> None:
+        raise RuntimeError("processor bug at start")
+
+    def on_end(self, span: ReadableSpan) -> None:
+        raise RuntimeError("processor bug at end")
+
+
+@pytest.mark.parametrize("broken", [RaisingExporter, RaisingProcessor])
+def test_a_raising_exporter_or_span_processor_changes_nothing_for_the_checkpoint(
+    tmp_path: Path, broken: type
+) -> None:
+    _selftelemetry.reset()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(broken()) if broken is RaisingExporter else broken())
+    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+    try:
+        state = {"w": torch.arange(8.0)}
+        assert dcp.save(state, checkpoint_id=str(tmp_path / "c")) is not None  # torch's Metadata, as always
+        restored = {"w": torch.zeros(8)}
+        dcp.load(restored, checkpoint_id=str(tmp_path / "c"))
+        assert torch.equal(restored["w"], state["w"])
+
+        class FullDisk(dcp.FileSystemWriter):
+            def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+                raise OSError(28, "No space left on device")
+
+        with pytest.raises(BaseException) as raised:  # noqa: B017 - CheckpointException is a BaseException
+            dcp.save(state, storage_writer=FullDisk(str(tmp_path / "full")))
+        assert "No space left on device" in str(raised.value)
+        assert dcp_otel.DCPInstrumentor().recorder.open_count() == 0
+    finally:
+        dcp_otel.uninstrument()

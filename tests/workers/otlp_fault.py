@@ -1,0 +1,55 @@
+"""Saves while the OTLP endpoint is down or hung, then exits (run by tests/test_faults.py).
+
+The SDK is configured as users do, from OTEL_* variables (OTLP/HTTP, batch
+processor). Prints one JSON line: saves done, their median time, resident
+memory after a warm-up and at the end, dcp-otel's diagnostics, and the time it
+finished (the test measures how long the exit then takes).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+import dcp_otel
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def main(saves: int) -> None:
+    warnings.simplefilter("ignore")
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint, timeout from OTEL_*
+    trace.set_tracer_provider(provider)
+    dcp_otel.instrument()
+    state = {"w": torch.ones(64)}
+    times = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
+        for i in range(saves):
+            if i == saves // 3:  # the span queue (2048) is long full: memory must stop growing
+                warm = rss_kib()
+            started = time.perf_counter()
+            dcp.save(state, checkpoint_id=f"{root}/c{i % 4}")
+            times.append(time.perf_counter() - started)
+    print(json.dumps({"saves": saves, "median_s": statistics.median(times), "rss_warm_kib": warm,
+                      "rss_end_kib": rss_kib(), "diagnostics": dcp_otel.diagnostics(),
+                      "done_at": time.time()}), flush=True)  # fmt: skip
+    # Now exit, as a training script does: the exit flush is dcp-otel's, bounded by DCP_OTEL_FLUSH_TIMEOUT_S.
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
