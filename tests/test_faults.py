@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry
 
 import dcp_otel
 from dcp_otel import _selftelemetry
-from tests.ranks import REPO, WORKERS, rank_env
+from dcp_otel.otlp_file import read_spans
+from tests.ranks import REPO, WORKERS, rank_env, run_ranks
 
 FLUSH_TIMEOUT_S = 2
 SAVES = 3000
@@ -94,3 +95,19 @@ def test_a_raising_exporter_or_span_processor_changes_nothing_for_the_checkpoint
         assert dcp_otel.DCPInstrumentor().recorder.open_count() == 0
     finally:
         dcp_otel.uninstrument()
+
+
+def test_a_rank_killed_mid_save_leaves_the_survivors_spans_ended_as_errors(tmp_path: Path) -> None:
+    job = run_ranks("kill_rank", 2, tmp_path, exit_codes={1: -9}, timeout_s=120)
+    result = json.loads((job.out / "result-0.json").read_text())
+    assert result["caught"]["type"] == "RuntimeError" and "Connection" in result["caught"]["message"]  # torch's own
+    assert result["open_spans"] == 0
+    spans = read_spans([job.out / "rank-0.jsonl"])
+    (save,) = [s for s in spans if s.name == "dcp.save"]
+    assert save.error and save.end_ns > save.start_ns and "Connection" in save.status_message
+    (root,) = [s for s in spans if s.name == "dcp.checkpoint"]
+    assert root.error  # the trace says the checkpoint failed
+    # Rank 1 died mid-save: what it exported before is whole lines of OTLP JSON, and no save ended.
+    dead = job.out / "rank-1.jsonl"
+    if dead.stat().st_size:
+        assert "dcp.save" not in {s.name for s in read_spans([dead])}
