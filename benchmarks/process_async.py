@@ -72,12 +72,8 @@ def run_job(script: Path, instrumented: bool, saves: int, mb: int, endpoint: str
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--saves", type=int, default=5)
-    parser.add_argument("--mb", type=int, default=16)
-    args = parser.parse_args()
+def measure(rounds: int, saves: int, mb: int) -> dict[str, float]:
+    """Medians of plain and traced jobs, side by side, order alternating."""
     from tests.otlp_receiver import OtlpReceiver
 
     uploads: dict[bool, list[float]] = {False: [], True: []}
@@ -85,21 +81,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, OtlpReceiver() as receiver:
         script = Path(tmp) / "job.py"
         script.write_text(JOB)
-        started = time.monotonic()
-        for round_ in range(args.rounds):
+        for round_ in range(rounds):
             for instrumented in ((False, True) if round_ % 2 == 0 else (True, False)):
-                result = run_job(script, instrumented, args.saves, args.mb, receiver.endpoint)
+                result = run_job(script, instrumented, saves, mb, receiver.endpoint)
                 uploads[instrumented] += result["uploads"]  # type: ignore[arg-type]
                 firsts[instrumented].append(float(result["first"]))  # type: ignore[arg-type]
         spans = len(receiver.spans)
-    plain, traced = statistics.median(uploads[False]), statistics.median(uploads[True])
-    first_plain, first_traced = statistics.median(firsts[False]), statistics.median(firsts[True])
+    return {
+        "upload_plain": statistics.median(uploads[False]), "upload_traced": statistics.median(uploads[True]),
+        "first_plain": statistics.median(firsts[False]), "first_traced": statistics.median(firsts[True]),
+        "spans": spans,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--mb", type=int, default=16)
+    args = parser.parse_args()
+    started = time.monotonic()
+    m = measure(args.rounds, args.saves, args.mb)
     print(f"process-based async_save, {args.mb} MB, {args.rounds} rounds x {args.saves} uploads "
-          f"({time.monotonic() - started:.0f} s, {spans} spans received)")  # fmt: skip
-    print(f"  upload (daemon warm):   plain {plain * 1e3:8.1f} ms   traced {traced * 1e3:8.1f} ms   "
-          f"ratio {traced / plain:.3f}")  # fmt: skip
-    print(f"  first (starts daemon):  plain {first_plain * 1e3:8.1f} ms   traced {first_traced * 1e3:8.1f} ms   "
-          f"ratio {first_traced / first_plain:.3f}")  # fmt: skip
+          f"({time.monotonic() - started:.0f} s, {m['spans']:.0f} spans received)")  # fmt: skip
+    print(f"  upload (daemon warm):   plain {m['upload_plain'] * 1e3:8.1f} ms   traced {m['upload_traced'] * 1e3:8.1f} ms"
+          f"   ratio {m['upload_traced'] / m['upload_plain']:.3f}")  # fmt: skip
+    print(f"  first (starts daemon):  plain {m['first_plain'] * 1e3:8.1f} ms   traced {m['first_traced'] * 1e3:8.1f} ms"
+          f"   ratio {m['first_traced'] / m['first_plain']:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,75 @@
+"""What a dead or hung OTLP endpoint costs a save: traced / plain, side by side in one run.
+
+    .venv/bin/python benchmarks/faults.py [--repeats 15]
+
+One process saves a 64 MB state dict, alternately with dcp-otel off and on
+(repetitions interleaved, medians). When on, spans go through the SDK's batch
+processor to an OTLP/HTTP exporter whose endpoint refuses connections ("dead")
+or accepts them and never answers ("hung"): the export thread is stuck or
+retrying, its queue fills and drops, and the save must not notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+import dcp_otel
+
+
+def save_ratio(kind: str, repeats: int) -> tuple[float, float]:
+    """(plain, traced) median seconds of a 64 MB save, with the endpoint ``dead`` or ``hung``."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        if kind == "hung":
+            server.listen(128)
+        else:
+            server.close()
+        provider = TracerProvider()
+        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=5)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        state = {f"layer{i}": torch.randn(1024, 1024) for i in range(16)}
+        times: dict[bool, list[float]] = {False: [], True: []}
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as root:
+            dcp.save(state, checkpoint_id=f"{root}/warm")
+            for i in range(repeats):
+                for traced in ((False, True) if i % 2 == 0 else (True, False)):
+                    if traced:
+                        dcp_otel.instrument(tracer_provider=provider)
+                    gc.collect()
+                    started = time.perf_counter()
+                    dcp.save(state, checkpoint_id=f"{root}/c{i}-{int(traced)}")
+                    times[traced].append(time.perf_counter() - started)
+                    if traced:
+                        dcp_otel.uninstrument()
+        atexit.unregister(provider.shutdown)  # at exit it would wait for the stuck exporter
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    for kind in ("dead", "hung"):
+        plain, traced = save_ratio(kind, args.repeats)
+        print(f"save 64 MB, OTLP endpoint {kind}: plain {plain * 1e3:.1f} ms, traced {traced * 1e3:.1f} ms, "
+              f"ratio {traced / plain:.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

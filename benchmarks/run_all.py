@@ -1,0 +1,76 @@
+"""Every benchmark, one table: what dcp-otel costs, as ratios measured side by side in one run.
+
+    .venv/bin/python benchmarks/run_all.py            # ~15 min on 2 cores
+    .venv/bin/python benchmarks/run_all.py --quick    # fewer repetitions, ~6 min
+
+Rows come from overhead.py (span cost per step; save, load, async save on 2
+ranks), metrics_overhead.py (put_metric paths), faults.py (saves with a dead
+or hung OTLP endpoint) and process_async.py (the traced checkpoint daemon).
+Each compares instrumented with uninstrumented runs interleaved in this run
+(medians), never with a number from elsewhere. The series budget is
+series_budget.py's own table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import faults  # noqa: E402
+import metrics_overhead  # noqa: E402
+import overhead  # noqa: E402
+import process_async  # noqa: E402
+import torch  # noqa: E402
+
+Row = tuple[str, float, float, float | None, str]  # measure, ours, baseline, goal, unit
+
+
+def rows(quick: bool) -> list[Row]:
+    found: list[Row] = []
+    step = overhead.step_cost(repeats=5 if quick else 15, steps=2_000 if quick else 10_000)
+    found.append(("span cost per DCP step / bare span", step["added_per_step_s"] * 1e6, step["bare_span_s"] * 1e6,
+                  1.5, "us"))  # fmt: skip
+    found.append(("span cost per DCP step / same span by hand", step["added_per_step_s"] * 1e6,
+                  step["equivalent_span_s"] * 1e6, 1.5, "us"))  # fmt: skip
+    goals = {"save 64 MB": 1.01, "load 64 MB": 1.01, "save 10,000 keys": 1.03, "async_save 64 MB, time to return": 1.02}
+    for name, (plain, traced, _) in overhead.checkpoint_ratios(repeats=3 if quick else 9).items():
+        found.append((f"{name}, 2 ranks", traced * 1e3, plain * 1e3, goals[name], "ms"))
+    costs = metrics_overhead.put_metric_costs(calls=2_000 if quick else 10_000, repeats=3 if quick else 9)
+    for path, by in costs.items():
+        found.append((f"put_metric {path} / ConsoleMetricHandler", by["OTelMetricHandler"] * 1e6,
+                      by["ConsoleMetricHandler"] * 1e6, 1.0 if path == "counter" else None, "us"))  # fmt: skip
+    for kind in ("dead", "hung"):
+        plain, traced = faults.save_ratio(kind, repeats=5 if quick else 15)
+        found.append((f"save 64 MB, OTLP endpoint {kind}", traced * 1e3, plain * 1e3, 1.01, "ms"))
+    daemon = process_async.measure(rounds=2 if quick else 3, saves=3 if quick else 5, mb=16)
+    found.append(("process async_save 16 MB, upload (warm daemon)", daemon["upload_traced"] * 1e3,
+                  daemon["upload_plain"] * 1e3, None, "ms"))  # fmt: skip
+    found.append(("process async_save 16 MB, first (starts daemon)", daemon["first_traced"] * 1e3,
+                  daemon["first_plain"] * 1e3, None, "ms"))  # fmt: skip
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    table = rows(args.quick)
+    print(f"\ndcp-otel: instrumented / uninstrumented (torch {torch.__version__}, {os.cpu_count()} cores; medians of "
+          f"interleaved repetitions{', quick' if args.quick else ''})")  # fmt: skip
+    print(f"{'measure':<52} {'ours':>11} {'baseline':>11} {'ratio':>7} {'goal':>7}")
+    for name, ours, base, goal, unit in table:
+        ratio = ours / base
+        verdict = "" if goal is None else ("ok" if ratio <= goal else "OVER")
+        goal_text = "" if goal is None else f"<={goal}"
+        print(f"{name:<52} {ours:>9.2f}{unit} {base:>9.2f}{unit} {ratio:>7.3f} {goal_text:>7} {verdict}")
+
+
+if __name__ == "__main__":
+    main()
