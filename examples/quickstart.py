@@ -6,9 +6,9 @@ Run on 2 ranks (gloo on CPU)::
 
 Each rank trains a small model for a few steps, ``save``s at step 2, ``async_save``s
 at step 4 (training goes on while it uploads), then ``load``s the last checkpoint.
-Spans go to ``<out>/spans-<rank>.jsonl``, or over OTLP/HTTP to
-``$OTEL_EXPORTER_OTLP_ENDPOINT`` when that is set (all standard ``OTEL_*``
-variables apply). ``examples/show_traces.py <out>`` summarizes the file output.
+Spans go to ``<out>/traces/rank-<rank>.jsonl`` (OTLP JSON), or over OTLP/HTTP
+to ``$OTEL_EXPORTER_OTLP_ENDPOINT`` when that is set (all standard ``OTEL_*``
+variables apply). ``dcp-otel report <out>/traces`` reports the file output.
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ import torch.distributed.checkpoint as dcp
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SpanExporter,
-)
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 import dcp_otel
+from dcp_otel.otlp_file import OTLPJsonFileExporter
 from dcp_otel.resource import TorchDistributedResourceDetector
 
 
@@ -40,8 +37,7 @@ def make_exporter(out: Path, rank: int) -> SpanExporter:
         )
 
         return OTLPSpanExporter()  # endpoint, headers, timeout from OTEL_* variables
-    spans_file = open(out / f"spans-{rank}.jsonl", "w")  # noqa: SIM115 - closed by shutdown
-    return ConsoleSpanExporter(out=spans_file, formatter=lambda span: span.to_json(indent=None) + "\n")
+    return OTLPJsonFileExporter(out / "traces" / f"rank-{rank}.jsonl")
 
 
 def main() -> None:

@@ -27,26 +27,26 @@ def run_quickstart(out: Path, extra_env: dict[str, str] | None = None) -> subpro
     return done
 
 
-def test_quickstart_writes_one_trace_per_checkpoint_and_a_summary(tmp_path: Path) -> None:
+def test_quickstart_writes_one_trace_per_checkpoint_that_the_report_reads(tmp_path: Path) -> None:
     run = run_quickstart(tmp_path)
     assert "rank 0: resumed from step 4" in run.stdout
 
     summary = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "show_traces.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "dcp_otel", "report", str(tmp_path / "traces")],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
     assert summary.returncode == 0, summary.stderr
-    assert "3 checkpoint traces" in summary.stdout
+    assert summary.stdout.startswith("3 checkpoint operations, 2 ranks")
     for operation in ("save", "async_save", "load"):
-        assert f"  {operation}  " in summary.stdout
-    assert summary.stdout.count("rank 1: dcp.") == 3
+        assert f"\n{operation} {tmp_path}/checkpoints/step-" in summary.stdout
+    assert "async_save" in summary.stdout and "completed" in summary.stdout
 
 
 def test_quickstart_sends_spans_over_otlp_http_with_the_standard_variables(tmp_path: Path) -> None:
     with OtlpReceiver() as receiver:
         run_quickstart(tmp_path, {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
                                   "OTEL_SERVICE_NAME": "otlp-quickstart-test"})  # fmt: skip
-    assert not list(tmp_path.glob("spans-*.jsonl"))  # nothing went to files
+    assert not (tmp_path / "traces").exists()  # nothing went to files
     traces: dict[str, list] = defaultdict(list)
     for span in receiver.spans:
         traces[span.trace_id].append(span)

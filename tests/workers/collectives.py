@@ -7,12 +7,10 @@ without dcp-otel, then with it, and writes both counts to ``DIR/calls-R.json``.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import warnings
 from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from opentelemetry.sdk.trace import TracerProvider
 
 import dcp_otel
+from tests.workers import rank_parser
 
 COLLECTIVES = ("all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object_list",
                "gather", "gather_object", "reduce", "reduce_scatter", "scatter", "scatter_object_list", "send",
@@ -37,12 +36,7 @@ def counting(name: str, fn):  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("--rank", "--world"):
-        parser.add_argument(name, type=int, required=True)
-    for name in ("--store", "--out", "--ckpt"):
-        parser.add_argument(name, type=Path, required=True)
-    args = parser.parse_args()
+    args = rank_parser().parse_args()
     warnings.simplefilter("ignore")
     import torch.distributed.distributed_c10d as c10d
 

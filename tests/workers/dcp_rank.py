@@ -12,7 +12,6 @@ uninstrumented and once instrumented, recording the exception the caller got.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -26,6 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 import dcp_otel
+from tests.workers import rank_parser
 
 
 class FailingWriter(dcp.FileSystemWriter):
@@ -60,12 +60,7 @@ def failing_save(ckpt: str, rank: int, fail_rank: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--ckpt", required=True)
+    parser = rank_parser()
     parser.add_argument("--fail-rank", type=int, default=-1)
     args = parser.parse_args()
     warnings.simplefilter("ignore")

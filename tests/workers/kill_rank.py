@@ -8,13 +8,11 @@ rank 0 writes what its caller saw to ``DIR/result-0.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import warnings
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 import dcp_otel
 from dcp_otel.otlp_file import OTLPJsonFileExporter
+from tests.workers import rank_parser
 
 
 class DyingWriter(dcp.FileSystemWriter):
@@ -34,12 +33,7 @@ class DyingWriter(dcp.FileSystemWriter):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("--rank", "--world"):
-        parser.add_argument(name, type=int, required=True)
-    for name in ("--store", "--out", "--ckpt"):
-        parser.add_argument(name, type=Path, required=True)
-    args = parser.parse_args()
+    args = rank_parser().parse_args()
     warnings.simplefilter("ignore")
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(OTLPJsonFileExporter(args.out / f"rank-{args.rank}.jsonl")))

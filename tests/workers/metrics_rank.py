@@ -9,7 +9,6 @@ mode), and stays up until a line arrives on stdin (the test has scraped by then)
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
@@ -20,15 +19,11 @@ import torch.distributed.checkpoint as dcp
 from opentelemetry.sdk.trace import TracerProvider
 
 import dcp_otel
+from tests.workers import rank_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("--rank", "--world"):
-        parser.add_argument(name, type=int, required=True)
-    for name in ("--store", "--out", "--ckpt"):
-        parser.add_argument(name, required=True)
-    args = parser.parse_args()
+    args = rank_parser().parse_args()
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world)
     dcp_otel.instrument(tracer_provider=TracerProvider())
