@@ -18,7 +18,7 @@ from typing import Any
 
 from dcp_otel import semconv
 from dcp_otel.report.model import Checkpoint
-from dcp_otel.report.terminal import _bytes
+from dcp_otel.report.terminal import format_bytes
 
 _STYLE = """
 body { font: 14px system-ui, sans-serif; margin: 24px; color: #1d2330; background: #fafbfc; }
@@ -123,7 +123,7 @@ def _summary(index: int, ckpt: Checkpoint) -> str:
         upload = f"{r.upload} ({r.upload_s:.3f} s)" if r.upload else "-"
         cls = ' class="straggler"' if r.rank == ckpt.straggler else ""
         rows.append(f"<tr{cls}><td>{r.rank}</td><td>{r.duration_s:.3f}</td><td>{r.busy_s:.3f}</td>"
-                    f"<td>{r.wait_s:.3f}</td><td>{e(_bytes(r.bytes))}</td><td>{mbps}</td><td>{e(upload)}</td>"
+                    f"<td>{r.wait_s:.3f}</td><td>{e(format_bytes(r.bytes))}</td><td>{mbps}</td><td>{e(upload)}</td>"
                     f"<td>{e(r.error or '')}</td></tr>")  # fmt: skip
     step_rows = "".join(
         f"<tr><td>{e(step.name)}</td><td>{step.slowest_rank}</td><td>{step.by_rank[step.slowest_rank]:.3f}</td>"

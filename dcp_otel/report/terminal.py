@@ -12,12 +12,14 @@ from dcp_otel.report.model import Checkpoint
 _COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "MB/s", "upload", "error")
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+def format_bytes(n: int) -> str:
+    """``format_bytes(1_572_864) == "1.5 MB"`` (powers of 1024)."""
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -35,7 +37,7 @@ def render_one(ckpt: Checkpoint) -> str:
         upload = f"{r.upload} {r.upload_s:.3f}s" if r.upload else "-"
         mark = " <- straggler" if r.rank == ckpt.straggler else ""
         rows.append((f"{r.rank}{mark}", f"{r.duration_s:.3f}s", f"{r.busy_s:.3f}s", f"{r.wait_s:.3f}s",
-                     _bytes(r.bytes), mbps, upload, (r.error or "")[:60]))  # fmt: skip
+                     format_bytes(r.bytes), mbps, upload, (r.error or "")[:60]))  # fmt: skip
     lines += _table(rows)
     if ckpt.steps and len(ckpt.ranks) > 1:
         steps: list[tuple[str, ...]] = [("step", "slowest rank", "its time", "median", "skew")]
