@@ -4,7 +4,8 @@
 # and rank 1's disk fills up once, so the report has something to find. Spans go to
 # out/demo/traces (OTLP JSON; also to $OTEL_EXPORTER_OTLP_ENDPOINT if set); the report is
 # printed and written to out/demo/report.html and out/demo/trace.perfetto.json.
-# Extra arguments go to `dcp-otel demo` (e.g. --ranks 2).
+# Extra arguments go to `dcp-otel demo` (e.g. --ranks 8 --steps 60; the slow and failing
+# ranks need at least 3 ranks, or override them: --ranks 2 --slow-rank 1 --fail-rank 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
