@@ -96,15 +96,9 @@ def _kind(name: str) -> str:
 
 
 def _lanes(ckpt: Checkpoint) -> list[dict[str, Any]]:
-    by_id = {s.span_id: s for s in ckpt.spans}
     lanes: dict[int, dict[str, Any]] = {}
-    for span in sorted(ckpt.spans, key=lambda s: s.start_ns):
-        rank = span.attributes.get(semconv.ATTR_RANK)
-        if not isinstance(rank, int) or span.name == semconv.SPAN_CHECKPOINT:
-            continue
-        depth, parent = 0, by_id.get(span.parent_id)
-        while parent is not None and parent.name != semconv.SPAN_CHECKPOINT:
-            depth, parent = depth + 1, by_id.get(parent.parent_id)
+    for rank, span, ancestors in ckpt.rank_spans():
+        depth = len(ancestors)
         lane = lanes.setdefault(rank, {"rank": rank, "depth": 0, "bars": []})
         lane["depth"] = max(lane["depth"], depth)
         lane["bars"].append({

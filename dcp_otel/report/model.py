@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -93,6 +94,20 @@ class Checkpoint:
     @property
     def duration_s(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
+
+    def rank_spans(self) -> Iterator[tuple[int, FileSpan, list[FileSpan]]]:
+        """``(rank, span, ancestors)`` for every span of a rank, oldest first; ``ancestors``
+        runs from the parent up to, not including, the checkpoint's root."""
+        by_id = {s.span_id: s for s in self.spans}
+        for span in sorted(self.spans, key=lambda s: s.start_ns):
+            rank = _rank_of(span)
+            if rank is None or span.name == semconv.SPAN_CHECKPOINT:
+                continue
+            ancestors, parent = [], by_id.get(span.parent_id)
+            while parent is not None and parent.name != semconv.SPAN_CHECKPOINT:
+                ancestors.append(parent)
+                parent = by_id.get(parent.parent_id)
+            yield rank, span, ancestors
 
     @property
     def straggler(self) -> int | None:

@@ -14,33 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 from dcp_otel import semconv
-from dcp_otel.otlp_file import FileSpan
 from dcp_otel.report.model import Checkpoint
 
 _MAIN, _UPLOAD = 0, 1
-
-
-def _under_upload(span: FileSpan, uploads: set[str], by_id: dict[str, FileSpan]) -> bool:
-    node: FileSpan | None = span
-    while node is not None:
-        if node.span_id in uploads:
-            return True
-        node = by_id.get(node.parent_id)
-    return False
 
 
 def render(checkpoints: list[Checkpoint]) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     ranks: set[int] = set()
     for ckpt in checkpoints:
-        uploads = {s.span_id for s in ckpt.spans if s.name == semconv.SPAN_ASYNC_UPLOAD}
-        by_id = {s.span_id: s for s in ckpt.spans}
-        for span in ckpt.spans:
-            rank = span.attributes.get(semconv.ATTR_RANK)
-            if not isinstance(rank, int) or span.name == semconv.SPAN_CHECKPOINT:
-                continue
+        for rank, span, ancestors in ckpt.rank_spans():
             ranks.add(rank)
-            tid = _UPLOAD if _under_upload(span, uploads, by_id) else _MAIN
+            under_upload = any(s.name == semconv.SPAN_ASYNC_UPLOAD for s in (span, *ancestors))
+            tid = _UPLOAD if under_upload else _MAIN
             events.append({
                 "name": span.name.removeprefix(semconv.SPAN_PREFIX), "cat": ckpt.operation, "ph": "X",
                 "ts": span.start_ns / 1000, "dur": max(0.0, (span.end_ns - span.start_ns) / 1000),
