@@ -19,3 +19,9 @@ def rank_parser() -> argparse.ArgumentParser:
     for name in ("--store", "--out", "--ckpt"):
         parser.add_argument(name, type=Path, required=True)
     return parser
+
+
+def rss_kib() -> int:
+    """This process's resident memory, in KiB (Linux)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))

@@ -23,11 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 import dcp_otel
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+from tests.workers import rss_kib
 
 
 def main(saves: int) -> None:

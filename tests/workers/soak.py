@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from prometheus_client import CollectorRegistry
 
 import dcp_otel
+from tests.workers import rss_kib
 
 
 class Discard(SpanExporter):
@@ -29,11 +30,6 @@ class Discard(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         Discard.exported += len(spans)
         return SpanExportResult.SUCCESS
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
 
 
 def series(registry: CollectorRegistry) -> int:
