@@ -18,6 +18,7 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -117,8 +118,9 @@ class _OverridableIds:
     """Wraps a tracer's id generator so that one span can get chosen ids.
 
     The SDK tracer reads ``tracer.id_generator`` for every span it starts; only
-    our own tracer's attribute is replaced, and only while
-    :func:`start_root_span` runs on the calling thread are the ids overridden.
+    the twin tracer of :func:`chosen_ids_tracer` holds this wrapper, and only
+    while :func:`start_root_span` runs on the calling thread are the ids
+    overridden.
     """
 
     def __init__(self, inner: IdGenerator) -> None:
@@ -153,22 +155,20 @@ def supports_chosen_ids(tracer: trace.Tracer) -> bool:
     return hasattr(tracer, "id_generator") and hasattr(tracer, "sampler")
 
 
-def install_id_override(tracer: trace.Tracer) -> _OverridableIds | None:
-    """Make ``tracer`` able to start a span with chosen ids; idempotent."""
+def chosen_ids_tracer(tracer: trace.Tracer) -> tuple[trace.Tracer, _OverridableIds] | None:
+    """A twin of ``tracer`` that can start a span with chosen ids, or ``None``.
+
+    The twin is a shallow copy: the same scope, sampler, resource and span
+    processors, so its spans export exactly like ``tracer``'s; only its id
+    generator is wrapped. ``tracer`` itself is left untouched, so the spans it
+    starts (every step of every operation) pay nothing for the override.
+    """
     if not supports_chosen_ids(tracer):
         return None
-    current = tracer.id_generator  # type: ignore[attr-defined]
-    if isinstance(current, _OverridableIds):
-        return current
-    wrapper = _OverridableIds(current)
-    tracer.id_generator = wrapper  # type: ignore[attr-defined]
-    return wrapper
-
-
-def remove_id_override(tracer: trace.Tracer) -> None:
-    current = getattr(tracer, "id_generator", None)
-    if isinstance(current, _OverridableIds):
-        tracer.id_generator = current.inner  # type: ignore[attr-defined]
+    twin = copy.copy(tracer)
+    overrides = _OverridableIds(tracer.id_generator)  # type: ignore[attr-defined]
+    twin.id_generator = overrides  # type: ignore[attr-defined]
+    return twin, overrides
 
 
 def start_root_span(

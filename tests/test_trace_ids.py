@@ -12,8 +12,8 @@ from dcp_otel import semconv
 from dcp_otel.trace_ids import (
     CheckpointKey,
     SequenceCounter,
+    chosen_ids_tracer,
     derive_ids,
-    install_id_override,
     remote_root_context,
     resolve_run_id,
     start_root_span,
@@ -64,12 +64,16 @@ def test_a_single_process_without_run_id_gets_a_random_one(monkeypatch: pytest.M
 
 def test_root_span_gets_exactly_the_derived_ids_and_the_next_span_does_not() -> None:
     tracer = TracerProvider().get_tracer("t")
-    overrides = install_id_override(tracer)
-    assert overrides is not None and install_id_override(tracer) is overrides  # idempotent
+    id_generator = tracer.id_generator
+    twin = chosen_ids_tracer(tracer)
+    assert twin is not None
     ids = derive_ids(KEY, 0)
 
-    root = start_root_span(tracer, overrides, ids, semconv.SPAN_CHECKPOINT, context_api.Context())
-    other = tracer.start_span("unrelated")
+    root = start_root_span(*twin, ids, semconv.SPAN_CHECKPOINT, context_api.Context())
+    other = twin[0].start_span("unrelated")
+
+    assert tracer.id_generator is id_generator  # the provider's tracer is untouched
+    assert root.instrumentation_scope == other.instrumentation_scope == tracer.start_span("x").instrumentation_scope
 
     assert (root.get_span_context().trace_id, root.get_span_context().span_id) == ids
     assert root.parent is None
@@ -80,11 +84,12 @@ def test_root_span_gets_exactly_the_derived_ids_and_the_next_span_does_not() -> 
 def test_a_ratio_sampler_keeps_or_drops_a_checkpoint_on_all_ranks_alike() -> None:
     provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(0.5)))
     tracer = provider.get_tracer("t")
-    overrides = install_id_override(tracer)
+    twin = chosen_ids_tracer(tracer)
+    assert twin is not None
     decisions = []
     for seq in range(64):
         ids = derive_ids(KEY, seq)
-        coordinator = start_root_span(tracer, overrides, ids, semconv.SPAN_CHECKPOINT, context_api.Context())
+        coordinator = start_root_span(*twin, ids, semconv.SPAN_CHECKPOINT, context_api.Context())
         other_rank = tracer.start_span("dcp.save", context=remote_root_context(tracer, ids, context_api.Context()))
         assert other_rank.get_span_context().trace_id == ids.trace_id
         assert other_rank.is_recording() == coordinator.is_recording(), seq
