@@ -50,6 +50,8 @@ class DCPLogHandler(logging.Handler):
                     elif kind == "end":
                         self.recorder.on_end(call_id, time_ns)
                         return True
+                    elif kind == "start" and self.recorder.on_step_start(call_id, func_name, time_ns, msg):
+                        return True
             event = parse_event(msg)
         except MalformedEvent as exc:
             report("malformed_event", "dropped a DCP log record: %s", exc)

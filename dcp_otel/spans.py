@@ -50,10 +50,9 @@ from dcp_otel.trace_ids import (
     CheckpointKey,
     SequenceCounter,
     _OverridableIds,
+    chosen_ids_tracer,
     derive_ids,
-    install_id_override,
     remote_root_context,
-    remove_id_override,
     resolve_run_id,
     start_root_span,
 )
@@ -201,7 +200,8 @@ class SpanRecorder:
         # are atomic under the GIL: no lock on the per-step path.
         self._open: dict[str, _Entry] = {}
         self._seq = SequenceCounter()
-        self._tracer_cache: tuple[object, trace.Tracer, _OverridableIds | None] | None = None
+        # (provider, its tracer, the twin that starts root spans with chosen ids)
+        self._tracer_cache: tuple[object, trace.Tracer, tuple[trace.Tracer, _OverridableIds] | None] | None = None
         # Async uploads whose span is still open. Their future's done-callback
         # ends the span *after* waiters on the future wake up, so anyone who
         # needs the telemetry complete waits on this, not on the future.
@@ -232,10 +232,8 @@ class SpanRecorder:
             return self._uploads.wait_for(lambda: self._uploads_in_flight == 0, timeout)
 
     def close(self) -> None:
-        """Restore the tracer we changed (on uninstrument)."""
-        cache, self._tracer_cache = self._tracer_cache, None
-        if cache is not None:
-            remove_id_override(cache[1])
+        """Forget the tracers (on uninstrument); the provider's own were never changed."""
+        self._tracer_cache = None
 
     def _stack(self) -> list[_Entry]:
         stack = getattr(self._local, "stack", None)
@@ -247,12 +245,13 @@ class SpanRecorder:
         """The tracer provider spans go to: the configured one, else the global one."""
         return self._options.tracer_provider or trace.get_tracer_provider()
 
-    def _tracer(self) -> tuple[trace.Tracer, _OverridableIds | None]:
+    def _tracer(self) -> tuple[trace.Tracer, tuple[trace.Tracer, _OverridableIds] | None]:
+        """Our tracer, and its twin for root spans (``None``: this provider cannot choose ids)."""
         provider = self.provider()
         cache = self._tracer_cache
         if cache is None or cache[0] is not provider:
             tracer = provider.get_tracer(semconv.SCOPE_NAME, __version__)
-            cache = (provider, tracer, install_id_override(tracer))
+            cache = (provider, tracer, chosen_ids_tracer(tracer))
             self._tracer_cache = cache
         return cache[1], cache[2]
 
@@ -268,6 +267,34 @@ class SpanRecorder:
                 self._finish(event.uuid, event.kind, event.time_ns, event.error, exc)
         except Exception:  # noqa: BLE001 - telemetry never raises into training
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
+
+    def on_step_start(self, uuid: str, func_name: str, time_ns: int, details: Any) -> bool:
+        """The hot path for a step's start: a DCP call inside a running operation.
+
+        Returns ``False``, having done nothing, for anything else (a new
+        operation, or a call that names its own storage or planner, like a
+        nested save): :meth:`on_event` handles those.
+        """
+        try:
+            ctx = context_api.get_current()
+            op = ctx.get(_OPERATION_KEY)  # a Context is a dict: get_value without the call
+            if type(op) is not _Operation or _has_class_fields(details):
+                return False
+            if len(self._open) >= self._options.max_open_spans or uuid in self._open:
+                report("span_limit", "dropped a DCP span: %d spans already open, or a duplicate uuid", len(self._open))
+                return True
+            span = op.tracer.start_span(
+                _SPAN_PREFIX + func_name, context=ctx, attributes=op.step_attributes, start_time=time_ns
+            )
+            keys = _KeyStats(self._options.slowest_keys) if func_name == _STATEFUL_PARENT else None
+            entry = _Entry(uuid, func_name, time_ns, span, op, keys)
+            # The operation is in ``ctx`` already: only the span changes.
+            entry.token = context_api.attach(trace.set_span_in_context(span, ctx))
+            self._stack().append(entry)
+            self._open[uuid] = entry
+        except Exception:  # noqa: BLE001 - telemetry never raises into training
+            report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
+        return True
 
     def on_end(self, uuid: str, time_ns: int) -> None:
         """The hot path for a successful end: no event object needed."""
@@ -393,7 +420,7 @@ class SpanRecorder:
         self, event: DCPEvent, ctx: context_api.Context
     ) -> tuple[_Operation, context_api.Context, Span | None]:
         """A DCP call with no enclosing DCP span: start this rank's part of a trace."""
-        tracer, overrides = self._tracer()
+        tracer, root_tracer = self._tracer()
         fields = operation_fields(event.details)
         if fields.global_rank is not None and fields.world_size is not None:
             distributed = True
@@ -443,11 +470,10 @@ class SpanRecorder:
         caller = trace.get_current_span(ctx)
         caller_ctx = caller.get_span_context()
         has_caller = caller_ctx.is_valid
-        if is_coordinator and overrides is not None:
+        if is_coordinator and root_tracer is not None:
             links = [Link(caller_ctx, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER})] if has_caller else []
             op.root = start_root_span(
-                tracer,
-                overrides,
+                *root_tracer,
                 ids,
                 semconv.SPAN_CHECKPOINT,
                 ctx,
@@ -510,24 +536,8 @@ class SpanRecorder:
         if span is None:  # a per-key call: summarized by on_key_event, no span
             return
         description: str | None = None
-        if span.is_recording():
-            if entry.keys is not None:
-                span.set_attributes(entry.keys.to_attributes())
-            if exc is not None:
-                span.record_exception(exc, timestamp=end_ns)
-                description = _describe(exc, error)
-                failed_ranks = _failed_ranks(exc)
-                if failed_ranks is not None:
-                    span.set_attribute(semconv.ATTR_FAILED_RANKS, failed_ranks)
-            elif error is not None:
-                span.add_event("exception", {"exception.message": error[:_MAX_STATUS_TEXT * 4]}, timestamp=end_ns)
-                description = error
-            if inferred:
-                span.set_attribute(semconv.ATTR_END_INFERRED, True)
-            if description is not None:
-                span.set_status(Status(StatusCode.ERROR, description[:_MAX_STATUS_TEXT]))
-        elif exc is not None or error is not None:
-            description = _describe(exc, error)
+        if exc is not None or error is not None or inferred or entry.keys is not None:  # not a plain success
+            description = _annotate(span, entry, end_ns, exc, error, inferred)
         span.end(end_time=end_ns)
         if entry.token is not None:
             context_api.detach(entry.token)
@@ -535,25 +545,22 @@ class SpanRecorder:
         if parent is not None:
             parent.children_ns += end_ns - entry.start_ns
         op = entry.op
-        if op is not None:
-            if entry.owns_op_part:
-                op.start_ns = entry.start_ns
-                op.wait_s = (end_ns - entry.start_ns - entry.children_ns) / 1e9
-                if op.part_done(end_ns, description) and self._metrics is not None:
-                    _operation_metrics(self._metrics, op)
-            elif self._metrics is not None:
-                self._observe(self._metrics, entry, op, end_ns)
-
-    def _observe(self, metrics: MetricsSink, entry: _Entry, op: _Operation, end_ns: int) -> None:
-        """The metrics of one closed step span (a separate concern: failures here only count)."""
-        try:
-            duration_s = (end_ns - entry.start_ns) / 1e9
-            exemplar = op.exemplar
-            metrics.step_done(op.name, entry.func_name, op.rank, duration_s, exemplar)
-            if entry.func_name == _STAGE_STEP:
-                metrics.async_phase_done(semconv.PHASE_STAGING, op.rank, duration_s, exemplar)
-        except Exception:  # noqa: BLE001
-            report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
+        if op is None:
+            return
+        metrics = self._metrics
+        if entry.owns_op_part:
+            op.start_ns = entry.start_ns
+            op.wait_s = (end_ns - entry.start_ns - entry.children_ns) / 1e9
+            if op.part_done(end_ns, description) and metrics is not None:
+                _operation_metrics(metrics, op)
+        elif metrics is not None:
+            try:  # a separate concern: failures here only count
+                duration_s = (end_ns - entry.start_ns) / 1e9
+                metrics.step_done(op.name, entry.func_name, op.rank, duration_s, op.exemplar)
+                if entry.func_name == _STAGE_STEP:
+                    metrics.async_phase_done(semconv.PHASE_STAGING, op.rank, duration_s, op.exemplar)
+            except Exception:  # noqa: BLE001
+                report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
 
     def on_gathered(self, obj: object) -> None:
         """``_DistWrapper.gather_object`` is sending this rank's result to the coordinator.
@@ -682,6 +689,32 @@ class SpanRecorder:
                     self._uploads.notify_all()
 
         return trace.set_span_in_context(upload, ctx), finish
+
+
+def _annotate(
+    span: Span, entry: _Entry, end_ns: int, exc: BaseException | None, error: str | None, inferred: bool
+) -> str | None:
+    """Put on ``span`` what its call left behind (key summary, failure); the failure's description."""
+    description: str | None = None
+    if span.is_recording():
+        if entry.keys is not None:
+            span.set_attributes(entry.keys.to_attributes())
+        if exc is not None:
+            span.record_exception(exc, timestamp=end_ns)
+            description = _describe(exc, error)
+            failed_ranks = _failed_ranks(exc)
+            if failed_ranks is not None:
+                span.set_attribute(semconv.ATTR_FAILED_RANKS, failed_ranks)
+        elif error is not None:
+            span.add_event("exception", {"exception.message": error[: _MAX_STATUS_TEXT * 4]}, timestamp=end_ns)
+            description = error
+        if inferred:
+            span.set_attribute(semconv.ATTR_END_INFERRED, True)
+        if description is not None:
+            span.set_status(Status(StatusCode.ERROR, description[:_MAX_STATUS_TEXT]))
+    elif exc is not None or error is not None:
+        description = _describe(exc, error)
+    return description
 
 
 def _operation_metrics(metrics: MetricsSink, op: _Operation) -> None:
