@@ -21,6 +21,7 @@ from typing import Any
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 from dcp_otel.config import InstrumentOptions
+from dcp_otel.export_queue import QueueFullWatch
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
 from dcp_otel.flushing import ExitFlush
 from dcp_otel.metrics import CheckpointMetrics, MetricsSink
@@ -43,6 +44,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     _metrics: CheckpointMetrics | None = None
     _endpoint: MetricsEndpoint | None = None
     _exit_flush: ExitFlush | None = None
+    _queue_watch: QueueFullWatch | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -62,6 +64,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         self._metrics = metrics
         self._recorder = SpanRecorder(options, metrics if sink is None else sink)
         self._installed = install(self._recorder, options, metrics)
+        self._queue_watch = QueueFullWatch()
         self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s)
         atexit.register(self._exit_flush)
 
@@ -70,6 +73,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             atexit.unregister(self._exit_flush)
         if self._installed is not None:
             self._installed.remove()
+        if self._queue_watch is not None:
+            self._queue_watch.remove()
         if self._recorder is not None:
             self._recorder.close()
         if self._endpoint is not None:
@@ -81,6 +86,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         self._metrics = None
         self._endpoint = None
         self._exit_flush = None
+        self._queue_watch = None
 
     @property
     def recorder(self) -> SpanRecorder | None:

@@ -1,13 +1,15 @@
-"""Telemetry faults never reach the checkpoint: a dead or hung OTLP endpoint, a raising
-exporter or span processor. (A taken metrics port: test_exposition.py; a full disk on one
+"""Telemetry faults never reach the checkpoint: a dead or hung OTLP endpoint, a full
+export queue, a raising exporter or span processor. (A taken metrics port: test_exposition.py; a full disk on one
 rank: test_multiprocess.py.)"""
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,11 +18,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry
 
 import dcp_otel
-from dcp_otel import _selftelemetry
+from dcp_otel import _selftelemetry, export_queue
 from dcp_otel.otlp_file import read_spans
 from tests.ranks import REPO, WORKERS, rank_env, run_ranks
 
@@ -55,6 +57,66 @@ def test_a_dead_or_hung_otlp_endpoint_costs_neither_the_saves_nor_memory_nor_the
     # not the SDK's 30 s shutdown and the exporter's retries.
     assert exited - result["done_at"] < FLUSH_TIMEOUT_S + 3, exited - result["done_at"]
     assert "Traceback" not in run.stderr
+    # ...and counts what it drops, in one rate-limited line instead of one line per span.
+    assert result["diagnostics"]["span_queue_full"] > 10_000, result["diagnostics"]
+    assert "Queue full, dropping" not in run.stderr
+    assert run.stderr.count("span queue is full") == 1, run.stderr[-3000:]
+
+
+class BlockedExporter(SpanExporter):
+    """An exporter stuck until released (a hung collector), counting what it got."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.exported = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.release.wait(timeout=60)
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+
+class EndedSpans(SpanProcessor):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.count += 1
+
+
+def test_spans_the_sdks_full_queue_drops_are_counted_exactly_and_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _selftelemetry.reset()
+    exporter, ended = BlockedExporter(), EndedSpans()
+    provider = TracerProvider()
+    provider.add_span_processor(ended)
+    # Room for 4 queued spans and a batch of 2 in the stuck export: a save emits more.
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=4, max_export_batch_size=2))
+    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+    try:
+        with caplog.at_level(logging.WARNING):
+            for i in range(3):
+                dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / f"c{i}"))
+    finally:
+        dcp_otel.uninstrument()
+        exporter.release.set()
+        provider.shutdown()  # exports what the queue kept
+    dropped = ended.count - exporter.exported
+    assert dropped >= 3 * 7 - 6  # 3 saves of 7 spans each, at most 6 of them kept
+    assert dcp_otel.diagnostics()["span_queue_full"] == dropped
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if m.startswith("Queue full")]  # not one SDK line per dropped span...
+    assert len([m for m in messages if "span queue is full" in m]) == 1  # ...but one of ours
+
+
+def test_uninstrument_gives_the_sdks_queue_warnings_back(caplog: pytest.LogCaptureFixture) -> None:
+    dcp_otel.instrument(tracer_provider=TracerProvider(), registry=CollectorRegistry())
+    dcp_otel.uninstrument()
+    sdk = logging.getLogger(export_queue.SDK_LOGGERS[0])
+    with caplog.at_level(logging.WARNING):
+        sdk.warning("Queue full, dropping %s.", "Span")
+    assert [r.getMessage() for r in caplog.records] == ["Queue full, dropping Span."]
 
 
 class RaisingExporter(SpanExporter):
