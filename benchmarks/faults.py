@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/faults.py [--repeats 15]
 
 One process saves a 64 MB state dict, alternately with dcp-otel off and on
-(repetitions interleaved, medians). When on, spans go through the SDK's batch
+(blocks of saves interleaved, medians). When on, spans go through the SDK's batch
 processor to an OTLP/HTTP exporter whose endpoint refuses connections ("dead")
 or accepts them and never answers ("hung"): the export thread is stuck or
 retrying, its queue fills and drops, and the save must not notice.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
+import shutil
 import socket
 import statistics
 import tempfile
@@ -28,6 +29,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 import dcp_otel
+
+SAVES_PER_BLOCK = 3
 
 
 def save_ratio(kind: str, repeats: int) -> tuple[float, float]:
@@ -45,15 +48,24 @@ def save_ratio(kind: str, repeats: int) -> tuple[float, float]:
         state = {f"layer{i}": torch.randn(1024, 1024) for i in range(16)}
         times: dict[bool, list[float]] = {False: [], True: []}
         with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as root:
-            dcp.save(state, checkpoint_id=f"{root}/warm")
+
+            def save() -> float:
+                gc.collect()
+                started = time.perf_counter()
+                dcp.save(state, checkpoint_id=f"{root}/c")
+                elapsed = time.perf_counter() - started
+                shutil.rmtree(f"{root}/c")  # a filling /dev/shm would drift
+                return elapsed
+
+            save()
             for i in range(repeats):
                 for traced in ((False, True) if i % 2 == 0 else (True, False)):
+                    # A job instruments once: each arm is a block of saves after an
+                    # untimed one, which pays what a first checkpoint pays once.
                     if traced:
                         dcp_otel.instrument(tracer_provider=provider)
-                    gc.collect()
-                    started = time.perf_counter()
-                    dcp.save(state, checkpoint_id=f"{root}/c{i}-{int(traced)}")
-                    times[traced].append(time.perf_counter() - started)
+                    save()
+                    times[traced].extend(save() for _ in range(SAVES_PER_BLOCK))
                     if traced:
                         dcp_otel.uninstrument()
         atexit.unregister(provider.shutdown)  # at exit it would wait for the stuck exporter
