@@ -280,18 +280,11 @@ class SpanRecorder:
             op = ctx.get(_OPERATION_KEY)  # a Context is a dict: get_value without the call
             if type(op) is not _Operation or _has_class_fields(details):
                 return False
-            if len(self._open) >= self._options.max_open_spans or uuid in self._open:
-                report("span_limit", "dropped a DCP span: %d spans already open, or a duplicate uuid", len(self._open))
-                return True
-            span = op.tracer.start_span(
-                _SPAN_PREFIX + func_name, context=ctx, attributes=op.step_attributes, start_time=time_ns
-            )
-            keys = _KeyStats(self._options.slowest_keys) if func_name == _STATEFUL_PARENT else None
-            entry = _Entry(uuid, func_name, time_ns, span, op, keys)
-            # The operation is in ``ctx`` already: only the span changes.
-            entry.token = context_api.attach(trace.set_span_in_context(span, ctx))
-            self._stack().append(entry)
-            self._open[uuid] = entry
+            if not self._over_limit(uuid):
+                span = op.tracer.start_span(
+                    _SPAN_PREFIX + func_name, context=ctx, attributes=op.step_attributes, start_time=time_ns
+                )
+                self._push(uuid, func_name, time_ns, span, op, ctx, new_operation=False)
         except Exception:  # noqa: BLE001 - telemetry never raises into training
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
         return True
@@ -374,10 +367,29 @@ class SpanRecorder:
         except Exception:  # noqa: BLE001
             report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
 
+    def _over_limit(self, uuid: str) -> bool:
+        """Whether the span of call ``uuid`` must be dropped (counted): too many open, or a duplicate."""
+        if len(self._open) < self._options.max_open_spans and uuid not in self._open:
+            return False
+        report("span_limit", "dropped a DCP span: %d spans already open, or a duplicate uuid", len(self._open))
+        return True
+
+    def _push(
+        self, uuid: str, func_name: str, time_ns: int, span: Span, op: _Operation, ctx: context_api.Context,
+        new_operation: bool,
+    ) -> None:  # fmt: skip
+        """Make ``span`` current while call ``uuid`` runs, and remember it until the call ends."""
+        keys = _KeyStats(self._options.slowest_keys) if func_name == _STATEFUL_PARENT else None
+        entry = _Entry(uuid, func_name, time_ns, span, op, keys, new_operation)
+        new_ctx = trace.set_span_in_context(span, ctx)
+        if new_operation:  # a step finds its operation in ``ctx`` already
+            new_ctx = context_api.set_value(_OPERATION_KEY, op, new_ctx)
+        entry.token = context_api.attach(new_ctx)
+        self._stack().append(entry)
+        self._open[uuid] = entry
+
     def _start(self, event: DCPEvent) -> None:
-        stack = self._stack()
-        if len(self._open) >= self._options.max_open_spans or event.uuid in self._open:
-            report("span_limit", "dropped a DCP span: %d spans already open, or a duplicate uuid", len(self._open))
+        if self._over_limit(event.uuid):
             return
         ctx = context_api.get_current()
         enclosing = context_api.get_value(_OPERATION_KEY, ctx)
@@ -402,8 +414,6 @@ class SpanRecorder:
             links=links,
             start_time=event.time_ns,
         )
-        keys = _KeyStats(self._options.slowest_keys) if event.func_name == _STATEFUL_PARENT else None
-        entry = _Entry(event.uuid, event.func_name, event.time_ns, span, op, keys, new_operation)
         if new_operation:
             op.add_part()
             op.exemplar = exemplar_for(span, op.rank)
@@ -411,10 +421,7 @@ class SpanRecorder:
                 add_link = getattr(caller, "add_link", None)
                 if add_link is not None:
                     add_link(span.get_span_context(), {semconv.ATTR_LINK_KIND: semconv.LINK_CHECKPOINT})
-        new_ctx = context_api.set_value(_OPERATION_KEY, op, trace.set_span_in_context(span, ctx))
-        entry.token = context_api.attach(new_ctx)
-        stack.append(entry)
-        self._open[event.uuid] = entry
+        self._push(event.uuid, event.func_name, event.time_ns, span, op, ctx, new_operation)
 
     def _begin_operation(
         self, event: DCPEvent, ctx: context_api.Context
