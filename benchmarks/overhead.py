@@ -199,7 +199,7 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
     # One stager for every async save, as a training loop keeps one (torchtitan
     # does): it caches its CPU copies, so staging reuses memory that is already
     # paged in. A stager per call (async_save's default) maps 64 MB afresh each
-    # time, and its page faults (2 to 50 ms here) would swamp the comparison.
+    # time, and those page faults vary from call to call by more than the copy.
     stager = DefaultStager(StagingOptions(False, False, False, False))
 
     def call(case: Callable[[str], Any], path: str) -> float:
