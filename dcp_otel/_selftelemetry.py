@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from dcp_otel import _forksafe
@@ -31,6 +32,20 @@ LOG_INTERVAL_S = 60.0
 _lock = threading.Lock()
 _counts: Counter[str] = Counter()
 _last_logged: dict[str, float] = {}
+#: Told the reason of every report: the checkpoint metrics count them for Prometheus.
+_listeners: list[Callable[[str], None]] = []
+
+
+def add_listener(listener: Callable[[str], None]) -> None:
+    """Call ``listener(reason)`` on every report from now on (it must not block)."""
+    _listeners.append(listener)
+
+
+def remove_listener(listener: Callable[[str], None]) -> None:
+    try:
+        _listeners.remove(listener)
+    except ValueError:
+        pass
 
 
 def report(reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
@@ -39,6 +54,11 @@ def report(reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
     Never raises: this is what the hot path calls when something went wrong.
     """
     try:
+        for listener in tuple(_listeners):
+            try:
+                listener(reason)
+            except Exception:  # noqa: BLE001 - counting a problem must not become one
+                pass
         now = time.monotonic()
         with _lock:
             _counts[reason] += 1

@@ -20,13 +20,14 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Final, Protocol, TypeVar
 
 from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from dcp_otel import semconv
+from dcp_otel import _selftelemetry, semconv
 
 Exemplar = dict[str, str]
 _M = TypeVar("_M", Counter, Gauge, Histogram)
@@ -152,9 +153,21 @@ class CheckpointMetrics:
                 Gauge(semconv.METRIC_LAST_SUCCESS, "Unix time of the last successful operation.", [op, rank],
                       registry=r, multiprocess_mode="max")  # fmt: skip
             )
+            self.telemetry_problems = self._add(
+                Counter(semconv.METRIC_TELEMETRY_PROBLEMS,
+                        "Telemetry dcp-otel dropped or failed to record (what dcp_otel.diagnostics() counts).",
+                        [semconv.LABEL_REASON, rank], registry=r)  # fmt: skip
+            )
         except ValueError:
             self.unregister()
             raise
+        # This process's rank, as torchrun and dcp-otel-run set it: problems belong to a process.
+        rank_env = os.environ.get("RANK", "").strip()
+        self._rank = rank_env if rank_env.isdigit() else "0"
+        _selftelemetry.add_listener(self._problem)
+
+    def _problem(self, reason: str) -> None:
+        self.telemetry_problems.labels(bounded_name(reason), self._rank).inc()
 
     def _add(self, collector: _M) -> _M:
         self._collectors.append(collector)
@@ -162,6 +175,7 @@ class CheckpointMetrics:
 
     def unregister(self) -> None:
         """Remove our metrics from the registry (on uninstrument)."""
+        _selftelemetry.remove_listener(self._problem)
         for collector in self._collectors:
             try:
                 self.registry.unregister(collector)

@@ -110,6 +110,8 @@ METRIC_ASYNC_IN_FLIGHT: Final = "dcp_async_saves_in_flight"  # gauge: rank
 METRIC_ASYNC_PHASE_DURATION: Final = "dcp_async_phase_duration_seconds"  # histogram: phase, rank
 METRIC_COLLECTIVE_WAIT: Final = "dcp_collective_wait_seconds"  # histogram: operation, rank
 METRIC_LAST_SUCCESS: Final = "dcp_last_success_timestamp_seconds"  # gauge: operation, rank
+#: What dcp_otel.diagnostics() counts (dropped spans, malformed records...): reason, rank.
+METRIC_TELEMETRY_PROBLEMS: Final = "dcp_otel_telemetry_problems"  # counter (..._total): reason, rank
 
 LABEL_OPERATION: Final = "operation"
 LABEL_STATUS: Final = "status"

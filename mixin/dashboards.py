@@ -232,6 +232,13 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
         .with_panel(_timeseries(
             "Age of the last successful checkpoint", "s", "Per operation: how much progress a crash would lose.",
             _query(f"time() - max by (operation) ({sc.METRIC_LAST_SUCCESS}{s()})", "{{operation}}"), w=24))
+        .with_row(Row("dcp-otel itself"))
+        .with_panel(_stat(
+            "Telemetry problems", "short",
+            "What dcp-otel dropped or failed to record on the selected ranks since they started, by reason "
+            "(span_queue_full: the span exporter is slow, down or hung). Checkpoints are unaffected.",
+            _query(f"sum by (reason) (max_over_time({sc.METRIC_TELEMETRY_PROBLEMS}_total{s()}[{RANGE}]))",
+                   "{{reason}}", instant=True), w=24))
     )  # fmt: skip
     return _with_ids(d.build())
 

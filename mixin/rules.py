@@ -96,6 +96,7 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
     """The alerts infra teams page on when checkpointing breaks."""
     failed, upload = f'{sc.LABEL_STATUS}="{sc.STATUS_FAILURE}"', f'{sc.LABEL_PHASE}="{sc.PHASE_UPLOAD}"'
     failures = f"{OPERATIONS_TOTAL}{cfg.sel(failed)}"
+    problems = f"{sc.METRIC_TELEMETRY_PROBLEMS}_total{cfg.sel()}"
     fw = cfg.failure_window
     no_save_s = int(seconds(cfg.no_save_window))
     op_mean, step_mean = recent_operation_mean(cfg), recent_step_mean(cfg)
@@ -158,6 +159,18 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
             "Rank {{ $labels.rank }} has had an async save in flight for over "
             f"{cfg.stuck_async_window} with no upload finished: the checkpoint is not durable yet. "
             "Look at its dcp.async_upload span.",
+        ),
+        _alert(
+            "DCPTelemetryProblems",
+            # As with failures, a reason's first problem creates its series at 1.
+            f"sum by (job, reason) (increase({problems}[{fw}])) > 0\n"
+            f"or\nsum by (job, reason) ({problems} unless {problems} offset {fw}) > 0",
+            "0m",
+            "warning",
+            "dcp-otel dropped or failed to record telemetry in job {{ $labels.job }} ({{ $labels.reason }}).",
+            "{{ $value | printf \"%.0f\" }} times in the last " + fw + " in job {{ $labels.job }}, reason "
+            "{{ $labels.reason }} (span_queue_full: the span exporter is slow, down or hung). Checkpoints are "
+            "unaffected, but traces or metrics may be incomplete. Each rank logs one warning a minute per reason.",
         ),
     ]
     return {"groups": [{"name": "dcp-otel.alerts", "rules": alerts}]}

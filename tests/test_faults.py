@@ -84,7 +84,7 @@ class EndedSpans(SpanProcessor):
         self.count += 1
 
 
-def test_spans_the_sdks_full_queue_drops_are_counted_exactly_and_logged_once(
+def test_spans_the_sdks_full_queue_drops_are_counted_exactly_exported_and_logged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _selftelemetry.reset()
@@ -93,11 +93,16 @@ def test_spans_the_sdks_full_queue_drops_are_counted_exactly_and_logged_once(
     provider.add_span_processor(ended)
     # Room for 4 queued spans and a batch of 2 in the stuck export: a save emits more.
     provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=4, max_export_batch_size=2))
-    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+    registry = CollectorRegistry()
+    dcp_otel.instrument(tracer_provider=provider, registry=registry)
     try:
         with caplog.at_level(logging.WARNING):
             for i in range(3):
                 dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / f"c{i}"))
+        # Spans are dropped as they end: all are counted when the saves return.
+        scraped = registry.get_sample_value(
+            "dcp_otel_telemetry_problems_total", {"reason": "span_queue_full", "rank": "0"}
+        )
     finally:
         dcp_otel.uninstrument()
         exporter.release.set()
@@ -105,6 +110,7 @@ def test_spans_the_sdks_full_queue_drops_are_counted_exactly_and_logged_once(
     dropped = ended.count - exporter.exported
     assert dropped >= 3 * 7 - 6  # 3 saves of 7 spans each, at most 6 of them kept
     assert dcp_otel.diagnostics()["span_queue_full"] == dropped
+    assert scraped == dropped  # and Prometheus sees the same count
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if m.startswith("Queue full")]  # not one SDK line per dropped span...
     assert len([m for m in messages if "span queue is full" in m]) == 1  # ...but one of ours

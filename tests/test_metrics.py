@@ -17,7 +17,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 import dcp_otel
-from dcp_otel import semconv
+from dcp_otel import _selftelemetry, semconv
 from tests.spans_io import named
 
 SAVE = {"operation": "save", "rank": "0"}
@@ -206,3 +206,29 @@ def test_promtool_accepts_the_exposition_of_a_real_save_and_load(traced, tmp_pat
     assert b"dcp_step_duration_seconds_bucket" in exposition
     lint = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
     assert lint.returncode == 0, lint.stdout.decode() + lint.stderr.decode()
+
+
+def test_telemetry_problems_are_exported_with_their_reason_and_this_process_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint.logger import _dcp_logger
+
+    monkeypatch.setenv("RANK", "3")
+    registry = CollectorRegistry()
+    dcp_otel.instrument(registry=registry)
+    try:
+        assert sample(registry, "dcp_otel_telemetry_problems_total", reason="malformed_event", rank="3") is None
+        for _ in range(2):
+            _dcp_logger.debug({"event": "start"})  # no uuid: dropped, counted
+        assert sample(registry, "dcp_otel_telemetry_problems_total", reason="malformed_event", rank="3") == 2
+    finally:
+        dcp_otel.uninstrument()
+    assert _selftelemetry._listeners == []  # uninstrumented metrics stop listening: nothing accumulates
+    # Reinstrumented, counting starts over in the new registry.
+    fresh = CollectorRegistry()
+    dcp_otel.instrument(registry=fresh)
+    try:
+        _dcp_logger.debug({"event": "start"})
+        assert sample(fresh, "dcp_otel_telemetry_problems_total", reason="malformed_event", rank="3") == 1
+    finally:
+        dcp_otel.uninstrument()

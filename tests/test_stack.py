@@ -152,18 +152,23 @@ def test_the_panels_point_at_the_slow_and_the_failing_rank(stack: dict[str, Any]
 
 def test_recording_rules_evaluate_and_record_data(stack: dict[str, Any]) -> None:
     rules = [r for g in stack["rules"]["groups"] for r in g["rules"]]
-    assert len(rules) == 13 and all(r["health"] == "ok" for r in rules), [r for r in rules if r["health"] != "ok"]
+    assert len(rules) == 14 and all(r["health"] == "ok" for r in rules), [r for r in rules if r["health"] != "ok"]
     empty = [name for name, result in stack["records"].items() if not result]
     assert not empty, f"recording rules without data: {empty}"
 
 
-def test_the_failed_save_fires_its_alert_and_nothing_else_fires(stack: dict[str, Any]) -> None:
-    firing = {(a["labels"]["alertname"], a["labels"].get("operation")) for a in stack["alerts"] if a["state"] == "firing"}
-    assert firing == {("DCPCheckpointOperationFailed", "save")}
-    (alert,) = [a for a in stack["alerts"] if a["state"] == "firing"]
-    assert alert["labels"]["job"] == RANK_JOB and alert["labels"]["severity"] == "warning"
+def test_the_failed_save_and_the_dropped_metric_fire_their_alerts_and_nothing_else_fires(stack: dict[str, Any]) -> None:
+    firing = {a["labels"]["alertname"]: a for a in stack["alerts"] if a["state"] == "firing"}
+    assert sorted(firing) == ["DCPCheckpointOperationFailed", "DCPTelemetryProblems"]
+    failed = firing["DCPCheckpointOperationFailed"]
+    assert failed["labels"]["operation"] == "save"
+    assert failed["labels"]["job"] == RANK_JOB and failed["labels"]["severity"] == "warning"
     # One rank's full disk fails the save on every rank (increase() extrapolates a little).
-    assert WORLD <= float(alert["value"]) < WORLD * 1.5
+    assert WORLD <= float(failed["value"]) < WORLD * 1.5
+    # Every rank's NaN loss is a metric dcp-otel drops: counted, and told, as telemetry lost.
+    problems = firing["DCPTelemetryProblems"]
+    assert problems["labels"]["reason"] == "torchelastic_bad_value" and problems["labels"]["severity"] == "warning"
+    assert problems["labels"]["job"] == RANK_JOB and float(problems["value"]) == WORLD
 
 
 def test_targets_come_from_the_files_dcp_otel_writes_and_leave_with_the_job(stack: dict[str, Any]) -> None:
