@@ -36,7 +36,7 @@ from opentelemetry import context as context_api
 
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
-from dcp_otel.spans import SpanRecorder
+from dcp_otel.tracing.tracker import SpanRecorder
 
 #: Hand-overs waiting for their executor thread; bounded so a torch that never
 #: calls ``save_wrapper`` cannot grow it.

@@ -26,6 +26,7 @@ from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from dcp_otel import semconv
+from dcp_otel.tracing.detail import DETAIL_MODES, DetailMode
 
 logger = logging.getLogger("dcp_otel")
 
@@ -64,6 +65,18 @@ class InstrumentOptions:
         flush_timeout_s: the longest dcp-otel waits for the exporter when it
             flushes on its own: at interpreter exit, and in the daemon after each
             save (0 disables both).
+        detail: ``"full"`` exports every step span of every rank; ``"auto"``
+            (the default) has every rank export its operation span with a
+            summary of its steps, and step spans only from the coordinator,
+            failed ranks, stragglers, ranks slower than their own median and a
+            1-in-K sample sized by ``span_budget``. Up to about
+            ``span_budget / 8`` ranks the sample is every rank, which is ``full``.
+            See :mod:`dcp_otel.tracing.detail`.
+        span_budget: the step spans one checkpoint may carry across all ranks
+            in ``auto`` mode, in a balanced job (16 to 10,000,000).
+        max_queued_operations: finished operations waiting for the background
+            builder; past it an operation's spans and metrics are dropped and
+            counted (``build_queue_full``), never waited for.
     """
 
     tracer_provider: TracerProvider | None = None
@@ -74,6 +87,9 @@ class InstrumentOptions:
     max_open_spans: int = 10_000
     process_setup: str | None = None
     flush_timeout_s: int = 10
+    detail: DetailMode = "auto"
+    span_budget: int = 2000
+    max_queued_operations: int = 4096
 
     def __post_init__(self) -> None:
         if self.registry is not None and not isinstance(self.registry, CollectorRegistry):
@@ -85,6 +101,10 @@ class InstrumentOptions:
             _check_int("metrics_port", self.metrics_port, 0, 65535)
         _check_int("max_open_spans", self.max_open_spans, 16, 10_000_000)
         _check_int("flush_timeout_s", self.flush_timeout_s, 0, 600)
+        if self.detail not in DETAIL_MODES:
+            raise ValueError(f"detail must be one of {list(DETAIL_MODES)}, got {self.detail!r}")
+        _check_int("span_budget", self.span_budget, 16, 10_000_000)
+        _check_int("max_queued_operations", self.max_queued_operations, 1, 10_000_000)
         if self.process_setup is not None:
             resolve_callable(self.process_setup)  # a typo fails here, not in the daemon
 
@@ -108,6 +128,11 @@ class InstrumentOptions:
                 values["process_setup"] = env
             except ValueError as exc:
                 logger.warning("ignoring %s=%r: %s", semconv.ENV_PROCESS_SETUP, env, exc)
+        if values.get("detail") is None and (env := os.environ.get(semconv.ENV_DETAIL, "").strip()):
+            if env.lower() in DETAIL_MODES:
+                values["detail"] = env.lower()
+            else:
+                logger.warning("ignoring %s=%r: expected one of %s", semconv.ENV_DETAIL, env, list(DETAIL_MODES))
         for name, env_name, low, high in _INT_ENV:
             if name == "metrics_port" and not is_rank_process():
                 # The checkpoint daemon, a DataLoader worker or torchrun itself
@@ -125,6 +150,8 @@ _INT_ENV = (
     ("slowest_keys", semconv.ENV_SLOWEST_KEYS, 0, 100),
     ("max_open_spans", semconv.ENV_MAX_OPEN_SPANS, 16, 10_000_000),
     ("flush_timeout_s", semconv.ENV_FLUSH_TIMEOUT_S, 0, 600),
+    ("span_budget", semconv.ENV_SPAN_BUDGET, 16, 10_000_000),
+    ("max_queued_operations", semconv.ENV_MAX_QUEUED_OPERATIONS, 1, 10_000_000),
 )
 
 

@@ -105,6 +105,8 @@ class DaemonSession:
             slowest_keys=b.slowest_keys,
             max_open_spans=b.max_open_spans,
             flush_timeout_s=b.flush_timeout_s,
+            detail=b.detail,
+            span_budget=b.span_budget,
             _metrics_sink=self._relay,
         )
         self._owner = daemon_class()
@@ -121,6 +123,8 @@ class DaemonSession:
         finally:
             if token is not None:
                 context_api.detach(token)
+            if recorder is not None:  # the builder records the save's metrics into the relay
+                recorder.drain(float(self._bootstrap.flush_timeout_s or 10))
             self._relay.send()
             if self._bootstrap.flush_timeout_s > 0:
                 flush_spans(recorder, self._bootstrap.flush_timeout_s, self._provider)
@@ -129,6 +133,9 @@ class DaemonSession:
         try:
             if self._owner is not None:
                 unwrap(self._owner, "_execute_save")
+            recorder = self._instrumentor.recorder
+            if recorder is not None:
+                recorder.drain(float(self._bootstrap.flush_timeout_s or 10))
             self._relay.send()
             if self._bootstrap.flush_timeout_s > 0:
                 flush_spans(self._instrumentor.recorder, self._bootstrap.flush_timeout_s, self._provider)

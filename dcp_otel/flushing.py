@@ -25,7 +25,7 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from dcp_otel._selftelemetry import report
-from dcp_otel.spans import SpanRecorder
+from dcp_otel.tracing.tracker import SpanRecorder
 
 
 def flush_spans(

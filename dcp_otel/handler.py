@@ -2,7 +2,7 @@
 
 torch's ``_dcp_method_logger`` logs a start, an end and (for some functions) an
 exception record for every DCP call, synchronously, on the calling thread. This
-handler hands each record to a :class:`~dcp_otel.spans.SpanRecorder`.
+handler hands each record to a :class:`~dcp_otel.tracing.tracker.SpanRecorder`.
 
 It overrides :meth:`handle` rather than :meth:`emit`: the base class would take
 a per-handler lock around every record, serializing the async save thread
@@ -22,7 +22,7 @@ import sys
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.events import MalformedEvent, parse_event
-from dcp_otel.spans import SpanRecorder
+from dcp_otel.tracing.tracker import SpanRecorder
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
 _KINDS = frozenset(("start", "end", "exception"))

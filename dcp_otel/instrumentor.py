@@ -19,6 +19,7 @@ from collections.abc import Collection
 from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
+from prometheus_client import REGISTRY
 
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.export_queue import QueueFullWatch
@@ -26,8 +27,9 @@ from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
 from dcp_otel.flushing import ExitFlush
 from dcp_otel.metrics import CheckpointMetrics, MetricsSink
 from dcp_otel.package import _instruments
-from dcp_otel.spans import SpanRecorder
 from dcp_otel.torch_hooks import Installed, install
+from dcp_otel.tracing.drain import DrainOnCollect
+from dcp_otel.tracing.tracker import SpanRecorder
 
 
 class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
@@ -45,6 +47,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     _endpoint: MetricsEndpoint | None = None
     _exit_flush: ExitFlush | None = None
     _queue_watch: QueueFullWatch | None = None
+    _drain: DrainOnCollect | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -53,16 +56,29 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         # Internal: the async save daemon relays its metrics to its rank instead.
         sink: MetricsSink | None = kwargs.pop("_metrics_sink", None)
         options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
-        metrics = CheckpointMetrics(options.registry) if sink is None else None  # raises if already registered
+        # Registered before our metrics, so collected first: a scrape (or get_sample_value)
+        # lets the builder record what is queued before our metrics are read.
+        drain = DrainOnCollect()
+        registry = options.registry if options.registry is not None else REGISTRY
+        if sink is None:
+            registry.register(drain)
+        try:
+            metrics = CheckpointMetrics(options.registry) if sink is None else None  # raises if already registered
+        except BaseException:
+            registry.unregister(drain)
+            raise
         if options.metrics_port is not None:
             try:  # before anything is attached: a bad address fails here, leaving nothing behind
                 self._endpoint = start_metrics_server(options.metrics_port, registry=options.registry)
             except BaseException:
                 if metrics is not None:
                     metrics.unregister()
+                    registry.unregister(drain)
                 raise
         self._metrics = metrics
         self._recorder = SpanRecorder(options, metrics if sink is None else sink)
+        drain.builder = self._recorder.builder
+        self._drain = drain
         self._installed = install(self._recorder, options, metrics)
         self._queue_watch = QueueFullWatch()
         self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s)
@@ -76,10 +92,14 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         if self._queue_watch is not None:
             self._queue_watch.remove()
         if self._recorder is not None:
+            # What finished before uninstrument() is still built, into the metrics about to go.
+            self._recorder.drain(float(self._recorder.options.flush_timeout_s))
             self._recorder.close()
         if self._endpoint is not None:
             self._endpoint.close()
         if self._metrics is not None:
+            if self._drain is not None:
+                self._metrics.registry.unregister(self._drain)
             self._metrics.unregister()
         self._installed = None
         self._recorder = None
@@ -87,6 +107,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         self._endpoint = None
         self._exit_flush = None
         self._queue_watch = None
+        self._drain = None
 
     @property
     def recorder(self) -> SpanRecorder | None:

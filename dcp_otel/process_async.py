@@ -11,7 +11,7 @@ side of the bridge, installed by :mod:`dcp_otel.torch_hooks`:
   :class:`DaemonBootstrap`: this rank's options, its resource attributes, and
   the write end of a pipe for the daemon's metrics;
 * every save request sent to the daemon carries the current operation and span
-  (:meth:`~dcp_otel.spans.SpanRecorder.export_operation`), the way OTel's
+  (:meth:`~dcp_otel.tracing.tracker.SpanRecorder.export_operation`), the way OTel's
   messaging instrumentations put context in message headers;
 * when the daemon answers a request, its metrics are applied to this rank's
   (:func:`dcp_otel.metrics_relay.drain`), so one scrape target per rank shows
@@ -42,7 +42,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.metrics import MetricsSink
 from dcp_otel.metrics_relay import drain
-from dcp_otel.spans import SpanRecorder
+from dcp_otel.tracing.tracker import SpanRecorder
 
 PROCESS_MODULE = "torch.distributed.checkpoint._async_process_executor"
 DAEMON_CLASS = "_AsyncCheckpointProcess"
@@ -62,6 +62,8 @@ class DaemonBootstrap:
     max_open_spans: int
     flush_timeout_s: int
     process_setup: str | None
+    detail: str = "auto"
+    span_budget: int = 2000
     resource: dict[str, Any] = field(default_factory=dict)
     relay: Connection | None = None
 
@@ -100,6 +102,8 @@ class ProcessBridge:
             max_open_spans=options.max_open_spans,
             flush_timeout_s=options.flush_timeout_s,
             process_setup=options.process_setup,
+            detail=options.detail,
+            span_budget=options.span_budget,
             resource=dict(getattr(resource, "attributes", None) or {}),
             relay=writer,
         )

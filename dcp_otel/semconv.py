@@ -61,6 +61,18 @@ ATTR_STATE_DICT_SLOWEST_KEYS: Final = "dcp.state_dict.slowest_keys"  # str[]
 ATTR_STATE_DICT_SLOWEST_SECONDS: Final = "dcp.state_dict.slowest_keys_seconds"  # float[]
 ATTR_STATE_DICT_FAILED_KEY: Final = "dcp.state_dict.failed_key"  # str
 
+# Every rank's operation span carries a summary of its steps (see
+# dcp_otel.tracing.detail): with ``detail="auto"`` most ranks export only that.
+ATTR_DETAIL: Final = "dcp.detail"  # str: DETAIL_STEPS or DETAIL_SUMMARY
+DETAIL_STEPS: Final = "steps"  # this rank's step spans are in the trace
+DETAIL_SUMMARY: Final = "summary"  # only the summary below
+ATTR_DETAIL_REASON: Final = "dcp.detail.reason"  # str: coordinator, failed, straggler, slow, sampled, full
+ATTR_STEP_NAMES: Final = "dcp.steps.names"  # str[], in the order they started
+ATTR_STEP_SECONDS: Final = "dcp.steps.seconds"  # float[], summed per name, parallel to ATTR_STEP_NAMES
+ATTR_WAIT_SECONDS: Final = "dcp.wait_seconds"  # float: the operation's time outside its own steps
+ATTR_IO_SECONDS: Final = "dcp.io_seconds"  # float: in write_data / read_data
+ATTR_THROUGHPUT: Final = "dcp.throughput_bytes_per_second"  # float: bytes / io seconds
+
 #: Resource attribute (``TorchDistributedResourceDetector``); the resource also
 #: carries ATTR_RANK, ATTR_WORLD_SIZE and ATTR_RUN_ID, and ``host.name``.
 RESOURCE_LOCAL_RANK: Final = "dcp.local_rank"  # int
@@ -89,6 +101,9 @@ ENV_SLOWEST_KEYS: Final = "DCP_OTEL_SLOWEST_KEYS"
 ENV_MAX_OPEN_SPANS: Final = "DCP_OTEL_MAX_OPEN_SPANS"
 ENV_PROCESS_SETUP: Final = "DCP_OTEL_PROCESS_SETUP"  # module:function configuring the async save daemon
 ENV_FLUSH_TIMEOUT_S: Final = "DCP_OTEL_FLUSH_TIMEOUT_S"  # seconds; bounds the flushes dcp-otel starts
+ENV_DETAIL: Final = "DCP_OTEL_DETAIL"  # full or auto
+ENV_SPAN_BUDGET: Final = "DCP_OTEL_SPAN_BUDGET"  # step spans one checkpoint may carry across all ranks (auto)
+ENV_MAX_QUEUED_OPERATIONS: Final = "DCP_OTEL_MAX_QUEUED_OPERATIONS"  # finished operations waiting to be built
 #: Run-id sources set by launchers, tried in this order after ENV_RUN_ID.
 ENV_TORCHELASTIC_RUN_ID: Final = "TORCHELASTIC_RUN_ID"
 ENV_TORCHELASTIC_RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"

@@ -29,7 +29,7 @@ from dcp_otel.config import InstrumentOptions
 from dcp_otel.handler import DCPLogHandler
 from dcp_otel.metrics import MetricsSink
 from dcp_otel.process_async import DAEMON_CLASS, DAEMON_ENTRY, PROCESS_MODULE, ProcessBridge, replace_daemon_entry
-from dcp_otel.spans import SpanRecorder
+from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
 

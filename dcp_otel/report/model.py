@@ -177,6 +177,8 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
             bytes=max(int(s.attributes.get(bytes_key) or 0) for s in subtree if s.name in _OPERATION_SPANS),
             io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
         )
+        if op_span.attributes.get(semconv.ATTR_DETAIL) == semconv.DETAIL_SUMMARY:
+            _from_summary(result, op_span, steps)  # this rank exported no step spans (detail="auto")
         for step in own_steps:
             steps[step.name.removeprefix(semconv.SPAN_PREFIX)][rank] += step.duration_s
         uploads = [s for s in subtree if s.name == semconv.SPAN_ASYNC_UPLOAD]
@@ -205,6 +207,22 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         error=root_cause or first_error,
         spans=spans,
     )
+
+
+def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[int, float]]) -> None:
+    """A rank's busy, wait and I/O time from the summary on its operation span."""
+    attrs = op_span.attributes
+    names, seconds = attrs.get(semconv.ATTR_STEP_NAMES) or [], attrs.get(semconv.ATTR_STEP_SECONDS) or []
+    wait = attrs.get(semconv.ATTR_WAIT_SECONDS)
+    if isinstance(wait, (int, float)):
+        result.wait_s = float(wait)
+        result.busy_s = max(0.0, op_span.duration_s - float(wait))
+    io_s = attrs.get(semconv.ATTR_IO_SECONDS)
+    if isinstance(io_s, (int, float)):
+        result.io_s = float(io_s)
+    for name, value in zip(names, seconds):
+        if isinstance(name, str) and isinstance(value, (int, float)):
+            steps[name][result.rank] += float(value)
 
 
 def _subtree(root: FileSpan, children: dict[str, list[FileSpan]]) -> list[FileSpan]:

@@ -1,0 +1,318 @@
+"""Build spans and metric observations from finished operations, off the caller's thread.
+
+The hot path (:mod:`dcp_otel.tracing.tracker`) hands each complete
+:class:`~dcp_otel.tracing.records.Operation` to :meth:`SpanBuilder.submit`,
+which appends it to a bounded queue and returns; a full queue drops the
+operation and counts it (``build_queue_full``), it never blocks. One named
+daemon thread per process (``dcp-otel-builder``) then, per operation:
+
+1. records its metrics (step and operation histograms with their exemplars,
+   byte counters: the byte counts are summed here, not on the caller's thread);
+2. asks the :class:`~dcp_otel.tracing.detail.DetailPolicy` how much to export;
+3. emits ordinary SDK spans with the recorded start and end times and the ids
+   chosen on the hot path (so spans that a storage plugin started inside a step
+   nest under it), with the same names, attributes, events, links and statuses.
+
+Metrics come first, so a stuck span exporter never holds up a metric.
+:meth:`SpanBuilder.drain` waits, bounded, until everything queued is built:
+``dcp_otel.flush()``, the exit flush, the daemon's per-save flush, the
+provider's own ``force_flush``/``shutdown`` and every Prometheus collection go
+through it, so whoever reads telemetry sees every finished operation.
+
+Usage::
+
+    builder = SpanBuilder(DetailPolicy("full", 2000), metrics, max_queued=4096)
+    builder.submit(op)
+    builder.drain(timeout_s=10)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_otel import _forksafe, semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.metrics import MetricsSink
+from dcp_otel.trace_ids import DerivedIds, chosen_ids_tracer
+from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
+from dcp_otel.tracing.records import (
+    KIND_OPERATION,
+    KIND_STEP,
+    MAX_STATUS_TEXT,
+    Call,
+    Operation,
+)
+
+_STAGE_STEP = "stage_state_dict"  # async_save's staging, when the stager is synchronous
+_IO_STEPS = frozenset({"write_data", "read_data"})
+
+
+class SpanBuilder:
+    """One process's builder thread and its bounded queue; :meth:`submit` never blocks."""
+
+    def __init__(self, policy: DetailPolicy, metrics: MetricsSink | None, max_queued: int) -> None:
+        self.policy = policy
+        self._metrics = metrics
+        self._max_queued = max_queued
+        self._tracers: dict[int, Any] = {}  # id(tracer) -> (tracer, its chosen-ids twin or None)
+        self._reset()
+        _forksafe.register(self)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Operation, list[Call]]] = deque()
+        self._unmeasured = 0  # queued items whose metrics are not recorded yet
+        self._unbuilt = 0  # queued items whose spans are not emitted yet
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.peak_depth = 0
+        self.busy_ns = 0
+        self.built = 0
+
+    def _after_fork_in_child(self) -> None:
+        """The child builds nothing of the parent's: a new queue, a new thread when needed."""
+        self._reset()
+
+    # --- the caller's side ------------------------------------------------------
+    def submit(self, op: Operation, calls: list[Call] | None = None) -> None:
+        """Queue ``op`` (or ``calls`` of it that ended after it was built); drop and count when full."""
+        item = (op, op.calls if calls is None else calls)
+        with self._cond:
+            if self._closed:
+                return
+            if len(self._queue) >= self._max_queued:
+                full = True
+            else:
+                full = False
+                self._queue.append(item)
+                self._unmeasured += 1
+                self._unbuilt += 1
+                self.peak_depth = max(self.peak_depth, len(self._queue))
+                self._cond.notify()
+            thread = self._thread
+        if full:
+            report("build_queue_full", "dcp_otel dropped a finished operation's telemetry: %d operations wait "
+                   "to be built (raise DCP_OTEL_MAX_QUEUED_OPERATIONS, or check the span exporter)",
+                   self._max_queued)  # fmt: skip
+            return
+        if thread is None:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="dcp-otel-builder", daemon=True)
+        self._thread.start()
+
+    def drain(self, timeout_s: float, metrics_only: bool = False) -> bool:
+        """Wait until every queued operation is built (or only measured); ``False`` past ``timeout_s``."""
+        if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
+            return True
+        with self._cond:
+            if metrics_only:
+                return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
+            return self._cond.wait_for(lambda: self._unbuilt == 0, timeout_s)
+
+    def queued(self) -> int:
+        with self._cond:
+            return self._unbuilt
+
+    def close(self) -> None:
+        """Stop taking work; the thread ends once the queue is empty."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # --- the builder thread ---------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if self._closed:
+                        self._thread = None
+                        return
+                    self._cond.wait()
+                op, calls = self._queue.popleft()
+            started = time.perf_counter_ns()
+            try:
+                if self._metrics is not None:
+                    measure(op, calls, self._metrics, late=calls is not op.calls)
+                else:
+                    count_bytes(op, None)
+            except Exception:  # noqa: BLE001 - telemetry never raises, not even here
+                report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
+            with self._cond:
+                self._unmeasured -= 1
+                self._cond.notify_all()
+            try:
+                self._build(op, calls, late=calls is not op.calls)
+            except Exception:  # noqa: BLE001
+                report("builder_error", "dcp_otel failed to build a checkpoint's spans", exc_info=True)
+            with self._cond:
+                self._unbuilt -= 1
+                self.busy_ns += time.perf_counter_ns() - started
+                self.built += 1
+                self._cond.notify_all()
+
+    def _twin(self, tracer: trace.Tracer) -> Any:
+        found = self._tracers.get(id(tracer))
+        if found is None or found[0] is not tracer:
+            found = self._tracers[id(tracer)] = (tracer, chosen_ids_tracer(tracer))
+        return found[1]
+
+    def _build(self, op: Operation, calls: list[Call], late: bool) -> None:
+        steps = [call for call in calls if call.kind == KIND_STEP and call.span_id]
+        op_call = next((call for call in calls if call.kind == KIND_OPERATION), None)
+        if late:
+            detailed, summary = True, None
+        else:
+            detailed, reason = self.policy.decide(op, steps, op_call)
+            summary = summary_attributes(op, steps, detailed, reason) if op_call is not None else None
+        if not op.sampled:
+            return
+        emit = _Emitter(op, self._twin(op.tracer))
+        if op.root_span_id and not late:
+            emit.root()
+        for call in calls:
+            if call.kind == KIND_STEP and not detailed:
+                continue
+            emit.span(call, summary if call is op_call else None)
+
+
+class _Emitter:
+    """Emits one operation's spans through its tracer, with the ids chosen on the hot path."""
+
+    def __init__(self, op: Operation, twin: Any) -> None:
+        self.op = op
+        self.twin = twin
+        # Without chosen ids (a tracer that is not the SDK's): parents by the spans we emitted.
+        self.emitted: dict[int, SpanContext] = {}
+
+    def _start(self, name: str, span_id: int, parent: SpanContext | None, **kwargs: Any) -> trace.Span:
+        op = self.op
+        if parent is None:
+            parent_ctx = trace.set_span_in_context(trace.INVALID_SPAN)
+        else:
+            if self.twin is None:
+                parent = self.emitted.get(parent.span_id, parent)
+            parent_ctx = trace.set_span_in_context(NonRecordingSpan(parent))
+        if self.twin is None:
+            span = op.tracer.start_span(name, context=parent_ctx, **kwargs)
+            self.emitted[span_id] = span.get_span_context()
+            return span
+        tracer, overrides = self.twin
+        overrides.set_next(DerivedIds(op.trace_id, span_id))
+        try:
+            return tracer.start_span(name, context=parent_ctx, **kwargs)  # type: ignore[no-any-return]
+        finally:
+            overrides.set_next(None)
+
+    def root(self) -> None:
+        op = self.op
+        links = [Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER})] if op.caller is not None else []
+        span = self._start(semconv.SPAN_CHECKPOINT, op.root_span_id, None, attributes=op.attributes, links=links,
+                           start_time=op.start_ns)  # fmt: skip
+        if op.failed:
+            span.set_status(Status(StatusCode.ERROR, op.failed[:MAX_STATUS_TEXT]))
+        span.end(end_time=op.end_ns)
+
+    def span(self, call: Call, summary: dict[str, object] | None) -> None:
+        op = self.op
+        is_op = call.kind == KIND_OPERATION
+        attributes: dict[str, Any] = dict(op.attributes if is_op else call.attributes)
+        if summary:
+            attributes.update(summary)
+        if call.extra:
+            attributes.update(call.extra)
+        if call.keys is not None:
+            attributes.update(call.keys.to_attributes())
+        failure = call.failure
+        if failure is not None and failure.failed_ranks is not None:
+            attributes[semconv.ATTR_FAILED_RANKS] = failure.failed_ranks
+        if call.inferred:
+            attributes[semconv.ATTR_END_INFERRED] = True
+        links = []
+        if is_op and op.caller is not None:
+            links.append(Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER}))
+        span = self._start(call.name, call.span_id, call.parent, attributes=attributes, links=links,
+                           start_time=call.start_ns)  # fmt: skip
+        if failure is not None:
+            span.add_event("exception", failure.event, timestamp=call.end_ns)
+            span.set_status(Status(StatusCode.ERROR, failure.description[:MAX_STATUS_TEXT]))
+        span.end(end_time=call.end_ns)
+
+
+# --- metrics ----------------------------------------------------------------------
+def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool = False) -> None:
+    """Record the metrics of a finished operation (the step and operation histograms, bytes)."""
+    exemplar, rank = op.exemplar, op.rank_label
+    if not late:
+        count_bytes(op, metrics)
+    for call in calls:
+        if call.kind != KIND_STEP or not call.span_id:
+            continue
+        duration_s = call.duration_s
+        metrics.step_done(op.name, call.func_name, rank, duration_s, exemplar)
+        if call.func_name == _STAGE_STEP:
+            metrics.async_phase_done(semconv.PHASE_STAGING, rank, duration_s, exemplar)
+    if not late and any(call.kind == KIND_OPERATION for call in calls):
+        metrics.operation_done(op.name, rank, op.failed is None, (op.end_ns - op.start_ns) / 1e9, op.wait_s,
+                               op.end_ns / 1e9, exemplar)  # fmt: skip
+
+
+def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:
+    """Sum what DCP gathered (write results, local read plans) onto the counters and the spans.
+
+    The bytes go on the call that gathered them (the operation span, or the
+    background ``save`` of an async save) and, with the throughput, on this
+    rank's operation span, which every detail mode exports.
+    """
+    op_call = next((call for call in op.calls if call.kind == KIND_OPERATION), None)
+    for call, obj in op.gathered:
+        written = written_bytes(obj)
+        if written is not None:
+            key, amount = semconv.ATTR_WRITTEN_BYTES, written
+            if metrics is not None:
+                metrics.bytes_written(op.rank_label, written)
+        else:
+            read = planned_read_bytes(obj, op.storage)
+            if read is None:
+                continue
+            key, amount = semconv.ATTR_READ_BYTES, read
+            if metrics is not None:
+                metrics.bytes_read(op.rank_label, read)
+        for target in (call, op_call):
+            if target is not None:
+                target.extra = {**(target.extra or {}), key: amount}
+        io_s = sum(c.duration_s for c in op.calls if c.kind == KIND_STEP and c.func_name in _IO_STEPS)
+        if op_call is not None and io_s > 0:
+            op_call.extra = {**(op_call.extra or {}), semconv.ATTR_THROUGHPUT: amount / io_s}
+
+
+def written_bytes(obj: object) -> int | None:
+    """Total ``size_in_bytes`` if ``obj`` is DCP's list of ``WriteResult``, else ``None``."""
+    if not isinstance(obj, list) or not obj or not all(isinstance(item, WriteResult) for item in obj):
+        return None
+    return int(sum(item.size_in_bytes for item in obj))
+
+
+def planned_read_bytes(obj: object, storage: object | None) -> int | None:
+    """Bytes a local ``LoadPlan`` will read, from the reader's ``storage_data`` (offsets and lengths)."""
+    storage_data = getattr(storage, "storage_data", None)
+    if not isinstance(obj, LoadPlan) or not isinstance(storage_data, dict):
+        return None
+    total = 0
+    for item in obj.items:
+        length = getattr(storage_data.get(item.storage_index), "length", None)
+        if isinstance(length, int):
+            total += length
+    return total

@@ -1,0 +1,147 @@
+"""How much of a finished operation a rank exports: every step span, or a summary.
+
+Decided by each rank on its own, after the operation, from what it recorded:
+no collective, no message to any other rank.
+
+* ``full``: every step span of every rank (one checkpoint on N ranks is about
+  8N spans in one trace).
+* ``auto``: every rank exports its operation span (and an async save's upload
+  span) carrying a compact summary of its steps: each step's seconds, the
+  bytes and throughput, the time it waited for the others. Step spans come
+  only from the ranks worth reading:
+
+  - the coordinator (group rank 0), whose steps include the global plan and
+    the metadata;
+  - a rank whose own call failed; a ``CheckpointException`` names every failed
+    rank on every rank, so each knows its place in that list, and only the
+    first ``budget / steps`` failed ranks export steps (a mass failure stays
+    within the budget);
+  - a straggler: a rank that waited in the collectives for at most
+    :data:`STRAGGLER_WAIT_SHARE` of its operation. The collectives release
+    every rank when the last one arrives, so the rank that arrived last waited
+    least; every other rank also waits for the coordinator's planning and
+    metadata, so in a balanced job few ranks fall under the bound;
+  - a rank much slower than itself: its own steps took more than
+    :data:`SLOW_FACTOR` times its median over its last :data:`HISTORY`
+    operations of the same kind;
+  - a deterministic 1-in-K sample of ranks, K = ceil(world size x steps per
+    rank / (budget - steps per rank)), the sample drawn afresh for every
+    checkpoint from its trace id. In a balanced job the expected number of
+    step spans is then at most the coordinator's plus the budget.
+
+Usage::
+
+    policy = DetailPolicy("auto", span_budget=2000)
+    detailed, reason = policy.decide(op, step_calls, op_call)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections import deque
+from typing import Final, Literal
+
+from dcp_otel import semconv
+from dcp_otel.tracing.records import Call, Operation
+
+DetailMode = Literal["full", "auto"]
+DETAIL_MODES: Final = ("full", "auto")
+#: A rank that waited for at most this share of its operation was waited for.
+STRAGGLER_WAIT_SHARE: Final = 0.25
+#: A rank whose steps took this many times its own recent median was slow.
+SLOW_FACTOR: Final = 2.0
+#: Operations of one kind remembered per rank for its median, and the fewest it needs.
+HISTORY: Final = 16
+MIN_HISTORY: Final = 3
+
+REASON_FULL: Final = "full"
+REASON_COORDINATOR: Final = "coordinator"
+REASON_FAILED: Final = "failed"
+REASON_STRAGGLER: Final = "straggler"
+REASON_SLOW: Final = "slow"
+REASON_SAMPLED: Final = "sampled"
+REASON_SUMMARY: Final = "summary"  # not detailed: the operation span's summary only
+
+
+def sample_every(world_size: int, steps_per_rank: int, budget: int) -> int:
+    """K of the 1-in-K sample: how many ranks share one detailed rank."""
+    steps = max(1, steps_per_rank)
+    room = max(1, budget - steps)  # the coordinator's steps are always exported
+    return max(1, math.ceil(world_size * steps / room))
+
+
+def in_sample(trace_id: int, rank: int, every: int) -> bool:
+    """Whether ``rank`` is in this checkpoint's 1-in-``every`` sample (the same answer on every rank)."""
+    if every <= 1:
+        return True
+    digest = hashlib.blake2b(f"{trace_id:032x}/{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % every == 0
+
+
+class DetailPolicy:
+    """One process's detail decisions; only the builder thread calls :meth:`decide`."""
+
+    def __init__(self, mode: DetailMode, span_budget: int) -> None:
+        self.mode = mode
+        self.span_budget = span_budget
+        self._busy: dict[str, deque[float]] = {}
+
+    def decide(self, op: Operation, steps: list[Call], op_call: Call | None) -> tuple[bool, str]:
+        """(whether this rank exports its step spans, why)."""
+        busy_s = _busy_s(op_call, steps)
+        history = self._busy.setdefault(op.name, deque(maxlen=HISTORY))
+        median = statistics.median(history) if len(history) >= MIN_HISTORY else None
+        history.append(busy_s)
+        if self.mode == "full":
+            return True, REASON_FULL
+        if op.coordinator or (op.adopted and op.rank == 0):  # adopted: continued in the async save process
+            return True, REASON_COORDINATOR
+        if self._failed_here(op, steps, op_call, len(steps)):
+            return True, REASON_FAILED
+        waited_for = op_call is not None and op.world_size > 1 and op_call.end_ns > op_call.start_ns
+        if waited_for and op.wait_s <= STRAGGLER_WAIT_SHARE * op_call.duration_s:  # type: ignore[union-attr]
+            return True, REASON_STRAGGLER
+        if median is not None and median > 0 and busy_s > SLOW_FACTOR * median:
+            return True, REASON_SLOW
+        if in_sample(op.trace_id, op.rank, sample_every(op.world_size, len(steps), self.span_budget)):
+            return True, REASON_SAMPLED
+        return False, REASON_SUMMARY
+
+    def _failed_here(self, op: Operation, steps: list[Call], op_call: Call | None, steps_per_rank: int) -> bool:
+        """A call of this rank failed; of a multi-rank failure, only the first failed ranks say so."""
+        calls = steps if op_call is None else [*steps, op_call]
+        failures = [call.failure for call in calls if call.failure is not None and not call.inferred]
+        if not failures:
+            return False
+        ranks = next((f.failed_ranks for f in failures if f.failed_ranks), None)
+        if ranks is None:  # this rank's own exception, not torch's report of everyone's
+            return True
+        if op.rank not in ranks:
+            return False
+        return ranks.index(op.rank) < max(1, self.span_budget // max(1, steps_per_rank))
+
+
+def _busy_s(op_call: Call | None, steps: list[Call]) -> float:
+    if op_call is not None:
+        return max(0, op_call.children_ns) / 1e9
+    return sum(call.duration_s for call in steps)
+
+
+def summary_attributes(op: Operation, steps: list[Call], detailed: bool, reason: str) -> dict[str, object]:
+    """The compact per-step summary every rank's operation span carries."""
+    seconds: dict[str, float] = {}
+    for call in sorted(steps, key=lambda c: c.start_ns):
+        if call.kind == "step":
+            seconds[call.func_name] = seconds.get(call.func_name, 0.0) + call.duration_s
+    io_s = seconds.get("write_data", 0.0) + seconds.get("read_data", 0.0)
+    attrs: dict[str, object] = {
+        semconv.ATTR_DETAIL: semconv.DETAIL_STEPS if detailed else semconv.DETAIL_SUMMARY,
+        semconv.ATTR_DETAIL_REASON: reason,
+        semconv.ATTR_STEP_NAMES: list(seconds),
+        semconv.ATTR_STEP_SECONDS: list(seconds.values()),
+        semconv.ATTR_WAIT_SECONDS: max(0.0, op.wait_s),
+        semconv.ATTR_IO_SECONDS: io_s,
+    }
+    return attrs

@@ -1,0 +1,266 @@
+"""Start a rank's part of a checkpoint's trace, once per operation, and carry it across processes.
+
+:class:`OperationStarter` runs on the caller's thread when a DCP operation
+(``save``, ``async_save``, ``load``) begins with no enclosing DCP call: it
+derives the trace id every rank agrees on (:mod:`dcp_otel.trace_ids`), takes
+the sampling decision with the user's sampler, once, and chooses the span ids
+of the operation span and (on the coordinator) the root span. Every later
+call of the operation inherits all of that through the context.
+
+Usage (what :class:`~dcp_otel.tracing.tracker.SpanRecorder` does)::
+
+    op, parent_ctx = starter.begin(event, context_api.get_current(), seq)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import warnings
+from typing import Any
+
+from opentelemetry import context as context_api
+from opentelemetry import propagate, trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+
+from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.config import InstrumentOptions
+from dcp_otel.events import DCPEvent, operation_fields
+from dcp_otel.metrics import exemplar_for_context
+from dcp_otel.redact import redact_checkpoint_id
+from dcp_otel.trace_ids import CheckpointKey, SequenceCounter, derive_ids, resolve_run_id, supports_chosen_ids
+from dcp_otel.tracing.records import Operation, new_span_id
+from dcp_otel.version import __version__
+
+#: Context key holding the :class:`Operation` a DCP call belongs to; it travels
+#: with the context, into the async save thread too.
+OPERATION_KEY = context_api.create_key("dcp_otel.operation")
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_CLASS_FIELDS = (
+    ("storage_writer", semconv.ATTR_STORAGE_WRITER),
+    ("storage_reader", semconv.ATTR_STORAGE_READER),
+    ("planner", semconv.ATTR_PLANNER),
+)
+
+
+def has_class_fields(details: Any) -> bool:
+    return "storage_writer" in details or "storage_reader" in details or "planner" in details
+
+
+class OperationStarter:
+    """Begins operations for one recorder; caches the tracer of the current provider."""
+
+    def __init__(self, options: InstrumentOptions, recorder: Any) -> None:
+        self._options = options
+        self._recorder = recorder
+        # (provider, its tracer, whether spans can be emitted with chosen ids)
+        self._cache: tuple[object, trace.Tracer, bool] | None = None
+
+    def close(self) -> None:
+        self._cache = None
+
+    def tracer(self) -> tuple[trace.Tracer, bool]:
+        """Our tracer, and whether the builder can give its spans the ids chosen here."""
+        provider = self._recorder.provider()
+        cache = self._cache
+        if cache is None or cache[0] is not provider:
+            tracer = get_tracer_quietly(provider)
+            self._recorder.hook_provider(provider)
+            cache = (provider, tracer, supports_chosen_ids(tracer))
+            self._cache = cache
+        return cache[1], cache[2]
+
+    @staticmethod
+    def class_attributes(event: DCPEvent) -> dict[str, str]:
+        """The storage and planner class names torch logged for this call, if any."""
+        details = event.details
+        return {attr: str(details[field]) for field, attr in _CLASS_FIELDS if details.get(field)}
+
+    def begin(
+        self, event: DCPEvent, ctx: context_api.Context, seq_counter: SequenceCounter
+    ) -> tuple[Operation, context_api.Context]:
+        """A DCP call with no enclosing DCP call: this rank's part of a trace, and its parent context."""
+        tracer, chosen_ids = self.tracer()
+        fields = operation_fields(event.details)
+        if fields.global_rank is not None and fields.world_size is not None:
+            distributed = True
+            rank, world_size = fields.global_rank, fields.world_size
+            group_rank = fields.group_rank if fields.group_rank is not None else rank
+        else:  # torch.distributed not initialized: DCP runs as a single process
+            distributed = False
+            rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            group_rank = 0
+        identity = resolve_run_id(self._options.run_id, world_size if distributed else 1)
+        if identity.source == "fallback":
+            report(
+                "no_run_id",
+                "no run id found for a %d-rank job (set %s, or torchrun --rdzv-id): checkpoints of two runs "
+                "saved to the same path may share a trace",
+                world_size,
+                semconv.ENV_RUN_ID,
+            )
+        checkpoint_id = redact_checkpoint_id(fields.checkpoint_id)
+        # Outside torch.distributed every process is its own coordinator: keep
+        # processes apart so two of them never emit the same root span id.
+        scope = "" if distributed else f"/rank{rank}/pid{os.getpid()}"
+        key = CheckpointKey(
+            identity.run_id + scope,
+            os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"),
+            event.func_name,
+            checkpoint_id,
+        )
+        seq = seq_counter.next(key)
+        ids = derive_ids(key, seq)
+        is_coordinator = group_rank == 0
+        attributes: dict[str, Any] = {
+            semconv.ATTR_OPERATION: event.func_name,
+            semconv.ATTR_RANK: rank,
+            semconv.ATTR_WORLD_SIZE: world_size,
+            semconv.ATTR_GROUP_RANK: group_rank,
+            semconv.ATTR_CHECKPOINT_ID: checkpoint_id,
+            semconv.ATTR_OPERATION_SEQ: seq,
+            semconv.ATTR_RUN_ID: identity.run_id,
+            semconv.ATTR_COORDINATOR: is_coordinator,
+        }
+        if fields.backend:
+            attributes[semconv.ATTR_BACKEND] = fields.backend
+        attributes.update(self.class_attributes(event))
+        flags = _sampling_decision(tracer, ids.trace_id)
+        op = Operation(event.func_name, rank, tracer, attributes, ids.trace_id, flags)
+        op.span_id = new_span_id()
+        if flags.sampled:
+            op.exemplar = exemplar_for_context(SpanContext(ids.trace_id, op.span_id, False, flags), op.rank_label)
+
+        caller = trace.get_current_span(ctx)
+        caller_ctx = caller.get_span_context()
+        if caller_ctx.is_valid:
+            op.caller = caller_ctx
+            if caller.is_recording():
+                add_link = getattr(caller, "add_link", None)
+                if add_link is not None:
+                    add_link(SpanContext(ids.trace_id, op.span_id, False, flags),
+                             {semconv.ATTR_LINK_KIND: semconv.LINK_CHECKPOINT})  # fmt: skip
+        if is_coordinator and chosen_ids:
+            op.root_span_id = ids.root_span_id
+            root = SpanContext(ids.trace_id, ids.root_span_id, False, flags)
+        else:
+            # A proxy or no-op tracer (no SDK configured) records nothing: nothing to warn about.
+            if is_coordinator and not _is_noop(tracer):
+                report(
+                    "no_chosen_ids",
+                    "the tracer provider %s cannot start a span with chosen ids: ranks share a trace, "
+                    "but its root span is missing",
+                    type(tracer).__name__,
+                )
+            root = SpanContext(ids.trace_id, ids.root_span_id, True, flags)
+        return op, trace.set_span_in_context(NonRecordingSpan(root), ctx)
+
+    # --- across a process boundary (async save in a daemon process) -------
+    def export(self) -> dict[str, Any] | None:
+        """The current DCP operation and span as plain data another process can adopt.
+
+        The span context travels as propagation headers (the global
+        propagator's, W3C ``traceparent`` by default), as OpenTelemetry's
+        messaging instrumentations carry it; the operation as its name, rank and
+        step attributes. ``None`` when no DCP operation is current.
+        """
+        try:
+            op = context_api.get_value(OPERATION_KEY)
+            if not isinstance(op, Operation):
+                return None
+            headers: dict[str, str] = {}
+            propagate.inject(headers)
+            return {"headers": headers, "operation": op.name, "rank": op.rank_label,
+                    "attributes": dict(op.step_attributes)}  # fmt: skip
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to carry a DCP operation to another process", exc_info=True)
+            return None
+
+    def adopt(self, carried: object) -> context_api.Context | None:
+        """The context in which DCP calls continue the operation :meth:`export` described.
+
+        Calls made in it are children of the exported span, carry the
+        operation's attributes, and their metrics are that operation's steps.
+        ``None`` (with a counted warning) for anything malformed.
+        """
+        try:
+            if not isinstance(carried, dict):
+                raise TypeError(f"expected a dict, got {type(carried).__name__}")
+            headers, name, rank, attributes = (
+                carried["headers"], carried["operation"], carried["rank"], carried["attributes"]
+            )  # fmt: skip
+            if not (isinstance(headers, dict) and isinstance(name, str) and isinstance(attributes, dict)):
+                raise TypeError("malformed operation carrier")
+            ctx = propagate.extract({str(k): str(v) for k, v in headers.items()})
+            parent = trace.get_current_span(ctx).get_span_context()
+            if not parent.is_valid:
+                raise ValueError("no span context in the carrier")
+            tracer, _ = self.tracer()
+            op = Operation(name, int(rank), tracer, attributes, parent.trace_id, parent.trace_flags, attributes)
+            op.adopted = True
+            op.exemplar = exemplar_for_context(parent, op.rank_label)
+            return context_api.set_value(OPERATION_KEY, op, ctx)
+        except Exception:  # noqa: BLE001
+            report("malformed_carrier", "dcp_otel could not continue a DCP operation from another process", exc_info=True)
+            return None
+
+
+def _is_noop(tracer: trace.Tracer) -> bool:
+    return isinstance(tracer, (trace.ProxyTracer, trace.NoOpTracer))
+
+
+def _sampling_decision(tracer: trace.Tracer, trace_id: int) -> TraceFlags:
+    """The user's sampler's decision for the checkpoint's root, taken once for the whole operation.
+
+    Made from the trace id every rank derives alike, so a ratio sampler keeps
+    or drops a checkpoint on all ranks alike; with no SDK, nothing is sampled.
+    """
+    if _is_noop(tracer):
+        return _NOT_SAMPLED
+    sampler = getattr(tracer, "sampler", None)
+    if sampler is None:
+        return _SAMPLED
+    result = sampler.should_sample(context_api.Context(), trace_id, semconv.SPAN_CHECKPOINT, SpanKind.INTERNAL, None, None)
+    return _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
+
+
+def get_tracer_quietly(provider: trace.TracerProvider) -> trace.Tracer:
+    """``provider.get_tracer(...)`` without resetting which warnings Python has already shown.
+
+    The SDK's ``get_tracer`` calls ``warnings.filterwarnings`` each time, and
+    every change to the filters makes Python forget which warnings it already
+    showed: each of torch's warnings a process had shown would appear once
+    more after the first checkpoint. The same filter is added here without
+    that reset (the filter still applies to every warning not yet shown).
+    """
+    module = sys.modules.get("opentelemetry.sdk.trace")
+    if module is None or getattr(module, "filterwarnings", None) is not warnings.filterwarnings:
+        return provider.get_tracer(semconv.SCOPE_NAME, __version__)
+    module.filterwarnings = _add_filter_quietly  # type: ignore[attr-defined]
+    try:
+        return provider.get_tracer(semconv.SCOPE_NAME, __version__)
+    finally:
+        module.filterwarnings = warnings.filterwarnings  # type: ignore[attr-defined]
+
+
+def _add_filter_quietly(
+    action: str, message: str = "", category: type[Warning] = Warning, module: str = "", lineno: int = 0,
+    append: bool = False,
+) -> None:  # fmt: skip
+    item = (action, re.compile(message, re.I) if message else None, category,
+            re.compile(module) if module else None, lineno)  # fmt: skip
+    if item not in warnings.filters:
+        if append:
+            warnings.filters.append(item)  # type: ignore[attr-defined]
+        else:
+            warnings.filters.insert(0, item)  # type: ignore[attr-defined]
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default

@@ -1,0 +1,269 @@
+"""What the hot path records: one :class:`Call` per DCP call, one :class:`Operation` per checkpoint.
+
+A :class:`Call` is created when a DCP call starts and finished (``end_ns``,
+failure) when it ends, on the caller's thread, with nothing computed that is
+not needed right then. Once its :class:`Operation` is complete, the operation
+and its calls are handed to :mod:`dcp_otel.tracing.builder`, which reads them
+and never writes them: from then on they are immutable.
+
+Usage (what :mod:`dcp_otel.tracing.tracker` does)::
+
+    call = Call(uuid, "write_data", start_ns, span_id, parent, op, op.step_attributes)
+    ...
+    call.end_ns = end_ns
+    op.calls.append(call)
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext, TraceFlags
+
+from dcp_otel import semconv
+
+_getrandbits = random.getrandbits
+
+
+def new_span_id() -> int:
+    """A random, valid span id (chosen on the hot path; ids need be unique, not secret)."""
+    return _getrandbits(64) or 1
+
+
+MAX_STATUS_TEXT: Final = 256
+MAX_KEY_TEXT: Final = 128
+#: Kinds of calls that are not steps: the spans every rank exports in every detail mode.
+KIND_OPERATION: Final = "operation"
+KIND_STEP: Final = "step"
+KIND_UPLOAD: Final = "upload"
+KIND_STAGING: Final = "staging"
+
+
+@dataclass
+class KeyStats:
+    """Summary of the per-key ``_stateful_to_state_dict.<key>`` calls."""
+
+    limit: int
+    count: int = 0
+    total_ns: int = 0
+    slowest: list[tuple[int, int, str]] = field(default_factory=list)  # min-heap
+    failed_key: str | None = None
+
+    def add(self, key: str, duration_ns: int) -> None:
+        self.count += 1
+        self.total_ns += duration_ns
+        if self.limit:
+            item = (duration_ns, self.count, key)
+            if len(self.slowest) < self.limit:
+                heapq.heappush(self.slowest, item)
+            elif item > self.slowest[0]:
+                heapq.heapreplace(self.slowest, item)
+
+    def to_attributes(self) -> dict[str, Any]:
+        ordered = sorted(self.slowest, reverse=True)
+        attrs: dict[str, Any] = {
+            semconv.ATTR_STATE_DICT_KEYS: self.count,
+            semconv.ATTR_STATE_DICT_KEYS_SECONDS: self.total_ns / 1e9,
+            semconv.ATTR_STATE_DICT_SLOWEST_KEYS: [key for _, _, key in ordered],
+            semconv.ATTR_STATE_DICT_SLOWEST_SECONDS: [d / 1e9 for d, _, _ in ordered],
+        }
+        if self.failed_key is not None:
+            attrs[semconv.ATTR_STATE_DICT_FAILED_KEY] = self.failed_key
+        return attrs
+
+
+class Failure:
+    """A failure, described once, on the thread that saw it (failures are rare).
+
+    The exception object is not kept: its traceback holds the frames of the
+    failed call (and whatever tensors they reference) alive. Its text is taken
+    now, in the form the SDK's ``record_exception`` gives an ``exception`` event.
+    """
+
+    __slots__ = ("description", "event", "failed_ranks")
+
+    def __init__(self, exc: BaseException | None, error: str | None) -> None:
+        # torch's own error text when there is no exception object (an inferred end, say)
+        self.description = describe(exc, error) if exc is not None else (error or "exception")
+        self.failed_ranks = failed_ranks(exc) if exc is not None else None
+        if exc is not None:
+            module, qualname = type(exc).__module__, type(exc).__qualname__
+            self.event: dict[str, Any] = {
+                "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
+                "exception.message": str(exc),
+                "exception.stacktrace": "".join(traceback.format_exception(exc)),
+                "exception.escaped": "False",
+            }
+        else:
+            self.event = {"exception.message": (error or self.description)[: MAX_STATUS_TEXT * 4]}
+
+
+class Call:
+    """One DCP call (or an async save's upload or staging): a span to be.
+
+    Its ``span_id`` is chosen when it starts and made current through a
+    non-recording span, so whatever the call does (a storage plugin's own
+    spans) nests under the span the builder emits later with that id.
+    """
+
+    __slots__ = (
+        "uuid", "func_name", "start_ns", "end_ns", "span_id", "parent", "op", "attributes", "kind", "token",
+        "keys", "children_ns", "owns_part", "failure", "inferred", "extra",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        uuid: str,
+        func_name: str,
+        start_ns: int,
+        span_id: int,
+        parent: SpanContext | None,
+        op: Operation | None,
+        attributes: dict[str, Any],
+        kind: str = KIND_STEP,
+    ) -> None:
+        self.uuid = uuid
+        self.func_name = func_name
+        self.start_ns = start_ns
+        self.end_ns = 0
+        self.span_id = span_id  # 0: a per-key call, summarized on its parent, no span
+        self.parent = parent  # the span context current when the call started
+        self.op = op
+        self.attributes = attributes  # shared, never mutated (replaced when they change)
+        self.kind = kind
+        self.token: object | None = None
+        self.keys: KeyStats | None = None
+        self.children_ns = 0  # time in its own child calls; the rest of an operation is collective wait
+        self.owns_part = False  # its end may complete the operation
+        self.failure: Failure | None = None
+        self.inferred = False
+        self.extra: dict[str, Any] | None = None  # attributes learnt while it ran (byte counts)
+
+    @property
+    def name(self) -> str:
+        if self.kind == KIND_UPLOAD:
+            return semconv.SPAN_ASYNC_UPLOAD
+        if self.kind == KIND_STAGING:
+            return semconv.SPAN_ASYNC_STAGING
+        return semconv.SPAN_PREFIX + self.func_name
+
+    @property
+    def duration_s(self) -> float:
+        return max(0, self.end_ns - self.start_ns) / 1e9
+
+
+class Operation:
+    """One checkpoint operation on this rank: the unit that owns a trace and is built as one.
+
+    ``pending`` counts the calls that may end last (the operation call itself,
+    an async upload and staging, the top-level calls of an operation adopted in
+    the async save process); when it drops to zero the operation is complete
+    and goes to the builder. An async save thus counts as a success, with its
+    duration up to the end of the upload, only once its checkpoint is durable.
+    """
+
+    __slots__ = (
+        "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
+        "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
+        "wait_s", "lock", "storage", "exemplar", "calls", "gathered", "submitted", "adopted", "span_id",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        tracer: trace.Tracer,
+        attributes: dict[str, Any],
+        trace_id: int,
+        flags: TraceFlags,
+        step_attributes: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.rank = rank
+        self.rank_label = str(rank)  # the metrics' rank label
+        self.world_size = int(attributes.get(semconv.ATTR_WORLD_SIZE, 1))
+        self.group_rank = int(attributes.get(semconv.ATTR_GROUP_RANK, rank))
+        self.coordinator = bool(attributes.get(semconv.ATTR_COORDINATOR, False))
+        self.tracer = tracer  # the tracer of the provider current when it started
+        self.trace_id = trace_id
+        self.flags = flags
+        #: On the root and on each rank's operation span: everything we know.
+        self.attributes = attributes
+        #: On every other span: what identifies it (rank, checkpoint, classes).
+        self.step_attributes = step_attributes if step_attributes is not None else {
+            k: v for k, v in attributes.items() if k not in OPERATION_ONLY
+        }
+        self.root_span_id = 0  # the coordinator's dcp.checkpoint span, built with the operation
+        self.caller: SpanContext | None = None  # the span current when the operation was called
+        self.span_id = 0  # this rank's operation span
+        self.storage: object | None = None  # what _storage_setup chose, for read plans' byte counts
+        self.exemplar: dict[str, str] | None = None  # one trace, one rank: the same for every observation
+        self.calls: list[Call] = []  # finished calls, in the order they ended
+        self.gathered: list[tuple[Call, object]] = []  # objects DCP gathered (write results, read plans)
+        self.pending = 0
+        self.failed: str | None = None
+        self.end_ns = 0
+        self.start_ns = 0  # of this rank's operation span
+        self.wait_s = 0.0  # of the operation span: not covered by its steps
+        self.submitted = False
+        self.adopted = False  # continued in the async save process from a carried context
+        self.lock = threading.Lock()
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.flags.sampled)
+
+    def add_part(self) -> None:
+        with self.lock:
+            self.pending += 1
+
+    def part_done(self, end_ns: int, error: str | None) -> bool:
+        """One part ended; True when it was the last (the operation is complete)."""
+        with self.lock:
+            self.pending -= 1
+            self.end_ns = max(self.end_ns, end_ns)
+            if error and not self.failed:
+                self.failed = error
+            if self.pending > 0 or self.submitted:
+                return False
+            self.submitted = True
+            return True
+
+
+#: Attributes that say something about the operation as a whole, kept off step spans.
+OPERATION_ONLY: Final = frozenset(
+    {semconv.ATTR_OPERATION_SEQ, semconv.ATTR_RUN_ID, semconv.ATTR_COORDINATOR, semconv.ATTR_GROUP_RANK}
+)
+
+
+def failed_ranks(exc: BaseException) -> list[int] | None:
+    """The failing ranks of torch's ``CheckpointException`` (``failures`` maps rank to error)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return None
+    return sorted(r for r in failures if isinstance(r, int))
+
+
+def describe(exc: BaseException | None, error: str | None) -> str:
+    """A one-line status description: the exception type and its first line.
+
+    For ``CheckpointException`` (whose text is a multi-rank traceback dump):
+    the failing ranks and the first rank's own exception.
+    """
+    ranks = failed_ranks(exc) if exc is not None else None
+    if exc is not None and ranks:
+        first = exc.failures[ranks[0]]  # type: ignore[attr-defined]
+        cause = first[0] if isinstance(first, tuple) and first else first
+        cause_text = str(cause).strip().splitlines()
+        detail = f"{type(cause).__name__}: {cause_text[0]}" if cause_text else type(cause).__name__
+        return f"{type(exc).__name__}: ranks {ranks} failed; rank {ranks[0]}: {detail}"
+    if exc is not None:
+        text = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return (error or "exception").strip().splitlines()[0] if (error or "").strip() else "exception"

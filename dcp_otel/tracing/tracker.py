@@ -1,0 +1,410 @@
+"""The hot path: pair DCP's start/end events into calls, keep their nesting, note failures.
+
+Everything here runs on the thread that called DCP, so it only records. On a
+call's start: a span id chosen now, a non-recording span carrying it made
+current (whatever the call does, a storage plugin's HTTP spans say, nests
+under that id), and one small :class:`~dcp_otel.tracing.records.Call`; on its
+end: detach, and the call joins its operation's list. No SDK span, no
+attribute dict, no histogram observation. When an operation is complete it
+goes to :class:`~dcp_otel.tracing.builder.SpanBuilder`, which emits the spans
+and metrics on its own thread.
+
+* start and end are paired by DCP's per-call ``uuid`` on a per-thread stack
+  (DCP calls nest strictly within a thread);
+* a top-level operation (``save``, ``async_save``, ``load``) with no enclosing
+  DCP call starts this rank's part of a trace shared by all ranks (see
+  :mod:`dcp_otel.trace_ids`); the sampling decision is taken there, once, and
+  every call of the operation inherits it through the context;
+* a step whose exception torch does not log is closed as failed as soon as the
+  failure is visible: when ``_DistWrapper`` wraps the exception
+  (:meth:`SpanRecorder.on_wrapped_exception`), or at the latest when its parent
+  ends;
+* the per-key calls of ``_stateful_to_state_dict`` are summarized on their
+  parent instead of becoming one span per key.
+
+Usage (what :class:`dcp_otel.DCPInstrumentor` does)::
+
+    recorder = SpanRecorder(InstrumentOptions())
+    recorder.on_event(parse_event(record.msg), exc=sys.exc_info()[1])
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+from dcp_otel import _forksafe, semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.config import InstrumentOptions
+from dcp_otel.events import DCPEvent
+from dcp_otel.metrics import MetricsSink
+from dcp_otel.trace_ids import SequenceCounter
+from dcp_otel.tracing.builder import SpanBuilder
+from dcp_otel.tracing.detail import DetailPolicy
+from dcp_otel.tracing.drain import DrainOnFlush
+from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
+from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
+
+_STATEFUL_PARENT = semconv.STATEFUL_KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
+_set_span = trace.set_span_in_context
+_get_span = trace.get_current_span
+_attach = context_api.attach
+_detach = context_api.detach
+
+
+class SpanRecorder:
+    """Records DCP calls for the builder; thread-safe; never raises from its ``on_*``."""
+
+    def __init__(self, options: InstrumentOptions, metrics: MetricsSink | None = None) -> None:
+        self._options = self.options = options
+        self.metrics = metrics
+        self.builder = SpanBuilder(DetailPolicy(options.detail, options.span_budget), metrics,
+                                   options.max_queued_operations)  # fmt: skip
+        self._starter = OperationStarter(options, self)
+        self._local = threading.local()
+        # uuid -> open call. Only single dict operations touch it, which are
+        # atomic under the GIL: no lock on the per-step path.
+        self._open: dict[str, Call] = {}
+        self._seq = SequenceCounter()
+        # Async uploads (and staging) still open. Their future's done-callback
+        # ends them *after* waiters on the future wake up, so anyone who
+        # needs the telemetry complete waits on this, not on the future.
+        self._uploads = threading.Condition()
+        self._uploads_in_flight = 0
+        self._unhooks: dict[int, Callable[[], None] | None] = {}  # id(provider) -> undo its flush hook
+        _forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        """The child forgets the parent's calls in flight (they are the parent's to end)."""
+        self._local = threading.local()
+        self._open = {}
+        self._seq.reset_lock()
+        self._uploads = threading.Condition()
+        self._uploads_in_flight = 0
+
+    # --- bookkeeping ----------------------------------------------------
+    def open_count(self) -> int:
+        """DCP spans open right now in this process (0 between operations)."""
+        return len(self._open)
+
+    def stack_depth(self) -> int:
+        """DCP calls in flight on the calling thread, per-key calls included."""
+        return len(self._stack())
+
+    def wait_for_uploads(self, timeout: float | None = None) -> bool:
+        """Block until every async upload has ended and been built; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._uploads:
+            if not self._uploads.wait_for(lambda: self._uploads_in_flight == 0, timeout):
+                return False
+        remaining = 3600.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.builder.drain(remaining)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every finished operation is built; ``False`` past ``timeout_s``."""
+        return self.builder.drain(timeout_s)
+
+    def close(self) -> None:
+        """Stop building (on uninstrument); what is queued is still built."""
+        self._starter.close()
+        self.builder.close()
+        for remove in self._unhooks.values():
+            if remove is not None:
+                remove()
+        self._unhooks.clear()
+
+    def hook_provider(self, provider: object) -> None:
+        """Make ``provider``'s own flush and shutdown build what is queued first (once per provider)."""
+        if id(provider) not in self._unhooks:
+            timeout_s = float(self._options.flush_timeout_s or 10)
+            self._unhooks[id(provider)] = DrainOnFlush.attach(provider, self.builder, timeout_s)
+
+    def provider(self) -> trace.TracerProvider:
+        """The tracer provider spans go to: the configured one, else the global one."""
+        return self._options.tracer_provider or trace.get_tracer_provider()
+
+    def _stack(self) -> list[Call]:
+        stack: list[Call] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    # --- events ---------------------------------------------------------
+    def on_event(self, event: DCPEvent, exc: BaseException | None = None) -> None:
+        """Handle one parsed DCP event; ``exc`` is the exception being logged, if any."""
+        try:
+            if event.func_name.startswith(semconv.STATEFUL_KEY_PREFIX):
+                self.on_key_event(event.kind, event.uuid, event.func_name, event.time_ns)
+            elif event.kind == "start":
+                self._start(event)
+            else:
+                self._finish(event.uuid, event.kind, event.time_ns, event.error, exc)
+        except Exception:  # noqa: BLE001 - telemetry never raises into training
+            report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
+
+    def on_step_start(self, uuid: str, func_name: str, time_ns: int, details: Any) -> bool:
+        """The hot path for a step's start: a DCP call inside a running operation.
+
+        Returns ``False``, having done nothing, for anything else (a new
+        operation, or a call that names its own storage or planner, like a
+        nested save): :meth:`on_event` handles those.
+        """
+        try:
+            ctx = context_api.get_current()
+            op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
+            if type(op) is not Operation or has_class_fields(details):
+                return False
+            if not self._over_limit(uuid):
+                self._push(uuid, func_name, time_ns, op, op.step_attributes, ctx)
+        except Exception:  # noqa: BLE001 - telemetry never raises into training
+            report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
+        return True
+
+    def on_end(self, uuid: str, time_ns: int) -> None:
+        """The hot path for a successful end: no event object needed."""
+        try:
+            stack = self._stack()
+            if stack and stack[-1].uuid == uuid:  # the usual case: the innermost call returned
+                call = stack.pop()
+                self._close(call, time_ns, stack[-1] if stack else None)
+            else:
+                self._finish(uuid, "end", time_ns, None, None)
+        except Exception:  # noqa: BLE001 - telemetry never raises into training
+            report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
+
+    def on_key_event(self, kind: str, uuid: str, func_name: str, time_ns: int) -> None:
+        """The hot path for ``_stateful_to_state_dict.<key>``: no span, just a summary."""
+        stack = self._stack()
+        if kind == "start":
+            if not stack or stack[-1].keys is None:
+                report("orphan_key_event", "dropped a per-key DCP event with no enclosing state-dict conversion")
+                return
+            stack.append(Call(uuid, func_name, time_ns, 0, None, None, {}))
+            return
+        if not stack or stack[-1].uuid != uuid:
+            report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
+            return
+        call = stack.pop()
+        parent_keys = stack[-1].keys if stack else None
+        if parent_keys is None:
+            return
+        key = func_name[len(semconv.STATEFUL_KEY_PREFIX) :][:MAX_KEY_TEXT]
+        if kind == "end":
+            parent_keys.add(key, max(0, time_ns - call.start_ns))
+        else:
+            parent_keys.failed_key = key
+
+    def on_storage_resolved(self, storage: object, reader: bool) -> None:
+        """DCP chose the storage for the current operation (``_storage_setup``).
+
+        Given only a ``checkpoint_id``, DCP infers the storage class and never
+        logs it; it does so before any step starts, so from here on the class
+        name is on the operation's span, its root, and every later step span.
+        """
+        try:
+            op = context_api.get_value(OPERATION_KEY)
+            if storage is None or not isinstance(op, Operation):
+                return
+            op.storage = storage
+            key = semconv.ATTR_STORAGE_READER if reader else semconv.ATTR_STORAGE_WRITER
+            name = type(storage).__name__
+            if op.attributes.get(key) == name:
+                return
+            # New dicts rather than in-place updates: calls started before keep theirs.
+            op.attributes = {**op.attributes, key: name}
+            op.step_attributes = {**op.step_attributes, key: name}
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to record the storage class", exc_info=True)
+
+    def on_wrapped_exception(self, exc: BaseException) -> None:
+        """``_DistWrapper`` caught ``exc`` from a step that torch does not log.
+
+        Called on the failing step's own thread, right after it raised: the
+        innermost open call is that step, so it ends here with the exact time
+        and the exception, and its context is detached so the collective that
+        follows runs under the parent again.
+        """
+        try:
+            stack = self._stack()
+            if not stack:
+                return
+            top = stack[-1]
+            if not top.span_id or top.func_name not in semconv.COLLECTIVE_STEPS:
+                return
+            stack.pop()
+            top.failure = Failure(exc, None)
+            self._close(top, time.time_ns(), stack[-1] if stack else None)
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
+
+    def on_gathered(self, obj: object) -> None:
+        """``_DistWrapper.gather_object`` is sending this rank's result to the coordinator.
+
+        That is where DCP's own write results (after ``write_data``) and local
+        read plans (before ``read_data``) pass. They are kept for the builder,
+        which sums their bytes: nothing is counted here, before a collective.
+        """
+        try:
+            stack = self._stack()
+            if stack and stack[-1].op is not None and type(obj) in (list, _LOAD_PLAN[0]):
+                call = stack[-1]
+                call.op.gathered.append((call, obj))  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001
+            report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)
+
+    # --- the stack --------------------------------------------------------
+    def _over_limit(self, uuid: str) -> bool:
+        """Whether call ``uuid`` must be dropped (counted): too many open, or a duplicate."""
+        if len(self._open) < self._options.max_open_spans and uuid not in self._open:
+            return False
+        report("span_limit", "dropped a DCP span: %d spans already open, or a duplicate uuid", len(self._open))
+        return True
+
+    def _push(
+        self, uuid: str, func_name: str, time_ns: int, op: Operation, attributes: dict[str, Any],
+        ctx: context_api.Context, new_ctx: context_api.Context | None = None, span_id: int = 0,
+    ) -> Call:  # fmt: skip
+        """Make a light span current while call ``uuid`` runs, and remember the call until it ends."""
+        parent = _get_span(ctx).get_span_context()
+        span_id = span_id or new_span_id()
+        call = Call(uuid, func_name, time_ns, span_id, parent if parent.is_valid else None, op, attributes)
+        if func_name == _STATEFUL_PARENT:
+            call.keys = KeyStats(self._options.slowest_keys)
+        light = NonRecordingSpan(SpanContext(op.trace_id, span_id, False, op.flags))
+        call.token = _attach(_set_span(light, new_ctx if new_ctx is not None else ctx))
+        stack = self._stack()
+        if not stack and op.adopted:  # a top-level call of an operation continued in this process
+            call.owns_part = True
+            op.add_part()
+        stack.append(call)
+        self._open[uuid] = call
+        return call
+
+    def _start(self, event: DCPEvent) -> None:
+        if self._over_limit(event.uuid):
+            return
+        ctx = context_api.get_current()
+        enclosing = ctx.get(OPERATION_KEY)
+        if type(enclosing) is Operation:
+            attributes = enclosing.step_attributes
+            if has_class_fields(event.details):  # steps never have them; a nested save does
+                attributes = {**attributes, **self._starter.class_attributes(event)}
+            self._push(event.uuid, event.func_name, event.time_ns, enclosing, attributes, ctx)
+            return
+        op, parent_ctx = self._starter.begin(event, ctx, self._seq)
+        # The operation travels with the context, into the async save thread too.
+        call = self._push(event.uuid, event.func_name, event.time_ns, op, op.attributes, parent_ctx,
+                          context_api.set_value(OPERATION_KEY, op, parent_ctx), op.span_id)  # fmt: skip
+        call.kind = "operation"
+        call.owns_part = True
+        op.add_part()
+
+    def _finish(self, uuid: str, kind: str, time_ns: int, error: str | None, exc: BaseException | None) -> None:
+        stack = self._stack()
+        index = len(stack) - 1
+        while index >= 0 and stack[index].uuid != uuid:
+            index -= 1
+        if index < 0:
+            report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
+            return
+        failed = kind == "exception"
+        if failed and exc is None and error is None:
+            error = "exception (not described by torch)"
+        failure = Failure(exc, error) if failed else None
+        # Calls above it on the stack raised without torch logging it (a
+        # success end can only come after they returned or raised).
+        cause = failure.description if failure is not None else "exception not logged by torch; see parent span"
+        while len(stack) > index + 1:
+            child = stack.pop()
+            if child.span_id:
+                child.failure = Failure(None, f"did not return: {cause}")
+                child.inferred = True
+                self._close(child, time_ns, stack[-1])
+            else:
+                self._open.pop(child.uuid, None)
+        call = stack.pop()
+        call.failure = failure
+        self._close(call, time_ns, stack[-1] if stack else None)
+
+    def _close(self, call: Call, end_ns: int, parent: Call | None) -> None:
+        self._open.pop(call.uuid, None)
+        if not call.span_id:  # a per-key call: summarized by on_key_event, no span
+            return
+        call.end_ns = end_ns
+        if call.token is not None:
+            _detach(call.token)  # type: ignore[arg-type]
+            call.token = None
+        if parent is not None:
+            parent.children_ns += end_ns - call.start_ns
+        op = call.op
+        if op is None:
+            return
+        if op.submitted and not call.owns_part:  # ended after its operation was built: build it on its own
+            self.builder.submit(op, [call])
+            return
+        op.calls.append(call)
+        if call.kind == "operation":
+            op.start_ns = call.start_ns
+            op.wait_s = (end_ns - call.start_ns - call.children_ns) / 1e9
+        if call.owns_part and op.part_done(end_ns, call.failure.description if call.failure is not None else None):
+            self.builder.submit(op)
+
+    # --- across a process boundary (async save in a daemon process) -------
+    def export_operation(self) -> dict[str, Any] | None:
+        """The current DCP operation and span as plain data another process can adopt."""
+        return self._starter.export()
+
+    def adopt_operation(self, carried: object) -> context_api.Context | None:
+        """The context in which DCP calls continue the operation :meth:`export_operation` described."""
+        return self._starter.adopt(carried)
+
+    # --- async save -----------------------------------------------------
+    def begin_async_upload(self, staging: Any) -> Any:
+        """Open the upload (and async staging) calls of the current async save.
+
+        Returns the context to run the background save in, and the callback
+        that ends the upload: call it with the upload future when it is done,
+        or with the exception if handing off failed. ``None`` when no DCP
+        operation is current (nothing to attach to).
+        """
+        from dcp_otel.tracing.uploads import begin_async_upload
+
+        return begin_async_upload(self, staging)
+
+    def upload_started(self) -> None:
+        with self._uploads:
+            self._uploads_in_flight += 1
+
+    def upload_ended(self, call: Call, end_ns: int) -> None:
+        """An async save's upload or staging call ended (on whatever thread completed it)."""
+        try:
+            op = call.op
+            if op is not None:
+                call.end_ns = end_ns
+                op.calls.append(call)
+                if op.part_done(end_ns, call.failure.description if call.failure is not None else None):
+                    self.builder.submit(op)
+        except Exception:  # noqa: BLE001 - a future's done-callback: nothing may escape
+            report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
+        finally:
+            with self._uploads:
+                self._uploads_in_flight -= 1
+                self._uploads.notify_all()
+
+
+def _load_plan_type() -> tuple[type, ...]:
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    return (LoadPlan,)
+
+
+_LOAD_PLAN = _load_plan_type()
+
+
+__all__ = ["SpanRecorder"]

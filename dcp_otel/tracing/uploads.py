@@ -1,0 +1,94 @@
+"""An async save's upload and staging: calls that end on another thread, when their future does.
+
+``async_save`` returns once the state dict is staged (or staging has started)
+and handed to the background executor. The upload, and an asynchronous
+stager's staging, are recorded as calls of the operation that end in their
+future's done-callback; each is a part of the operation, so the operation is
+complete (and built) only when its checkpoint is durable.
+
+Usage (what :class:`~dcp_otel.async_context.AsyncContextCarrier` does)::
+
+    carried, finish = recorder.begin_async_upload(staging_future)
+    future = executor.execute_save(...)       # runs the background save in ``carried``
+    future.add_done_callback(finish)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+from dcp_otel._selftelemetry import report
+from dcp_otel.tracing.operations import OPERATION_KEY
+from dcp_otel.tracing.records import KIND_STAGING, KIND_UPLOAD, Call, Failure, Operation, new_span_id
+
+if TYPE_CHECKING:
+    from dcp_otel.tracing.tracker import SpanRecorder
+
+Finish = Callable[["Future[Any] | BaseException"], None]
+
+
+def begin_async_upload(
+    recorder: SpanRecorder, staging: Future[Any] | None
+) -> tuple[context_api.Context, Finish] | None:
+    """Open the upload (and async staging) calls of the current async save; see the module."""
+    try:
+        op = context_api.get_value(OPERATION_KEY)
+        if not isinstance(op, Operation):
+            return None
+        ctx = context_api.get_current()
+        parent = trace.get_current_span(ctx).get_span_context()
+        parent_or_none = parent if parent.is_valid else None
+        now = time.time_ns()
+        if isinstance(staging, Future):
+            staged = Call("", "async_staging", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_STAGING)
+            op.add_part()
+            recorder.upload_started()
+            staging.add_done_callback(lambda fut: _end(recorder, staged, fut))
+        upload = Call("", "async_upload", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_UPLOAD)
+        op.add_part()
+        recorder.upload_started()
+    except Exception:  # noqa: BLE001
+        report("recorder_error", "dcp_otel failed to trace an async upload", exc_info=True)
+        return None
+    metrics = recorder.metrics
+    if metrics is not None:
+        try:  # this runs inside torch's async_save: nothing may escape
+            metrics.async_handed_off(op.rank_label)
+        except Exception:  # noqa: BLE001
+            report("metrics_error", "dcp_otel failed to count an async save in flight", exc_info=True)
+
+    def finish(outcome: Future[Any] | BaseException) -> None:
+        if metrics is not None:
+            try:  # the upload's own thread (the future's done-callback), not the training thread
+                metrics.async_upload_done(op.rank_label, (time.time_ns() - now) / 1e9, op.exemplar)
+            except Exception:  # noqa: BLE001
+                report("metrics_error", "dcp_otel failed to record an async upload", exc_info=True)
+        _end(recorder, upload, outcome)
+
+    light = NonRecordingSpan(SpanContext(op.trace_id, upload.span_id, False, op.flags))
+    return trace.set_span_in_context(light, ctx), finish
+
+
+def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseException) -> None:
+    try:
+        call.failure = outcome_failure(outcome)
+    except Exception:  # noqa: BLE001
+        report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
+    recorder.upload_ended(call, time.time_ns())
+
+
+def outcome_failure(outcome: Future[Any] | BaseException) -> Failure | None:
+    """The failure of a future's outcome (or an exception), if any."""
+    if isinstance(outcome, BaseException):
+        return Failure(outcome, None)
+    if outcome.cancelled():
+        return Failure(None, "cancelled")
+    exc = outcome.exception()
+    return Failure(exc, None) if exc is not None else None

@@ -1,0 +1,98 @@
+"""Detail at scale: each rank decides on its own, after the operation, whether its step spans go out.
+
+8 real gloo ranks save 3 times; rank 3 is slow in every save and rank 5 fails
+the second one. With ``DCP_OTEL_DETAIL=auto`` and a small span budget, every
+rank exports its operation span with a summary of its steps; step spans come
+from the coordinator, the straggler, the failing rank and the 1-in-K sample;
+the report reads the same answers from those traces as from ``full`` ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dcp_otel import semconv
+from dcp_otel.otlp_file import FileSpan, read_spans
+from dcp_otel.report.model import checkpoints
+from dcp_otel.tracing.detail import in_sample, sample_every
+from tests.ranks import run_ranks
+
+WORLD, SLOW, FAILING, BUDGET = 8, 3, 5, 16
+_NOT_STEPS = {semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING, "dcp.save"}
+
+
+def _job(tmp: Path, detail: str) -> list[FileSpan]:
+    job = run_ranks(
+        "detail_rank", WORLD, tmp / detail,
+        env={"DCP_OTEL_DETAIL": detail, "DCP_OTEL_SPAN_BUDGET": str(BUDGET), "DCP_OTEL_RUN_ID": f"detail-{detail}"},
+        extra_args=["--slow-rank", str(SLOW), "--slow-s", "1.0", "--fail-rank", str(FAILING), "--saves", "3"],
+        timeout_s=240,
+    )  # fmt: skip
+    return read_spans(sorted(job.out.glob("spans-*.jsonl")))
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[FileSpan]]:
+    tmp = tmp_path_factory.mktemp("detail")
+    return {detail: _job(tmp, detail) for detail in ("auto", "full")}
+
+
+def _by_trace(spans: list[FileSpan]) -> dict[str, list[FileSpan]]:
+    traces: dict[str, list[FileSpan]] = {}
+    for span in spans:
+        traces.setdefault(span.trace_id, []).append(span)
+    return traces
+
+
+def _ranks_with_steps(spans: list[FileSpan]) -> set[int]:
+    return {int(s.attributes[semconv.ATTR_RANK]) for s in spans if s.name not in _NOT_STEPS}
+
+
+def test_auto_exports_steps_from_the_coordinator_the_straggler_the_failing_rank_and_the_sample(jobs) -> None:
+    traces = _by_trace(jobs["auto"])
+    assert len(traces) == 3  # one trace per checkpoint, across all 8 ranks
+    summary_only = 0
+    for trace_id, spans in traces.items():
+        op_spans = {int(s.attributes[semconv.ATTR_RANK]): s for s in spans if s.name == "dcp.save"}
+        assert sorted(op_spans) == list(range(WORLD)), "every rank exports its operation span"
+        reasons = {rank: span.attributes[semconv.ATTR_DETAIL_REASON] for rank, span in op_spans.items()}
+        failed_here = op_spans[FAILING].error and any(s.error and s.name == "dcp.write_data" for s in spans)
+        assert reasons[0] == "coordinator"
+        assert reasons[SLOW] == "straggler"
+        if failed_here:
+            assert reasons[FAILING] == "failed"
+        for rank, span in op_spans.items():
+            if rank in (0, SLOW) or (failed_here and rank == FAILING):
+                continue
+            # The sample is drawn from the trace id: every rank (and this test) computes the same one.
+            steps = len(span.attributes[semconv.ATTR_STEP_NAMES])
+            sampled = in_sample(int(trace_id, 16), rank, sample_every(WORLD, steps, BUDGET))
+            assert reasons[rank] == ("sampled" if sampled else "summary"), rank
+        detailed = {rank for rank, reason in reasons.items() if reason != "summary"}
+        assert _ranks_with_steps(spans) == detailed
+        for rank, span in op_spans.items():
+            attrs = span.attributes
+            assert attrs[semconv.ATTR_DETAIL] == ("steps" if rank in detailed else "summary")
+            assert "write_data" in attrs[semconv.ATTR_STEP_NAMES]
+            assert len(attrs[semconv.ATTR_STEP_SECONDS]) == len(attrs[semconv.ATTR_STEP_NAMES])
+        summary_only += WORLD - len(detailed)
+    assert summary_only > 0
+    assert len(jobs["auto"]) < len(jobs["full"])
+
+
+def test_full_exports_every_step_of_every_rank(jobs) -> None:
+    for spans in _by_trace(jobs["full"]).values():
+        assert _ranks_with_steps(spans) == set(range(WORLD))
+        assert {s.attributes[semconv.ATTR_DETAIL_REASON] for s in spans if s.name == "dcp.save"} == {"full"}
+
+
+def test_the_report_names_the_same_straggler_and_failing_rank_from_auto_as_from_full(jobs) -> None:
+    answers = {
+        detail: [(c.straggler, c.failed_ranks, c.error is not None) for c in checkpoints(spans)]
+        for detail, spans in jobs.items()
+    }
+    assert answers["auto"] == answers["full"]
+    assert [straggler for straggler, _, _ in answers["full"]] == [SLOW, SLOW, SLOW]
+    assert [failed for _, failed, _ in answers["full"]] == [[], [FAILING], []]
