@@ -86,9 +86,16 @@ class AsyncContextCarrier:
         if carried is None:
             return wrapped(*args, **kwargs)
         token = context_api.attach(carried)
+        depth = self._recorder.stack_depth()
         try:
             return wrapped(*args, **kwargs)
+        except BaseException as exc:
+            # A DCP call that raised without torch logging it (the daemon failing to start)
+            # is still open on this thread: it ends here, with the exception.
+            self._recorder.close_unfinished(depth, exc)
+            raise
         finally:
+            self._recorder.close_unfinished(depth, None)
             context_api.detach(token)
 
 

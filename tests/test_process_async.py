@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from dcp_otel import semconv
+from dcp_otel.otlp_file import read_spans
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.ports import free_port_range
 from tests.ranks import REPO, WORKERS, rank_env
@@ -92,3 +93,21 @@ def test_the_daemon_save_and_its_steps_join_the_trace_of_the_async_save(mode: st
     assert not [t for t in seen["threads"] if t.startswith("dcp-otel")]
     with pytest.raises(ProcessLookupError):
         os.kill(seen["daemon_pid"], 0)
+
+
+def test_a_daemon_that_cannot_start_ends_its_span_as_an_error(tmp_path) -> None:
+    """torch logs neither an end nor an exception when the daemon fails to start; the span still ends."""
+    spans_file = tmp_path / "spans.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(WORKERS / "daemon_start_fails.py"), str(free_port_range(1)), str(spans_file)],
+        env=rank_env(), cwd=REPO, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["raised"] == "TypeError"  # the caller gets torch's own exception, unchanged
+    assert seen["diagnostics"]["open_spans"] == 0
+    spans = {s.name: s for s in read_spans([spans_file])}
+    start = spans["dcp.create_checkpoint_daemon_process"]
+    assert start.error and start.status_message.startswith("TypeError")
+    assert spans["dcp.async_upload"].error and spans["dcp.checkpoint"].error
+    assert start.parent_id == spans["dcp.async_upload"].span_id

@@ -86,8 +86,8 @@ class SpanBuilder:
         """Queue ``op`` (or ``calls`` of it that ended after it was built); drop and count when full."""
         item = (op, op.calls if calls is None else calls)
         with self._cond:
-            if self._closed:
-                return
+            # After close() too: an async upload that ends after uninstrument() is still built,
+            # by a thread that stops again once the queue is empty.
             if len(self._queue) >= self._max_queued:
                 full = True
             else:
@@ -126,11 +126,18 @@ class SpanBuilder:
         with self._cond:
             return self._unbuilt
 
-    def close(self) -> None:
-        """Stop taking work; the thread ends once the queue is empty."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Let the thread end once the queue is empty (waited for, at most ``timeout_s``).
+
+        Work submitted later still gets built, by a thread started for it that
+        ends again when it is done.
+        """
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     # --- the builder thread ---------------------------------------------------------
     def _run(self) -> None:

@@ -216,9 +216,13 @@ class SpanRecorder:
             name = type(storage).__name__
             if op.attributes.get(key) == name:
                 return
-            # New dicts rather than in-place updates: calls started before keep theirs.
+            # New dicts rather than in-place updates: calls started before keep theirs,
+            # except the call that resolved the storage (save, load, an async save's background save).
             op.attributes = {**op.attributes, key: name}
             op.step_attributes = {**op.step_attributes, key: name}
+            stack = self._stack()
+            if stack and stack[-1].op is op:
+                stack[-1].attributes = {**stack[-1].attributes, key: name}
         except Exception:  # noqa: BLE001
             report("recorder_error", "dcp_otel failed to record the storage class", exc_info=True)
 
@@ -257,6 +261,29 @@ class SpanRecorder:
                 call.op.gathered.append((call, obj))  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001
             report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)
+
+    def close_unfinished(self, depth: int, exc: BaseException | None) -> None:
+        """End, as failed, the calls this thread left open above ``depth``.
+
+        For a DCP call that raised without torch logging an end or an exception
+        (``create_checkpoint_daemon_process`` when the checkpoint daemon cannot
+        start): called when the code that ran it returns or raises.
+        """
+        try:
+            stack = self._stack()
+            if len(stack) <= depth:
+                return
+            now = time.time_ns()
+            while len(stack) > depth:
+                call = stack.pop()
+                if call.span_id:
+                    call.failure = Failure(exc, None if exc is not None else "did not return")
+                    call.inferred = True
+                    self._close(call, now, stack[-1] if stack else None)
+                else:
+                    self._open.pop(call.uuid, None)
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to end an unfinished DCP call", exc_info=True)
 
     # --- the stack --------------------------------------------------------
     def _over_limit(self, uuid: str) -> bool:
