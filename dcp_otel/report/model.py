@@ -220,7 +220,7 @@ def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[i
     io_s = attrs.get(semconv.ATTR_IO_SECONDS)
     if isinstance(io_s, (int, float)):
         result.io_s = float(io_s)
-    for name, value in zip(names, seconds):
+    for name, value in zip(names, seconds, strict=False):  # a malformed file: what pairs up
         if isinstance(name, str) and isinstance(value, (int, float)):
             steps[name][result.rank] += float(value)
 

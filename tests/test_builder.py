@@ -1,0 +1,121 @@
+"""The hot path only records; one background thread builds spans and metrics, bounded, never blocking.
+
+Specifications of the split between the caller's thread and the builder:
+spans reach the provider from the builder thread only, with the ids chosen on
+the hot path; a full build queue drops and counts, the save is unaffected;
+every way of reading telemetry sees every finished operation.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+import dcp_otel
+from dcp_otel import _selftelemetry
+
+STATE = {"w": torch.ones(8)}
+
+
+class ThreadsSeen(SpanProcessor):
+    """Which threads the SDK starts spans on."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def on_start(self, span, parent_context=None) -> None:  # type: ignore[no-untyped-def]
+        self.threads.append(threading.current_thread().name)
+
+
+def test_no_sdk_span_is_started_on_the_training_thread(tmp_path: Path) -> None:
+    seen, exporter = ThreadsSeen(), InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(seen)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+    try:
+        inside: list[trace.Span] = []
+
+        class Writer(dcp.FileSystemWriter):
+            def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+                inside.append(trace.get_current_span())
+                return super().write_data(plan, planner)
+
+        dcp.save(STATE, storage_writer=Writer(str(tmp_path / "c")))
+        assert dcp_otel.flush(timeout_s=30)
+    finally:
+        dcp_otel.uninstrument()
+    assert seen.threads and set(seen.threads) == {"dcp-otel-builder"}
+    # While write_data ran, a light span carried the id the exported write_data span has.
+    (current,) = inside
+    assert not current.is_recording()
+    (write,) = [s for s in exporter.get_finished_spans() if s.name == "dcp.write_data"]
+    assert current.get_span_context().span_id == write.context.span_id
+    assert current.get_span_context().trace_id == write.context.trace_id
+
+
+class StuckExporter(SpanExporter):
+    """Blocks the builder (through a SimpleSpanProcessor) until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def export(self, spans: list[ReadableSpan]) -> SpanExportResult:  # type: ignore[override]
+        self.entered.set()
+        self.release.wait(60)
+        return SpanExportResult.SUCCESS
+
+
+def test_a_full_build_queue_drops_and_counts_and_the_saves_are_unaffected(tmp_path: Path) -> None:
+    _selftelemetry.reset()
+    exporter = StuckExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    registry = CollectorRegistry()
+    dcp_otel.instrument(tracer_provider=provider, registry=registry, max_queued_operations=2, flush_timeout_s=1)
+    try:
+        dcp.save(STATE, checkpoint_id=str(tmp_path / "first"))
+        assert exporter.entered.wait(30)  # the builder is now stuck in the exporter
+        results = [dcp.save({"w": torch.full((8,), float(i))}, checkpoint_id=str(tmp_path / f"c{i}")) for i in range(5)]
+        loaded = {"w": torch.zeros(8)}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "c4"))
+        assert loaded["w"].tolist() == [4.0] * 8  # the checkpoints themselves are whole
+        assert all(type(r).__name__ == "Metadata" for r in results)
+        # 6 operations finished behind the stuck one: 2 wait in the queue, 4 were dropped and counted.
+        assert dcp_otel.diagnostics()["build_queue_full"] == 4
+        assert dcp_otel.flush(timeout_s=0.2) is False  # bounded: flush gives up, it does not hang
+        # A scrape waits at most a second for the stuck builder, then answers with what it has.
+        problems = {"reason": "build_queue_full", "rank": "0"}
+        assert registry.get_sample_value("dcp_otel_telemetry_problems_total", problems) == 4
+    finally:
+        exporter.release.set()
+        dcp_otel.uninstrument()
+    provider.shutdown()
+
+
+def test_every_reader_sees_every_finished_operation(tmp_path: Path) -> None:
+    """A scrape, the provider's own force_flush and dcp_otel.flush() each wait for the builder."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    registry = CollectorRegistry()
+    dcp_otel.instrument(tracer_provider=provider, registry=registry)
+    try:
+        for i in range(20):
+            dcp.save(STATE, checkpoint_id=str(tmp_path / f"c{i}"))
+            count = registry.get_sample_value("dcp_operations_total",
+                                              {"operation": "save", "status": "success", "rank": "0"})  # fmt: skip
+            assert count == i + 1
+        provider.force_flush()
+        assert len([s for s in exporter.get_finished_spans() if s.name == "dcp.checkpoint"]) == 20
+    finally:
+        dcp_otel.uninstrument()
