@@ -110,12 +110,21 @@ class Call:
     Its ``span_id`` is chosen when it starts and made current through a
     non-recording span, so whatever the call does (a storage plugin's own
     spans) nests under the span the builder emits later with that id.
+
+    Built twice per DCP step on the caller's thread, so only what every call
+    needs is set here; the rest (``kind``, ``keys``, ``failure``, ...) keeps
+    its class-level default until a rare call sets it.
     """
 
-    __slots__ = (
-        "uuid", "func_name", "start_ns", "end_ns", "span_id", "parent", "op", "attributes", "kind", "token",
-        "keys", "children_ns", "owns_part", "failure", "inferred", "extra",
-    )  # fmt: skip
+    __slots__ = ("uuid", "func_name", "start_ns", "end_ns", "span_id", "parent", "op", "attributes", "token",
+                 "children_ns", "__dict__")  # fmt: skip
+
+    kind: str = KIND_STEP
+    keys: KeyStats | None = None
+    owns_part: bool = False  # its end may complete the operation
+    failure: Failure | None = None
+    inferred: bool = False
+    extra: dict[str, Any] | None = None  # attributes learnt while it ran (byte counts)
 
     def __init__(
         self,
@@ -136,14 +145,10 @@ class Call:
         self.parent = parent  # the span context current when the call started
         self.op = op
         self.attributes = attributes  # shared, never mutated (replaced when they change)
-        self.kind = kind
         self.token: object | None = None
-        self.keys: KeyStats | None = None
         self.children_ns = 0  # time in its own child calls; the rest of an operation is collective wait
-        self.owns_part = False  # its end may complete the operation
-        self.failure: Failure | None = None
-        self.inferred = False
-        self.extra: dict[str, Any] | None = None  # attributes learnt while it ran (byte counts)
+        if kind != KIND_STEP:
+            self.kind = kind
 
     @property
     def name(self) -> str:

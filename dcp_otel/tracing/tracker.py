@@ -30,6 +30,7 @@ Usage (what :class:`dcp_otel.DCPInstrumentor` does)::
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,8 @@ from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_cla
 from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
 
 _STATEFUL_PARENT = semconv.STATEFUL_KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
+_getrandbits = random.getrandbits
+_get_current = context_api.get_current
 _set_span = trace.set_span_in_context
 _get_span = trace.get_current_span
 _attach = context_api.attach
@@ -71,6 +74,7 @@ class SpanRecorder:
         # uuid -> open call. Only single dict operations touch it, which are
         # atomic under the GIL: no lock on the per-step path.
         self._open: dict[str, Call] = {}
+        self._max_open = options.max_open_spans
         self._seq = SequenceCounter()
         # Async uploads (and staging) still open. Their future's done-callback
         # ends them *after* waiters on the future wake up, so anyone who
@@ -156,12 +160,31 @@ class SpanRecorder:
         nested save): :meth:`on_event` handles those.
         """
         try:
-            ctx = context_api.get_current()
+            ctx = _get_current()
             op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
-            if type(op) is not Operation or has_class_fields(details):
+            if type(op) is not Operation or "storage_writer" in details or "storage_reader" in details \
+                    or "planner" in details:  # fmt: skip
                 return False
-            if not self._over_limit(uuid):
-                self._push(uuid, func_name, time_ns, op, op.step_attributes, ctx)
+            open_calls = self._open
+            if len(open_calls) >= self._max_open or uuid in open_calls:
+                self._over_limit(uuid)
+                return True
+            # _push, inlined: this runs for every step of every checkpoint.
+            parent = _get_span(ctx).get_span_context()
+            span_id = _getrandbits(64) or 1
+            call = Call(uuid, func_name, time_ns, span_id, parent if parent.is_valid else None, op, op.step_attributes)
+            if func_name == _STATEFUL_PARENT:
+                call.keys = KeyStats(self._options.slowest_keys)
+            call.token = _attach(_set_span(NonRecordingSpan(SpanContext(op.trace_id, span_id, False, op.flags)), ctx))
+            try:
+                stack = self._local.stack
+            except AttributeError:
+                stack = self._stack()
+            if not stack and op.adopted:
+                call.owns_part = True
+                op.add_part()
+            stack.append(call)
+            open_calls[uuid] = call
         except Exception:  # noqa: BLE001 - telemetry never raises into training
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
         return True
