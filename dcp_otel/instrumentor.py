@@ -85,6 +85,10 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         atexit.register(self._exit_flush)
 
     def _uninstrument(self, **kwargs: Any) -> None:
+        if self._recorder is not None:
+            # What finished before uninstrument() is built first, while everything that
+            # watches and counts it (the queue-full filter, the metrics) is still in place.
+            self._recorder.drain(float(self._recorder.options.flush_timeout_s))
         if self._exit_flush is not None:
             atexit.unregister(self._exit_flush)
         if self._installed is not None:
@@ -92,8 +96,6 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         if self._queue_watch is not None:
             self._queue_watch.remove()
         if self._recorder is not None:
-            # What finished before uninstrument() is still built, into the metrics about to go.
-            self._recorder.drain(float(self._recorder.options.flush_timeout_s))
             self._recorder.close()
         if self._endpoint is not None:
             self._endpoint.close()

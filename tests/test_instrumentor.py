@@ -167,6 +167,7 @@ provider = TracerProvider()
 provider.add_span_processor(SimpleSpanProcessor(exporter))
 trace.set_tracer_provider(provider)       # ... the global provider set later is used
 dcp.save({"w": torch.ones(2)}, checkpoint_id=tempfile.mkdtemp())
+provider.force_flush()                    # spans are built off the training thread: flush to read them
 print(sorted({s.name for s in exporter.get_finished_spans()}))
 """
 

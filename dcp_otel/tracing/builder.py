@@ -55,6 +55,10 @@ _STAGE_STEP = "stage_state_dict"  # async_save's staging, when the stager is syn
 _IO_STEPS = frozenset({"write_data", "read_data"})
 
 
+def _yield() -> None:
+    time.sleep(0)
+
+
 class SpanBuilder:
     """One process's builder thread and its bounded queue; :meth:`submit` never blocks."""
 
@@ -193,6 +197,10 @@ class SpanBuilder:
             if call.kind == KIND_STEP and not detailed:
                 continue
             emit.span(call, summary if call is op_call else None)
+            # Let other threads have the interpreter between spans: the training thread never
+            # waits a whole switch interval (5 ms) for it, and the SDK's batch worker takes
+            # its batches as they come, as when spans ended one by one during the checkpoint.
+            _yield()
 
 
 class _Emitter:

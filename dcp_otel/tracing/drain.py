@@ -9,7 +9,8 @@ an operation ends. Code that reads them right away must not miss them:
   flush or stop;
 * :class:`DrainOnCollect`, a collector registered in the metrics registry
   before our metrics, so that a scrape or ``registry.get_sample_value(...)``
-  sees every finished operation's observations.
+  sees every finished operation's observations (and the counts of what
+  emitting its spans dropped).
 
 Both wait a bounded time and never raise.
 
@@ -84,5 +85,6 @@ class DrainOnCollect:
     def collect(self) -> Iterable[Any]:
         builder = self.builder
         if builder is not None:
-            builder.drain(COLLECT_TIMEOUT_S, metrics_only=True)
+            # Spans too: what emitting them counts (a span queue that drops) is a metric as well.
+            builder.drain(COLLECT_TIMEOUT_S)
         return ()
