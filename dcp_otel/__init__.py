@@ -50,7 +50,8 @@ def instrument(tracer_provider: TracerProvider | None = None, **options: Any) ->
         tracer_provider: where spans go; default: the global provider.
         **options: see :class:`dcp_otel.config.InstrumentOptions` (``registry``,
             ``metrics_port``, ``run_id``, ``slowest_keys``, ``max_open_spans``,
-            ``process_setup``, ``flush_timeout_s``).
+            ``process_setup``, ``flush_timeout_s``, ``detail``, ``span_budget``,
+            ``max_queued_operations``).
 
     Raises:
         ValueError: an unknown option or a bad value.
@@ -66,7 +67,7 @@ def uninstrument() -> None:
 
 
 def flush(timeout_s: float = 30.0, tracer_provider: TracerProvider | None = None) -> bool:
-    """Wait for in-flight async uploads' spans to end, then flush the provider.
+    """Wait for in-flight async uploads to end and their spans to be built, then flush the provider.
 
     dcp-otel does this by itself at interpreter exit (within
     ``flush_timeout_s``); call it when you shut the provider down earlier, or

@@ -51,6 +51,7 @@ from dcp_otel.tracing.detail import DetailPolicy
 from dcp_otel.tracing.drain import DrainOnFlush
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
 from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
+from dcp_otel.tracing.uploads import begin_async_upload
 
 _STATEFUL_PARENT = semconv.STATEFUL_KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
 _getrandbits = random.getrandbits
@@ -423,8 +424,6 @@ class SpanRecorder:
         or with the exception if handing off failed. ``None`` when no DCP
         operation is current (nothing to attach to).
         """
-        from dcp_otel.tracing.uploads import begin_async_upload
-
         return begin_async_upload(self, staging)
 
     def upload_started(self) -> None:
