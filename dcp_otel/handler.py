@@ -34,24 +34,21 @@ class DCPLogHandler(logging.Handler):
     def __init__(self, recorder: SpanRecorder) -> None:
         super().__init__(level=logging.NOTSET)
         self.recorder = recorder
+        self._fast = recorder.on_record
 
     def handle(self, record: logging.LogRecord) -> bool:  # noqa: D102 - see class docstring
+        # The two records of every DCP step go straight to the recorder's hot path;
+        # everything else (operations, per-key calls, exceptions, malformed records) comes here.
+        if self._fast(record):
+            return True
         try:
             msg = record.msg
-            # Hot paths, checked inline: a DCP step logs a start and an end, and
-            # a 10,000-key state dict logs 20,000 per-key records.
-            if type(msg) is dict:
+            if type(msg) is dict:  # a 10,000-key state dict logs 20,000 per-key records: no event object
                 kind, call_id, func_name, time_ns = msg.get("event"), msg.get("uuid"), msg.get("func_name"), msg.get("time")
-                if type(call_id) is str and type(func_name) is str and type(time_ns) is int and call_id and time_ns > 0:
-                    if func_name.startswith(_KEY_PREFIX):
-                        if kind in _KINDS:
-                            self.recorder.on_key_event(kind, call_id, func_name, time_ns)
-                            return True
-                    elif kind == "end":
-                        self.recorder.on_end(call_id, time_ns)
-                        return True
-                    elif kind == "start" and self.recorder.on_step_start(call_id, func_name, time_ns, msg):
-                        return True
+                if type(call_id) is str and type(func_name) is str and type(time_ns) is int and call_id and time_ns > 0 \
+                        and func_name.startswith(_KEY_PREFIX) and kind in _KINDS:  # fmt: skip
+                    self.recorder.on_key_event(kind, call_id, func_name, time_ns)
+                    return True
             event = parse_event(msg)
         except MalformedEvent as exc:
             report("malformed_event", "dropped a DCP log record: %s", exc)

@@ -73,8 +73,7 @@ class SpanBuilder:
     def _reset(self) -> None:
         self._cond = threading.Condition()
         self._queue: deque[tuple[Operation, list[Call]]] = deque()
-        self._unmeasured = 0  # queued items whose metrics are not recorded yet
-        self._unbuilt = 0  # queued items whose spans are not emitted yet
+        self._unbuilt = 0  # queued items not built yet
         self._thread: threading.Thread | None = None
         self._closed = False
         self.peak_depth = 0
@@ -97,7 +96,6 @@ class SpanBuilder:
             else:
                 full = False
                 self._queue.append(item)
-                self._unmeasured += 1
                 self._unbuilt += 1
                 self.peak_depth = max(self.peak_depth, len(self._queue))
                 self._cond.notify()
@@ -117,18 +115,12 @@ class SpanBuilder:
             self._thread = threading.Thread(target=self._run, name="dcp-otel-builder", daemon=True)
         self._thread.start()
 
-    def drain(self, timeout_s: float, metrics_only: bool = False) -> bool:
-        """Wait until every queued operation is built (or only measured); ``False`` past ``timeout_s``."""
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued operation is built; ``False`` past ``timeout_s``."""
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
         with self._cond:
-            if metrics_only:
-                return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
             return self._cond.wait_for(lambda: self._unbuilt == 0, timeout_s)
-
-    def queued(self) -> int:
-        with self._cond:
-            return self._unbuilt
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Let the thread end once the queue is empty (waited for, at most ``timeout_s``).
@@ -153,7 +145,7 @@ class SpanBuilder:
                         return
                     self._cond.wait()
                 op, calls = self._queue.popleft()
-            started = time.perf_counter_ns()
+            started = time.thread_time_ns()  # CPU time: not the waits for the interpreter lock
             try:
                 if self._metrics is not None:
                     measure(op, calls, self._metrics, late=calls is not op.calls)
@@ -161,16 +153,13 @@ class SpanBuilder:
                     count_bytes(op, None)
             except Exception:  # noqa: BLE001 - telemetry never raises, not even here
                 report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
-            with self._cond:
-                self._unmeasured -= 1
-                self._cond.notify_all()
             try:
                 self._build(op, calls, late=calls is not op.calls)
             except Exception:  # noqa: BLE001
                 report("builder_error", "dcp_otel failed to build a checkpoint's spans", exc_info=True)
             with self._cond:
                 self._unbuilt -= 1
-                self.busy_ns += time.perf_counter_ns() - started
+                self.busy_ns += time.thread_time_ns() - started
                 self.built += 1
                 self._cond.notify_all()
 
@@ -258,7 +247,7 @@ class _Emitter:
         links = []
         if is_op and op.caller is not None:
             links.append(Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER}))
-        span = self._start(call.name, call.span_id, call.parent, attributes=attributes, links=links,
+        span = self._start(call.name, call.span_id, call.parent_context, attributes=attributes, links=links,
                            start_time=call.start_ns)  # fmt: skip
         if failure is not None:
             span.add_event("exception", failure.event, timestamp=call.end_ns)

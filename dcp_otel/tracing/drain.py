@@ -73,6 +73,25 @@ class DrainOnFlush(SpanProcessor):
         return remove
 
 
+class ProviderHooks:
+    """The :class:`DrainOnFlush` hooks of one recorder, one per provider, undone together."""
+
+    def __init__(self, builder: SpanBuilder, timeout_s: float) -> None:
+        self._builder = builder
+        self._timeout_s = timeout_s
+        self._removers: dict[int, Callable[[], None] | None] = {}  # id(provider) -> undo its hook
+
+    def add(self, provider: object) -> None:
+        if id(provider) not in self._removers:
+            self._removers[id(provider)] = DrainOnFlush.attach(provider, self._builder, self._timeout_s)
+
+    def remove_all(self) -> None:
+        for remove in self._removers.values():
+            if remove is not None:
+                remove()
+        self._removers.clear()
+
+
 class DrainOnCollect:
     """A collector with no metrics of its own: collecting it waits for queued metrics."""
 

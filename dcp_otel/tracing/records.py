@@ -132,7 +132,7 @@ class Call:
         func_name: str,
         start_ns: int,
         span_id: int,
-        parent: SpanContext | None,
+        parent: SpanContext | trace.Span | None,
         op: Operation | None,
         attributes: dict[str, Any],
         kind: str = KIND_STEP,
@@ -142,7 +142,7 @@ class Call:
         self.start_ns = start_ns
         self.end_ns = 0
         self.span_id = span_id  # 0: a per-key call, summarized on its parent, no span
-        self.parent = parent  # the span context current when the call started
+        self.parent = parent  # the span (or its context) current when the call started
         self.op = op
         self.attributes = attributes  # shared, never mutated (replaced when they change)
         self.token: object | None = None
@@ -157,6 +157,14 @@ class Call:
         if self.kind == KIND_STAGING:
             return semconv.SPAN_ASYNC_STAGING
         return semconv.SPAN_PREFIX + self.func_name
+
+    @property
+    def parent_context(self) -> SpanContext | None:
+        """The valid span context of the parent, if any."""
+        parent = self.parent
+        if parent is not None and not isinstance(parent, SpanContext):
+            parent = parent.get_span_context() if isinstance(parent, trace.Span) else None
+        return parent if parent is not None and parent.is_valid else None
 
     @property
     def duration_s(self) -> float:

@@ -30,15 +30,18 @@ Usage (what :class:`dcp_otel.DCPInstrumentor` does)::
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace.propagation import _SPAN_KEY  # the key trace.get_current_span reads
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
@@ -48,25 +51,57 @@ from dcp_otel.metrics import MetricsSink
 from dcp_otel.trace_ids import SequenceCounter
 from dcp_otel.tracing.builder import SpanBuilder
 from dcp_otel.tracing.detail import DetailPolicy
-from dcp_otel.tracing.drain import DrainOnFlush
+from dcp_otel.tracing.drain import ProviderHooks
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
 from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
-from dcp_otel.tracing.uploads import begin_async_upload
+from dcp_otel.tracing.uploads import InFlight, begin_async_upload
 
-_STATEFUL_PARENT = semconv.STATEFUL_KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
+_KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
+_STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
+_GATHERED_TYPES = (list, LoadPlan)  # write results, local read plans: what carries byte counts
 _getrandbits = random.getrandbits
 _get_current = context_api.get_current
+_set_value = context_api.set_value
 _set_span = trace.set_span_in_context
 _get_span = trace.get_current_span
 _attach = context_api.attach
 _detach = context_api.detach
 
 
+def _checked_span_context() -> Any:
+    """``SpanContext(trace_id, span_id, False, flags)``, built as the tuple it is.
+
+    ``SpanContext.__new__`` validates its ids in Python on every call; ours are
+    valid by construction (a derived trace id, a random non-zero span id). The
+    shortcut is used only when it builds exactly what the constructor builds,
+    checked once here; otherwise, the constructor.
+    """
+    trace_id, span_id, flags = 0x1234, 0x5678, TraceFlags(TraceFlags.SAMPLED)
+    expected = SpanContext(trace_id, span_id, False, flags)
+
+    def fast(trace_id: int, span_id: int, flags: TraceFlags) -> SpanContext:
+        return tuple.__new__(SpanContext, (trace_id, span_id, False, flags, DEFAULT_TRACE_STATE, True))
+
+    def slow(trace_id: int, span_id: int, flags: TraceFlags) -> SpanContext:
+        return SpanContext(trace_id, span_id, False, flags)
+
+    try:
+        built = fast(trace_id, span_id, flags)
+        same = tuple(built) == tuple(expected) and built.is_valid and built.span_id == span_id
+    except Exception:  # noqa: BLE001 - an API that changed shape: use the constructor
+        same = False
+    return fast if same else slow
+
+
+_span_context = _checked_span_context()
+
+
 class SpanRecorder:
     """Records DCP calls for the builder; thread-safe; never raises from its ``on_*``."""
 
     def __init__(self, options: InstrumentOptions, metrics: MetricsSink | None = None) -> None:
-        self._options = self.options = options
+        self._options = options
+        self.options = options
         self.metrics = metrics
         self.builder = SpanBuilder(DetailPolicy(options.detail, options.span_budget), metrics,
                                    options.max_queued_operations)  # fmt: skip
@@ -77,12 +112,8 @@ class SpanRecorder:
         self._open: dict[str, Call] = {}
         self._max_open = options.max_open_spans
         self._seq = SequenceCounter()
-        # Async uploads (and staging) still open. Their future's done-callback
-        # ends them *after* waiters on the future wake up, so anyone who
-        # needs the telemetry complete waits on this, not on the future.
-        self._uploads = threading.Condition()
-        self._uploads_in_flight = 0
-        self._unhooks: dict[int, Callable[[], None] | None] = {}  # id(provider) -> undo its flush hook
+        self.uploads = InFlight()
+        self._hooks = ProviderHooks(self.builder, float(options.flush_timeout_s or 10))
         _forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
@@ -90,8 +121,7 @@ class SpanRecorder:
         self._local = threading.local()
         self._open = {}
         self._seq.reset_lock()
-        self._uploads = threading.Condition()
-        self._uploads_in_flight = 0
+        self.uploads = InFlight()
 
     # --- bookkeeping ----------------------------------------------------
     def open_count(self) -> int:
@@ -105,9 +135,8 @@ class SpanRecorder:
     def wait_for_uploads(self, timeout: float | None = None) -> bool:
         """Block until every async upload has ended and been built; ``False`` on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._uploads:
-            if not self._uploads.wait_for(lambda: self._uploads_in_flight == 0, timeout):
-                return False
+        if not self.uploads.wait(timeout):
+            return False
         remaining = 3600.0 if deadline is None else max(0.0, deadline - time.monotonic())
         return self.builder.drain(remaining)
 
@@ -119,16 +148,11 @@ class SpanRecorder:
         """Stop building (on uninstrument); what is queued is still built."""
         self._starter.close()
         self.builder.close()
-        for remove in self._unhooks.values():
-            if remove is not None:
-                remove()
-        self._unhooks.clear()
+        self._hooks.remove_all()
 
     def hook_provider(self, provider: object) -> None:
         """Make ``provider``'s own flush and shutdown build what is queued first (once per provider)."""
-        if id(provider) not in self._unhooks:
-            timeout_s = float(self._options.flush_timeout_s or 10)
-            self._unhooks[id(provider)] = DrainOnFlush.attach(provider, self.builder, timeout_s)
+        self._hooks.add(provider)
 
     def provider(self) -> trace.TracerProvider:
         """The tracer provider spans go to: the configured one, else the global one."""
@@ -153,34 +177,65 @@ class SpanRecorder:
         except Exception:  # noqa: BLE001 - telemetry never raises into training
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
 
-    def on_step_start(self, uuid: str, func_name: str, time_ns: int, details: Any) -> bool:
-        """The hot path for a step's start: a DCP call inside a running operation.
+    def on_record(self, record: logging.LogRecord) -> bool:
+        """The hot path: one record of DCP's logger, a step's start inside an operation or an end.
 
-        Returns ``False``, having done nothing, for anything else (a new
-        operation, or a call that names its own storage or planner, like a
-        nested save): :meth:`on_event` handles those.
+        One frame for the two records every DCP step logs (what would read more
+        naturally as three small methods costs a third more here). Returns
+        ``False``, having done nothing, for anything else (a new operation, a
+        call that names its own storage or planner like a nested save, a
+        per-key call, an exception, anything malformed): the handler's general
+        path takes those.
         """
         try:
+            msg = record.msg
+            if type(msg) is not dict:
+                return False
+            get = msg.get
+            kind, uuid, time_ns = get("event"), get("uuid"), get("time")
+            if type(time_ns) is not int or time_ns <= 0 or type(get("func_name")) is not str:
+                return False
+            try:
+                stack = self._local.stack
+            except AttributeError:
+                stack = self._stack()
+            if kind == "end":
+                # Matching the innermost open call is the validation that matters for an end.
+                if not stack or stack[-1].uuid != uuid or not stack[-1].span_id:  # (a per-key call: no span)
+                    return False
+                call = stack.pop()  # the innermost call returned
+                op = call.op
+                if op is None or op.submitted or call.owns_part:  # not a plain step
+                    self._close(call, time_ns, stack[-1] if stack else None)
+                    return True
+                self._open.pop(uuid, None)
+                call.end_ns = time_ns
+                _detach(call.token)
+                call.token = None
+                if stack:
+                    stack[-1].children_ns += time_ns - call.start_ns
+                op.calls.append(call)
+                return True
+            if kind != "start":
+                return False
             ctx = _get_current()
             op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
-            if type(op) is not Operation or "storage_writer" in details or "storage_reader" in details \
-                    or "planner" in details:  # fmt: skip
+            if type(op) is not Operation or "storage_writer" in msg or "storage_reader" in msg or "planner" in msg:
+                return False
+            func_name = msg["func_name"]
+            if type(uuid) is not str or not uuid or func_name.startswith(_KEY_PREFIX):
                 return False
             open_calls = self._open
             if len(open_calls) >= self._max_open or uuid in open_calls:
                 self._over_limit(uuid)
                 return True
-            # _push, inlined: this runs for every step of every checkpoint.
-            parent = _get_span(ctx).get_span_context()
+            # The parent is the span current now, read straight from the context; the builder takes its ids.
             span_id = _getrandbits(64) or 1
-            call = Call(uuid, func_name, time_ns, span_id, parent if parent.is_valid else None, op, op.step_attributes)
+            call = Call(uuid, func_name, time_ns, span_id, ctx.get(_SPAN_KEY), op, op.step_attributes)  # type: ignore[arg-type]
             if func_name == _STATEFUL_PARENT:
                 call.keys = KeyStats(self._options.slowest_keys)
-            call.token = _attach(_set_span(NonRecordingSpan(SpanContext(op.trace_id, span_id, False, op.flags)), ctx))
-            try:
-                stack = self._local.stack
-            except AttributeError:
-                stack = self._stack()
+            light = NonRecordingSpan(_span_context(op.trace_id, span_id, op.flags))
+            call.token = _attach(_set_value(_SPAN_KEY, light, ctx))
             if not stack and op.adopted:
                 call.owns_part = True
                 op.add_part()
@@ -189,18 +244,6 @@ class SpanRecorder:
         except Exception:  # noqa: BLE001 - telemetry never raises into training
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
         return True
-
-    def on_end(self, uuid: str, time_ns: int) -> None:
-        """The hot path for a successful end: no event object needed."""
-        try:
-            stack = self._stack()
-            if stack and stack[-1].uuid == uuid:  # the usual case: the innermost call returned
-                call = stack.pop()
-                self._close(call, time_ns, stack[-1] if stack else None)
-            else:
-                self._finish(uuid, "end", time_ns, None, None)
-        except Exception:  # noqa: BLE001 - telemetry never raises into training
-            report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
 
     def on_key_event(self, kind: str, uuid: str, func_name: str, time_ns: int) -> None:
         """The hot path for ``_stateful_to_state_dict.<key>``: no span, just a summary."""
@@ -280,7 +323,7 @@ class SpanRecorder:
         """
         try:
             stack = self._stack()
-            if stack and stack[-1].op is not None and type(obj) in (list, _LOAD_PLAN[0]):
+            if stack and stack[-1].op is not None and type(obj) in _GATHERED_TYPES:
                 call = stack[-1]
                 call.op.gathered.append((call, obj))  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001
@@ -425,35 +468,3 @@ class SpanRecorder:
         operation is current (nothing to attach to).
         """
         return begin_async_upload(self, staging)
-
-    def upload_started(self) -> None:
-        with self._uploads:
-            self._uploads_in_flight += 1
-
-    def upload_ended(self, call: Call, end_ns: int) -> None:
-        """An async save's upload or staging call ended (on whatever thread completed it)."""
-        try:
-            op = call.op
-            if op is not None:
-                call.end_ns = end_ns
-                op.calls.append(call)
-                if op.part_done(end_ns, call.failure.description if call.failure is not None else None):
-                    self.builder.submit(op)
-        except Exception:  # noqa: BLE001 - a future's done-callback: nothing may escape
-            report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
-        finally:
-            with self._uploads:
-                self._uploads_in_flight -= 1
-                self._uploads.notify_all()
-
-
-def _load_plan_type() -> tuple[type, ...]:
-    from torch.distributed.checkpoint.planner import LoadPlan
-
-    return (LoadPlan,)
-
-
-_LOAD_PLAN = _load_plan_type()
-
-
-__all__ = ["SpanRecorder"]

@@ -15,6 +15,7 @@ Usage (what :class:`~dcp_otel.async_context.AsyncContextCarrier` does)::
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -49,11 +50,11 @@ def begin_async_upload(
         if isinstance(staging, Future):
             staged = Call("", "async_staging", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_STAGING)
             op.add_part()
-            recorder.upload_started()
+            recorder.uploads.started()
             staging.add_done_callback(lambda fut: _end(recorder, staged, fut))
         upload = Call("", "async_upload", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_UPLOAD)
         op.add_part()
-        recorder.upload_started()
+        recorder.uploads.started()
     except Exception:  # noqa: BLE001
         report("recorder_error", "dcp_otel failed to trace an async upload", exc_info=True)
         return None
@@ -77,11 +78,45 @@ def begin_async_upload(
 
 
 def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseException) -> None:
+    """An upload or staging call ended (on whatever thread completed its future)."""
     try:
         call.failure = outcome_failure(outcome)
-    except Exception:  # noqa: BLE001
+        call.end_ns = end_ns = time.time_ns()
+        op = call.op
+        if op is not None:
+            op.calls.append(call)
+            if op.part_done(end_ns, call.failure.description if call.failure is not None else None):
+                recorder.builder.submit(op)
+    except Exception:  # noqa: BLE001 - a future's done-callback: nothing may escape
         report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
-    recorder.upload_ended(call, time.time_ns())
+    finally:
+        recorder.uploads.ended()
+
+
+class InFlight:
+    """How many uploads (and stagings) are still open, to wait for.
+
+    Their future's done-callback ends them *after* waiters on the future wake
+    up, so anyone who needs the telemetry complete waits on this, not on the
+    future.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def started(self) -> None:
+        with self._cond:
+            self._count += 1
+
+    def ended(self) -> None:
+        with self._cond:
+            self._count -= 1
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._count == 0, timeout)
 
 
 def outcome_failure(outcome: Future[Any] | BaseException) -> Failure | None:

@@ -58,8 +58,8 @@ class Squares(torch.utils.data.Dataset):  # type: ignore[type-arg]
 def hold_all_locks(instrumentor: dcp_otel.DCPInstrumentor, held: threading.Event, release: threading.Event) -> None:
     recorder, installed = instrumentor.recorder, instrumentor.installed
     assert recorder is not None and installed is not None and installed.carrier and installed.bridge
-    locks = [_selftelemetry._lock, recorder._uploads, recorder._seq._lock, installed.carrier._lock,
-             installed.bridge._lock]  # fmt: skip
+    locks = [_selftelemetry._lock, recorder.uploads._cond, recorder.builder._cond, recorder._seq._lock,
+             installed.carrier._lock, installed.bridge._lock]  # fmt: skip
     for lock in locks:
         lock.acquire()
     held.set()
