@@ -35,11 +35,13 @@ BUILDER_ROWS: list[tuple[str, float, int]] = []
 
 def rows(quick: bool) -> list[Row]:
     found: list[Row] = []
-    step = overhead.step_cost(repeats=5 if quick else 15, steps=2_000 if quick else 10_000)
+    step = overhead.step_cost(repeats=7 if quick else 25, steps=2_000 if quick else 10_000)
     found.append(("span cost per DCP step / bare span", step["added_per_step_s"] * 1e6, step["bare_span_s"] * 1e6,
                   0.5, "us"))  # fmt: skip
     found.append(("span cost per DCP step / same span + histogram by hand", step["added_per_step_s"] * 1e6,
                   step["equivalent_span_s"] * 1e6, None, "us"))  # fmt: skip
+    ops = overhead.instructions_per_step()
+    found.append(("bytecode per DCP step / bare span (deterministic)", ops["added"], ops["bare"], None, "op"))
     for name, (plain, traced, _) in overhead.checkpoint_ratios(repeats=3 if quick else 9).items():
         found.append((f"{name}, 2 ranks", traced * 1e3, plain * 1e3, overhead.GOALS.get(name), "ms"))
     for name in overhead.BUILDS:

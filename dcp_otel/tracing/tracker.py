@@ -191,9 +191,11 @@ class SpanRecorder:
             msg = record.msg
             if type(msg) is not dict:
                 return False
-            get = msg.get
-            kind, uuid, time_ns = get("event"), get("uuid"), get("time")
-            if type(time_ns) is not int or time_ns <= 0 or type(get("func_name")) is not str:
+            try:  # torch's records always have these; anything else goes the general way
+                kind, uuid, time_ns = msg["event"], msg["uuid"], msg["time"]
+            except KeyError:
+                return False
+            if type(time_ns) is not int or time_ns <= 0:
                 return False
             try:
                 stack = self._local.stack
@@ -201,9 +203,12 @@ class SpanRecorder:
                 stack = self._stack()
             if kind == "end":
                 # Matching the innermost open call is the validation that matters for an end.
-                if not stack or stack[-1].uuid != uuid or not stack[-1].span_id:  # (a per-key call: no span)
+                if not stack:
                     return False
-                call = stack.pop()  # the innermost call returned
+                call = stack[-1]
+                if call.uuid != uuid or not call.span_id:  # (a per-key call: no span)
+                    return False
+                stack.pop()  # the innermost call returned
                 op = call.op
                 if op is None or op.submitted or call.owns_part:  # not a plain step
                     self._close(call, time_ns, stack[-1] if stack else None)
@@ -222,8 +227,8 @@ class SpanRecorder:
             op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
             if type(op) is not Operation or "storage_writer" in msg or "storage_reader" in msg or "planner" in msg:
                 return False
-            func_name = msg["func_name"]
-            if type(uuid) is not str or not uuid or func_name.startswith(_KEY_PREFIX):
+            func_name = msg.get("func_name")
+            if type(uuid) is not str or not uuid or type(func_name) is not str or func_name.startswith(_KEY_PREFIX):
                 return False
             open_calls = self._open
             if len(open_calls) >= self._max_open or uuid in open_calls:
