@@ -38,9 +38,7 @@ from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-from opentelemetry.trace.propagation import _SPAN_KEY  # the key trace.get_current_span reads
-from opentelemetry.trace.span import DEFAULT_TRACE_STATE
+from opentelemetry.trace import NonRecordingSpan, SpanContext
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcp_otel import _forksafe, semconv
@@ -52,6 +50,11 @@ from dcp_otel.trace_ids import SequenceCounter
 from dcp_otel.tracing.builder import SpanBuilder
 from dcp_otel.tracing.detail import DetailPolicy
 from dcp_otel.tracing.drain import ProviderHooks
+from dcp_otel.tracing.light import SPAN_KEY, with_span
+from dcp_otel.tracing.light import attach as light_attach
+from dcp_otel.tracing.light import detach as light_detach
+from dcp_otel.tracing.light import get_current as light_get_current
+from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
 from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
 from dcp_otel.tracing.uploads import InFlight, begin_async_upload
@@ -60,40 +63,10 @@ _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
 _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
 _GATHERED_TYPES = (list, LoadPlan)  # write results, local read plans: what carries byte counts
 _getrandbits = random.getrandbits
-_get_current = context_api.get_current
-_set_value = context_api.set_value
 _set_span = trace.set_span_in_context
 _get_span = trace.get_current_span
 _attach = context_api.attach
 _detach = context_api.detach
-
-
-def _checked_span_context() -> Any:
-    """``SpanContext(trace_id, span_id, False, flags)``, built as the tuple it is.
-
-    ``SpanContext.__new__`` validates its ids in Python on every call; ours are
-    valid by construction (a derived trace id, a random non-zero span id). The
-    shortcut is used only when it builds exactly what the constructor builds,
-    checked once here; otherwise, the constructor.
-    """
-    trace_id, span_id, flags = 0x1234, 0x5678, TraceFlags(TraceFlags.SAMPLED)
-    expected = SpanContext(trace_id, span_id, False, flags)
-
-    def fast(trace_id: int, span_id: int, flags: TraceFlags) -> SpanContext:
-        return tuple.__new__(SpanContext, (trace_id, span_id, False, flags, DEFAULT_TRACE_STATE, True))
-
-    def slow(trace_id: int, span_id: int, flags: TraceFlags) -> SpanContext:
-        return SpanContext(trace_id, span_id, False, flags)
-
-    try:
-        built = fast(trace_id, span_id, flags)
-        same = tuple(built) == tuple(expected) and built.is_valid and built.span_id == span_id
-    except Exception:  # noqa: BLE001 - an API that changed shape: use the constructor
-        same = False
-    return fast if same else slow
-
-
-_span_context = _checked_span_context()
 
 
 class SpanRecorder:
@@ -215,7 +188,10 @@ class SpanRecorder:
                     return True
                 self._open.pop(uuid, None)
                 call.end_ns = time_ns
-                _detach(call.token)
+                try:
+                    light_detach(call.token)
+                except Exception:  # noqa: BLE001 - as context_api.detach: a token of another context
+                    report("recorder_error", "dcp_otel failed to detach a DCP call's context", exc_info=True)
                 call.token = None
                 if stack:
                     stack[-1].children_ns += time_ns - call.start_ns
@@ -223,7 +199,7 @@ class SpanRecorder:
                 return True
             if kind != "start":
                 return False
-            ctx = _get_current()
+            ctx = light_get_current()
             op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
             if type(op) is not Operation or "storage_writer" in msg or "storage_reader" in msg or "planner" in msg:
                 return False
@@ -236,11 +212,11 @@ class SpanRecorder:
                 return True
             # The parent is the span current now, read straight from the context; the builder takes its ids.
             span_id = _getrandbits(64) or 1
-            call = Call(uuid, func_name, time_ns, span_id, ctx.get(_SPAN_KEY), op, op.step_attributes)  # type: ignore[arg-type]
+            call = Call(uuid, func_name, time_ns, span_id, ctx.get(SPAN_KEY), op, op.step_attributes)  # type: ignore[arg-type]
             if func_name == _STATEFUL_PARENT:
                 call.keys = KeyStats(self._options.slowest_keys)
-            light = NonRecordingSpan(_span_context(op.trace_id, span_id, op.flags))
-            call.token = _attach(_set_value(_SPAN_KEY, light, ctx))
+            light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
+            call.token = light_attach(with_span(ctx, light))
             if not stack and op.adopted:
                 call.owns_part = True
                 op.add_part()
