@@ -57,7 +57,7 @@ def test_auto_exports_steps_from_the_coordinator_the_straggler_the_failing_rank_
     for trace_id, spans in traces.items():
         op_spans = {int(s.attributes[semconv.ATTR_RANK]): s for s in spans if s.name == "dcp.save"}
         assert sorted(op_spans) == list(range(WORLD)), "every rank exports its operation span"
-        reasons = {rank: span.attributes[semconv.ATTR_DETAIL_REASON] for rank, span in op_spans.items()}
+        reasons = {rank: span.attributes.get(semconv.ATTR_DETAIL_REASON, "summary") for rank, span in op_spans.items()}
         failed_here = op_spans[FAILING].error and any(s.error and s.name == "dcp.write_data" for s in spans)
         assert reasons[0] == "coordinator"
         assert reasons[SLOW] == "straggler"
@@ -77,6 +77,10 @@ def test_auto_exports_steps_from_the_coordinator_the_straggler_the_failing_rank_
             assert attrs[semconv.ATTR_DETAIL] == ("steps" if rank in detailed else "summary")
             assert "write_data" in attrs[semconv.ATTR_STEP_NAMES]
             assert len(attrs[semconv.ATTR_STEP_SECONDS]) == len(attrs[semconv.ATTR_STEP_NAMES])
+            if not (failed_here and rank == FAILING):  # its write raised: no bytes written
+                assert attrs[semconv.ATTR_WRITTEN_BYTES] > 0 and attrs[semconv.ATTR_THROUGHPUT] > 0
+            # What every rank shares is on the root once, not on each summary-only span.
+            assert (semconv.ATTR_CHECKPOINT_ID in attrs) == (rank in detailed)
         summary_only += WORLD - len(detailed)
     assert summary_only > 0
     assert len(jobs["auto"]) < len(jobs["full"])

@@ -198,7 +198,9 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
     return Checkpoint(
         trace_id=trace_id,
         operation=operation,
-        checkpoint_id=str(spans[0].attributes.get(semconv.ATTR_CHECKPOINT_ID, "")),
+        # Summary-only operation spans (detail="auto") leave what every rank shares to the root.
+        checkpoint_id=str(next((s.attributes[semconv.ATTR_CHECKPOINT_ID] for s in spans
+                                if semconv.ATTR_CHECKPOINT_ID in s.attributes), "")),  # fmt: skip
         start_ns=min(s.start_ns for s in spans),
         end_ns=max(s.end_ns for s in spans),
         ranks=ranks,

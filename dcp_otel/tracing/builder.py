@@ -53,6 +53,8 @@ from dcp_otel.tracing.records import (
 
 _STAGE_STEP = "stage_state_dict"  # async_save's staging, when the stager is synchronous
 _IO_STEPS = frozenset({"write_data", "read_data"})
+#: The attributes a summary-only operation span keeps of its operation's.
+_SUMMARY_ONLY_KEEP = (semconv.ATTR_OPERATION, semconv.ATTR_RANK)
 
 
 def _yield() -> None:
@@ -232,7 +234,13 @@ class _Emitter:
     def span(self, call: Call, summary: dict[str, object] | None) -> None:
         op = self.op
         is_op = call.kind == KIND_OPERATION
-        attributes: dict[str, Any] = dict(op.attributes if is_op else call.attributes)
+        if summary and summary[semconv.ATTR_DETAIL] == semconv.DETAIL_SUMMARY:
+            # A summary-only rank (most ranks of a large job): only what differs per rank;
+            # what every rank shares (checkpoint id, run id, classes) is on the root and on
+            # the detailed ranks' spans of the same trace.
+            attributes: dict[str, Any] = {k: op.attributes[k] for k in _SUMMARY_ONLY_KEEP if k in op.attributes}
+        else:
+            attributes = dict(op.attributes if is_op else call.attributes)
         if summary:
             attributes.update(summary)
         if call.extra:

@@ -52,7 +52,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world)
     dcp_otel.instrument(tracer_provider=provider)
     UnevenWriter.slow_rank, UnevenWriter.slow_s, UnevenWriter.fail_rank = args.slow_rank, args.slow_s, args.fail_rank
-    state = {"w": torch.full((256,), float(args.rank))}
+    state = {f"rank{args.rank}": torch.full((256,), float(args.rank))}  # a key of its own: every rank writes
     for i in range(args.saves):
         UnevenWriter.fail = i == 1
         try:
