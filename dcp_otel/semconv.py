@@ -70,8 +70,7 @@ ATTR_DETAIL_REASON: Final = "dcp.detail.reason"  # str: coordinator, failed, str
 ATTR_STEP_NAMES: Final = "dcp.steps.names"  # str[], in the order they started
 ATTR_STEP_SECONDS: Final = "dcp.steps.seconds"  # float[], summed per name, parallel to ATTR_STEP_NAMES
 ATTR_WAIT_SECONDS: Final = "dcp.wait_seconds"  # float: the operation's time outside its own steps
-ATTR_IO_SECONDS: Final = "dcp.io_seconds"  # float: in write_data / read_data
-ATTR_THROUGHPUT: Final = "dcp.throughput_bytes_per_second"  # float: bytes / io seconds
+ATTR_THROUGHPUT: Final = "dcp.throughput_bytes_per_second"  # float: bytes / seconds in write_data, read_data
 
 #: Resource attribute (``TorchDistributedResourceDetector``); the resource also
 #: carries ATTR_RANK, ATTR_WORLD_SIZE and ATTR_RUN_ID, and ``host.name``.

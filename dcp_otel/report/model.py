@@ -219,12 +219,12 @@ def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[i
     if isinstance(wait, (int, float)):
         result.wait_s = float(wait)
         result.busy_s = max(0.0, op_span.duration_s - float(wait))
-    io_s = attrs.get(semconv.ATTR_IO_SECONDS)
-    if isinstance(io_s, (int, float)):
-        result.io_s = float(io_s)
+    result.io_s = 0.0
     for name, value in zip(names, seconds, strict=False):  # a malformed file: what pairs up
         if isinstance(name, str) and isinstance(value, (int, float)):
             steps[name][result.rank] += float(value)
+            if name in _IO_STEP:
+                result.io_s += float(value)
 
 
 def _subtree(root: FileSpan, children: dict[str, list[FileSpan]]) -> list[FileSpan]:

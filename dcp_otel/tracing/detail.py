@@ -135,13 +135,11 @@ def summary_attributes(op: Operation, steps: list[Call], detailed: bool, reason:
     for call in sorted(steps, key=lambda c: c.start_ns):
         if call.kind == "step":
             seconds[call.func_name] = seconds.get(call.func_name, 0.0) + call.duration_s
-    io_s = seconds.get("write_data", 0.0) + seconds.get("read_data", 0.0)
     attrs: dict[str, object] = {
         semconv.ATTR_DETAIL: semconv.DETAIL_STEPS if detailed else semconv.DETAIL_SUMMARY,
         semconv.ATTR_STEP_NAMES: list(seconds),
         semconv.ATTR_STEP_SECONDS: list(seconds.values()),
         semconv.ATTR_WAIT_SECONDS: max(0.0, op.wait_s),
-        semconv.ATTR_IO_SECONDS: io_s,
     }
     if detailed:  # a summary-only span says why by its ATTR_DETAIL alone
         attrs[semconv.ATTR_DETAIL_REASON] = reason
