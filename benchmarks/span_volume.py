@@ -35,7 +35,7 @@ from dcp_otel.tracing.detail import sample_every  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
 BUDGET = 2000
-TEMPO_TRACE_LIMIT = 5 * 1024 * 1024
+TEMPO_TRACE_LIMIT = 5_000_000  # Tempo's default max_bytes_per_trace
 _OPERATION = "dcp.save"
 _NOT_STEPS = (_OPERATION, semconv.SPAN_CHECKPOINT)
 
@@ -104,7 +104,8 @@ def main() -> None:
         print(f"{name:<20} {m['spans']:>6.0f} {m['step_spans']:>11.0f} {m['bytes'] / 1024:>7.1f} "
               f"{m['op_bytes']:>10.0f} {m['summary_op_bytes']:>15.0f}")  # fmt: skip
     print(f"\nprojected per checkpoint, budget {BUDGET} ({full['steps_per_rank']:.1f} step spans per rank, "
-          f"{full['step_bytes']:.0f} B each; Tempo's default per-trace limit: {TEMPO_TRACE_LIMIT / 2**20:.0f} MiB)")
+          f"{full['step_bytes']:.0f} B each; Tempo's default per-trace limit: {TEMPO_TRACE_LIMIT:,} B = "
+          f"{TEMPO_TRACE_LIMIT / 2**20:.2f} MiB)")
     print(f"{'ranks':>7} {'full spans':>11} {'full MiB':>9} {'auto spans':>11} {'auto step spans':>16} {'auto MiB':>9}")
     for world in (args.ranks, 1_000, 10_000):
         p = project(world, full, small["summary_op_bytes"])
