@@ -171,6 +171,22 @@ def chosen_ids_tracer(tracer: trace.Tracer) -> tuple[trace.Tracer, _OverridableI
     return twin, overrides
 
 
+def start_span_with_ids(
+    tracer: trace.Tracer,
+    overrides: _OverridableIds,
+    ids: DerivedIds,
+    name: str,
+    ctx: context_api.Context,
+    **kwargs: object,
+) -> trace.Span:
+    """Start a span in ``ctx`` whose span id is ``ids.root_span_id`` (and, with no parent, trace id ``ids.trace_id``)."""
+    overrides.set_next(ids)
+    try:
+        return tracer.start_span(name, context=ctx, **kwargs)  # type: ignore[arg-type]
+    finally:
+        overrides.set_next(None)
+
+
 def start_root_span(
     tracer: trace.Tracer,
     overrides: _OverridableIds,
@@ -181,30 +197,28 @@ def start_root_span(
 ) -> trace.Span:
     """Start a root span (no parent) whose trace and span ids are ``ids``."""
     root_ctx = trace.set_span_in_context(trace.INVALID_SPAN, ctx)
-    overrides.set_next(ids)
-    try:
-        return tracer.start_span(name, context=root_ctx, **kwargs)  # type: ignore[arg-type]
-    finally:
-        overrides.set_next(None)
+    return start_span_with_ids(tracer, overrides, ids, name, root_ctx, **kwargs)
+
+
+def sampling_flags(tracer: trace.Tracer, trace_id: int) -> TraceFlags:
+    """The tracer's sampler's decision for a checkpoint's root span with ``trace_id``.
+
+    Every rank derives the same trace id, so a ratio sampler keeps or drops a
+    checkpoint on all ranks alike. A tracer with no sampler (not the SDK's)
+    samples; a proxy or no-op tracer (no SDK configured) records nothing.
+    """
+    if isinstance(tracer, (trace.ProxyTracer, trace.NoOpTracer)):
+        return TraceFlags(TraceFlags.DEFAULT)
+    sampler = getattr(tracer, "sampler", None)
+    if sampler is None:
+        return TraceFlags(TraceFlags.SAMPLED)
+    result = sampler.should_sample(
+        context_api.Context(), trace_id, semconv.SPAN_CHECKPOINT, SpanKind.INTERNAL, None, None
+    )
+    return TraceFlags(TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT)
 
 
 def remote_root_context(tracer: trace.Tracer, ids: DerivedIds, ctx: context_api.Context) -> context_api.Context:
-    """``ctx`` with the coordinator's (not yet seen) root span as remote parent.
-
-    The sampling flag is the decision the tracer's sampler makes for the root
-    itself, so a ratio sampler keeps or drops a checkpoint on all ranks alike.
-    """
-    sampled = True
-    sampler = getattr(tracer, "sampler", None)
-    if sampler is not None:
-        result = sampler.should_sample(
-            context_api.Context(), ids.trace_id, semconv.SPAN_CHECKPOINT, SpanKind.INTERNAL, None, None
-        )
-        sampled = result.decision.is_sampled()
-    parent = SpanContext(
-        ids.trace_id,
-        ids.root_span_id,
-        is_remote=True,
-        trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT),
-    )
+    """``ctx`` with the coordinator's (not yet seen) root span as remote parent, sampled as the root is."""
+    parent = SpanContext(ids.trace_id, ids.root_span_id, is_remote=True, trace_flags=sampling_flags(tracer, ids.trace_id))
     return trace.set_span_in_context(NonRecordingSpan(parent), ctx)

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.metrics import MetricsSink
-from dcp_otel.trace_ids import DerivedIds, chosen_ids_tracer
+from dcp_otel.trace_ids import DerivedIds, chosen_ids_tracer, start_span_with_ids
 from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
 from dcp_otel.tracing.records import (
     KIND_OPERATION,
@@ -216,11 +216,7 @@ class _Emitter:
             self.emitted[span_id] = span.get_span_context()
             return span
         tracer, overrides = self.twin
-        overrides.set_next(DerivedIds(op.trace_id, span_id))
-        try:
-            return tracer.start_span(name, context=parent_ctx, **kwargs)  # type: ignore[no-any-return]
-        finally:
-            overrides.set_next(None)
+        return start_span_with_ids(tracer, overrides, DerivedIds(op.trace_id, span_id), name, parent_ctx, **kwargs)
 
     def root(self) -> None:
         op = self.op

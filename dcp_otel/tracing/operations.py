@@ -22,7 +22,7 @@ from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import propagate, trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
@@ -30,15 +30,20 @@ from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import DCPEvent, operation_fields
 from dcp_otel.metrics import exemplar_for_context
 from dcp_otel.redact import redact_checkpoint_id
-from dcp_otel.trace_ids import CheckpointKey, SequenceCounter, derive_ids, resolve_run_id, supports_chosen_ids
+from dcp_otel.trace_ids import (
+    CheckpointKey,
+    SequenceCounter,
+    derive_ids,
+    resolve_run_id,
+    sampling_flags,
+    supports_chosen_ids,
+)
 from dcp_otel.tracing.records import Operation, new_span_id
 from dcp_otel.version import __version__
 
 #: Context key holding the :class:`Operation` a DCP call belongs to; it travels
 #: with the context, into the async save thread too.
 OPERATION_KEY = context_api.create_key("dcp_otel.operation")
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _CLASS_FIELDS = (
     ("storage_writer", semconv.ATTR_STORAGE_WRITER),
     ("storage_reader", semconv.ATTR_STORAGE_READER),
@@ -128,7 +133,7 @@ class OperationStarter:
         if fields.backend:
             attributes[semconv.ATTR_BACKEND] = fields.backend
         attributes.update(self.class_attributes(event))
-        flags = _sampling_decision(tracer, ids.trace_id)
+        flags = sampling_flags(tracer, ids.trace_id)  # once: every call of the operation inherits it
         op = Operation(event.func_name, rank, tracer, attributes, ids.trace_id, flags)
         op.span_id = new_span_id()
         if flags.sampled:
@@ -210,21 +215,6 @@ class OperationStarter:
 
 def _is_noop(tracer: trace.Tracer) -> bool:
     return isinstance(tracer, (trace.ProxyTracer, trace.NoOpTracer))
-
-
-def _sampling_decision(tracer: trace.Tracer, trace_id: int) -> TraceFlags:
-    """The user's sampler's decision for the checkpoint's root, taken once for the whole operation.
-
-    Made from the trace id every rank derives alike, so a ratio sampler keeps
-    or drops a checkpoint on all ranks alike; with no SDK, nothing is sampled.
-    """
-    if _is_noop(tracer):
-        return _NOT_SAMPLED
-    sampler = getattr(tracer, "sampler", None)
-    if sampler is None:
-        return _SAMPLED
-    result = sampler.should_sample(context_api.Context(), trace_id, semconv.SPAN_CHECKPOINT, SpanKind.INTERNAL, None, None)
-    return _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
 
 
 def get_tracer_quietly(provider: trace.TracerProvider) -> trace.Tracer:

@@ -345,7 +345,11 @@ class SpanRecorder:
         self, uuid: str, func_name: str, time_ns: int, op: Operation, attributes: dict[str, Any],
         ctx: context_api.Context, new_ctx: context_api.Context | None = None, span_id: int = 0,
     ) -> Call:  # fmt: skip
-        """Make a light span current while call ``uuid`` runs, and remember the call until it ends."""
+        """Make a light span current while call ``uuid`` runs, and remember the call until it ends.
+
+        The general path (operations, nested saves); :meth:`on_record` does the
+        same for a plain step in one frame: keep the two in step.
+        """
         parent = _get_span(ctx).get_span_context()
         span_id = span_id or new_span_id()
         call = Call(uuid, func_name, time_ns, span_id, parent if parent.is_valid else None, op, attributes)
@@ -408,6 +412,7 @@ class SpanRecorder:
         self._close(call, time_ns, stack[-1] if stack else None)
 
     def _close(self, call: Call, end_ns: int, parent: Call | None) -> None:
+        """End ``call`` (its end inlined in :meth:`on_record` for a plain step: keep the two in step)."""
         self._open.pop(call.uuid, None)
         if not call.span_id:  # a per-key call: summarized by on_key_event, no span
             return
