@@ -37,6 +37,7 @@ from opentelemetry import context as context_api
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
 from dcp_otel.tracing.tracker import SpanRecorder
+from dcp_otel.tracing.uploads import begin_async_upload
 
 #: Hand-overs waiting for their executor thread; bounded so a torch that never
 #: calls ``save_wrapper`` cannot grow it.
@@ -60,7 +61,7 @@ class AsyncContextCarrier:
 
     def execute_save(self, wrapped: Callable[..., Future[Any]], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
         staged = _staged_argument(args, kwargs)
-        handle = self._recorder.begin_async_upload(staged if isinstance(staged, Future) else None)
+        handle = begin_async_upload(self._recorder, staged if isinstance(staged, Future) else None)
         if handle is None:
             return wrapped(*args, **kwargs)
         carried, finish = handle

@@ -116,7 +116,7 @@ class DaemonSession:
         """Around ``_AsyncCheckpointProcess._execute_save``: one save request, in the rank's context."""
         recorder = self._instrumentor.recorder
         carried = getattr(kwargs.get("checkpoint_request_id"), CARRIER_ATTR, None)
-        ctx = recorder.adopt_operation(carried) if recorder is not None and carried is not None else None
+        ctx = recorder.starter.adopt(carried) if recorder is not None and carried is not None else None
         token = context_api.attach(ctx) if ctx is not None else None
         try:
             return wrapped(*args, **kwargs)

@@ -11,7 +11,7 @@ side of the bridge, installed by :mod:`dcp_otel.torch_hooks`:
   :class:`DaemonBootstrap`: this rank's options, its resource attributes, and
   the write end of a pipe for the daemon's metrics;
 * every save request sent to the daemon carries the current operation and span
-  (:meth:`~dcp_otel.tracing.tracker.SpanRecorder.export_operation`), the way OTel's
+  (:meth:`~dcp_otel.tracing.operations.OperationStarter.export`), the way OTel's
   messaging instrumentations put context in message headers;
 * when the daemon answers a request, its metrics are applied to this rank's
   (:func:`dcp_otel.metrics_relay.drain`), so one scrape target per rank shows
@@ -123,7 +123,7 @@ class ProcessBridge:
         data = args[0] if args else kwargs.get("data")
         request_id = getattr(data, "checkpoint_request_id", None)
         if request_id is not None:
-            carried = self._recorder.export_operation()
+            carried = self._recorder.starter.export()
             if carried is not None:
                 try:
                     setattr(request_id, CARRIER_ATTR, carried)

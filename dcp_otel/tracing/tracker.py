@@ -1,33 +1,25 @@
 """The hot path: pair DCP's start/end events into calls, keep their nesting, note failures.
 
-Everything here runs on the thread that called DCP, so it only records. On a
-call's start: a span id chosen now, a non-recording span carrying it made
-current (whatever the call does, a storage plugin's HTTP spans say, nests
-under that id), and one small :class:`~dcp_otel.tracing.records.Call`; on its
-end: detach, and the call joins its operation's list. No SDK span, no
-attribute dict, no histogram observation. When an operation is complete it
-goes to :class:`~dcp_otel.tracing.builder.SpanBuilder`, which emits the spans
-and metrics on its own thread.
+Everything here runs on the thread that called DCP, so it only records: on a
+call's start, a span id chosen now, a light span carrying it made current (a
+storage plugin's spans nest under that id) and one small
+:class:`~dcp_otel.tracing.records.Call`; on its end, detach, and the call joins
+its operation. No SDK span, no attribute dict, no histogram observation: a
+complete operation goes to :class:`~dcp_otel.tracing.builder.SpanBuilder`.
 
-* start and end are paired by DCP's per-call ``uuid`` on a per-thread stack
-  (DCP calls nest strictly within a thread);
-* a top-level operation (``save``, ``async_save``, ``load``) with no enclosing
-  DCP call starts this rank's part of a trace shared by all ranks (see
-  :mod:`dcp_otel.trace_ids`); the sampling decision is taken there, once, and
-  every call of the operation inherits it through the context;
-* a step whose exception torch does not log is closed as failed as soon as the
-  failure is visible: when ``_DistWrapper`` wraps the exception
-  (:meth:`SpanRecorder.on_wrapped_exception`), or at the latest when its parent
-  ends;
-* the per-key calls of ``_stateful_to_state_dict`` are summarized on their
-  parent instead of becoming one span per key.
+Calls pair by DCP's ``uuid`` on a per-thread stack (DCP calls nest strictly
+within a thread). A top-level operation starts this rank's part of a trace
+shared by all ranks (:mod:`~dcp_otel.tracing.operations`). A step whose
+exception torch does not log fails as soon as that is visible
+(:meth:`SpanRecorder.on_wrapped_exception`), at the latest when its parent
+ends. The per-key calls of ``_stateful_to_state_dict`` are summarized on it.
 
 Usage (what :class:`dcp_otel.DCPInstrumentor` does)::
 
     recorder = SpanRecorder(InstrumentOptions())
-    recorder.on_event(parse_event(record.msg), exc=sys.exc_info()[1])
+    handler.handle = recorder.on_record           # the two records of every step
+    recorder.on_event(parse_event(record.msg), exc=sys.exc_info()[1])   # the rest
 """
-
 from __future__ import annotations
 
 import logging
@@ -57,7 +49,7 @@ from dcp_otel.tracing.light import get_current as light_get_current
 from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
 from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
-from dcp_otel.tracing.uploads import InFlight, begin_async_upload
+from dcp_otel.tracing.uploads import InFlight
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
 _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
@@ -78,7 +70,8 @@ class SpanRecorder:
         self.metrics = metrics
         self.builder = SpanBuilder(DetailPolicy(options.detail, options.span_budget), metrics,
                                    options.max_queued_operations)  # fmt: skip
-        self._starter = OperationStarter(options, self)
+        #: Begins operations; carries them to the async save process (export / adopt).
+        self.starter = OperationStarter(options, self)
         self._local = threading.local()
         # uuid -> open call. Only single dict operations touch it, which are
         # atomic under the GIL: no lock on the per-step path.
@@ -119,7 +112,7 @@ class SpanRecorder:
 
     def close(self) -> None:
         """Stop building (on uninstrument); what is queued is still built."""
-        self._starter.close()
+        self.starter.close()
         self.builder.close()
         self._hooks.remove_all()
 
@@ -373,10 +366,10 @@ class SpanRecorder:
         if type(enclosing) is Operation:
             attributes = enclosing.step_attributes
             if has_class_fields(event.details):  # steps never have them; a nested save does
-                attributes = {**attributes, **self._starter.class_attributes(event)}
+                attributes = {**attributes, **self.starter.class_attributes(event)}
             self._push(event.uuid, event.func_name, event.time_ns, enclosing, attributes, ctx)
             return
-        op, parent_ctx = self._starter.begin(event, ctx, self._seq)
+        op, parent_ctx = self.starter.begin(event, ctx, self._seq)
         # The operation travels with the context, into the async save thread too.
         call = self._push(event.uuid, event.func_name, event.time_ns, op, op.attributes, parent_ctx,
                           context_api.set_value(OPERATION_KEY, op, parent_ctx), op.span_id)  # fmt: skip
@@ -434,23 +427,3 @@ class SpanRecorder:
             op.wait_s = (end_ns - call.start_ns - call.children_ns) / 1e9
         if call.owns_part and op.part_done(end_ns, call.failure.description if call.failure is not None else None):
             self.builder.submit(op)
-
-    # --- across a process boundary (async save in a daemon process) -------
-    def export_operation(self) -> dict[str, Any] | None:
-        """The current DCP operation and span as plain data another process can adopt."""
-        return self._starter.export()
-
-    def adopt_operation(self, carried: object) -> context_api.Context | None:
-        """The context in which DCP calls continue the operation :meth:`export_operation` described."""
-        return self._starter.adopt(carried)
-
-    # --- async save -----------------------------------------------------
-    def begin_async_upload(self, staging: Any) -> Any:
-        """Open the upload (and async staging) calls of the current async save.
-
-        Returns the context to run the background save in, and the callback
-        that ends the upload: call it with the upload future when it is done,
-        or with the exception if handing off failed. ``None`` when no DCP
-        operation is current (nothing to attach to).
-        """
-        return begin_async_upload(self, staging)
