@@ -17,8 +17,8 @@ ends. The per-key calls of ``_stateful_to_state_dict`` are summarized on it.
 Usage (what :class:`dcp_otel.DCPInstrumentor` does)::
 
     recorder = SpanRecorder(InstrumentOptions())
-    handler.handle = recorder.on_record           # the two records of every step
-    recorder.on_event(parse_event(record.msg), exc=sys.exc_info()[1])   # the rest
+    if not recorder.on_record(record):            # the two records of every step, in one frame
+        recorder.on_event(parse_event(record.msg), exc=sys.exc_info()[1])   # everything else
 """
 from __future__ import annotations
 
