@@ -71,6 +71,11 @@ def _torch_entry() -> Callable[..., None]:
     return entry
 
 
+#: The longest a save in this process waits for its metrics to be recorded before they are
+#: relayed (the builder records them in about a millisecond, before it emits any span).
+_METRICS_DRAIN_S = 1.0
+
+
 class DaemonSession:
     """Tracing set up in one daemon, undone when torch's entry point returns."""
 
@@ -123,8 +128,8 @@ class DaemonSession:
         finally:
             if token is not None:
                 context_api.detach(token)
-            if recorder is not None:  # the builder records the save's metrics into the relay
-                recorder.drain(float(self._bootstrap.flush_timeout_s or 10))
+            if recorder is not None:  # the builder records the save's metrics into the relay: before any span
+                recorder.drain(_METRICS_DRAIN_S, metrics_only=True)
             self._relay.send()
             if self._bootstrap.flush_timeout_s > 0:
                 flush_spans(recorder, self._bootstrap.flush_timeout_s, self._provider)
@@ -135,7 +140,7 @@ class DaemonSession:
                 unwrap(self._owner, "_execute_save")
             recorder = self._instrumentor.recorder
             if recorder is not None:
-                recorder.drain(float(self._bootstrap.flush_timeout_s or 10))
+                recorder.drain(_METRICS_DRAIN_S, metrics_only=True)
             self._relay.send()
             if self._bootstrap.flush_timeout_s > 0:
                 flush_spans(self._instrumentor.recorder, self._bootstrap.flush_timeout_s, self._provider)

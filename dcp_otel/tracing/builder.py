@@ -76,6 +76,7 @@ class SpanBuilder:
         self._cond = threading.Condition()
         self._queue: deque[tuple[Operation, list[Call]]] = deque()
         self._unbuilt = 0  # queued items not built yet
+        self._unmeasured = 0  # queued items whose metrics are not recorded yet (they come first)
         self._thread: threading.Thread | None = None
         self._closed = False
         self.peak_depth = 0
@@ -99,6 +100,7 @@ class SpanBuilder:
                 full = False
                 self._queue.append(item)
                 self._unbuilt += 1
+                self._unmeasured += 1
                 self.peak_depth = max(self.peak_depth, len(self._queue))
                 self._cond.notify()
             thread = self._thread
@@ -117,11 +119,17 @@ class SpanBuilder:
             self._thread = threading.Thread(target=self._run, name="dcp-otel-builder", daemon=True)
         self._thread.start()
 
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued operation is built; ``False`` past ``timeout_s``."""
+    def drain(self, timeout_s: float, metrics_only: bool = False) -> bool:
+        """Wait until every queued operation is built; ``False`` past ``timeout_s``.
+
+        ``metrics_only``: until their metrics are recorded, which never waits
+        for a span exporter (the async save process relays them per save).
+        """
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
         with self._cond:
+            if metrics_only:
+                return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
             return self._cond.wait_for(lambda: self._unbuilt == 0, timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -155,6 +163,9 @@ class SpanBuilder:
                     count_bytes(op, None)
             except Exception:  # noqa: BLE001 - telemetry never raises, not even here
                 report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
+            with self._cond:
+                self._unmeasured -= 1
+                self._cond.notify_all()
             try:
                 self._build(op, calls, late=calls is not op.calls)
             except Exception:  # noqa: BLE001

@@ -106,9 +106,9 @@ class SpanRecorder:
         remaining = 3600.0 if deadline is None else max(0.0, deadline - time.monotonic())
         return self.builder.drain(remaining)
 
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until every finished operation is built; ``False`` past ``timeout_s``."""
-        return self.builder.drain(timeout_s)
+    def drain(self, timeout_s: float, metrics_only: bool = False) -> bool:
+        """Wait until every finished operation is built (or only measured); ``False`` past ``timeout_s``."""
+        return self.builder.drain(timeout_s, metrics_only)
 
     def close(self) -> None:
         """Stop building (on uninstrument); what is queued is still built."""
