@@ -218,7 +218,14 @@ def sampling_flags(tracer: trace.Tracer, trace_id: int) -> TraceFlags:
     return TraceFlags(TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT)
 
 
-def remote_root_context(tracer: trace.Tracer, ids: DerivedIds, ctx: context_api.Context) -> context_api.Context:
-    """``ctx`` with the coordinator's (not yet seen) root span as remote parent, sampled as the root is."""
-    parent = SpanContext(ids.trace_id, ids.root_span_id, is_remote=True, trace_flags=sampling_flags(tracer, ids.trace_id))
+def remote_root_context(
+    tracer: trace.Tracer, ids: DerivedIds, ctx: context_api.Context, flags: TraceFlags | None = None
+) -> context_api.Context:
+    """``ctx`` with the coordinator's (not yet seen) root span as remote parent.
+
+    Sampled as the root is: ``flags``, the decision already taken for it, else
+    the tracer's :func:`sampling_flags`.
+    """
+    flags = sampling_flags(tracer, ids.trace_id) if flags is None else flags
+    parent = SpanContext(ids.trace_id, ids.root_span_id, is_remote=True, trace_flags=flags)
     return trace.set_span_in_context(NonRecordingSpan(parent), ctx)

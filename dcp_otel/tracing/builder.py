@@ -34,6 +34,7 @@ from collections import deque
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.storage import WriteResult
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.metrics import MetricsSink
-from dcp_otel.trace_ids import DerivedIds, chosen_ids_tracer, start_span_with_ids
+from dcp_otel.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
 from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
 from dcp_otel.tracing.records import (
     KIND_OPERATION,
@@ -216,18 +217,18 @@ class _Emitter:
 
     def _start(self, name: str, span_id: int, parent: SpanContext | None, **kwargs: Any) -> trace.Span:
         op = self.op
-        if parent is None:
-            parent_ctx = trace.set_span_in_context(trace.INVALID_SPAN)
-        else:
-            if self.twin is None:
-                parent = self.emitted.get(parent.span_id, parent)
+        if self.twin is not None:
+            tracer, overrides = self.twin
+            ids = DerivedIds(op.trace_id, span_id)
+            if parent is None:
+                return start_root_span(tracer, overrides, ids, name, Context(), **kwargs)
             parent_ctx = trace.set_span_in_context(NonRecordingSpan(parent))
-        if self.twin is None:
-            span = op.tracer.start_span(name, context=parent_ctx, **kwargs)
-            self.emitted[span_id] = span.get_span_context()
-            return span
-        tracer, overrides = self.twin
-        return start_span_with_ids(tracer, overrides, DerivedIds(op.trace_id, span_id), name, parent_ctx, **kwargs)
+            return start_span_with_ids(tracer, overrides, ids, name, parent_ctx, **kwargs)
+        # A tracer that is not the SDK's: the spans get its own ids, parents by the spans emitted here.
+        parent = self.emitted.get(parent.span_id, parent) if parent is not None else trace.INVALID_SPAN_CONTEXT
+        span = op.tracer.start_span(name, context=trace.set_span_in_context(NonRecordingSpan(parent)), **kwargs)
+        self.emitted[span_id] = span.get_span_context()
+        return span
 
     def root(self) -> None:
         op = self.op

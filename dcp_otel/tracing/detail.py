@@ -133,8 +133,7 @@ def summary_attributes(op: Operation, steps: list[Call], detailed: bool, reason:
     """The compact per-step summary every rank's operation span carries."""
     seconds: dict[str, float] = {}
     for call in sorted(steps, key=lambda c: c.start_ns):
-        if call.kind == "step":
-            seconds[call.func_name] = seconds.get(call.func_name, 0.0) + call.duration_s
+        seconds[call.func_name] = seconds.get(call.func_name, 0.0) + call.duration_s
     attrs: dict[str, object] = {
         semconv.ATTR_DETAIL: semconv.DETAIL_STEPS if detailed else semconv.DETAIL_SUMMARY,
         semconv.ATTR_STEP_NAMES: list(seconds),

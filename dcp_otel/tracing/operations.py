@@ -34,6 +34,7 @@ from dcp_otel.trace_ids import (
     CheckpointKey,
     SequenceCounter,
     derive_ids,
+    remote_root_context,
     resolve_run_id,
     sampling_flags,
     supports_chosen_ids,
@@ -148,20 +149,19 @@ class OperationStarter:
                 if add_link is not None:
                     add_link(SpanContext(ids.trace_id, op.span_id, False, flags),
                              {semconv.ATTR_LINK_KIND: semconv.LINK_CHECKPOINT})  # fmt: skip
-        if is_coordinator and chosen_ids:
+        if is_coordinator and chosen_ids:  # the builder emits the root with these ids
             op.root_span_id = ids.root_span_id
             root = SpanContext(ids.trace_id, ids.root_span_id, False, flags)
-        else:
-            # A proxy or no-op tracer (no SDK configured) records nothing: nothing to warn about.
-            if is_coordinator and not _is_noop(tracer):
-                report(
-                    "no_chosen_ids",
-                    "the tracer provider %s cannot start a span with chosen ids: ranks share a trace, "
-                    "but its root span is missing",
-                    type(tracer).__name__,
-                )
-            root = SpanContext(ids.trace_id, ids.root_span_id, True, flags)
-        return op, trace.set_span_in_context(NonRecordingSpan(root), ctx)
+            return op, trace.set_span_in_context(NonRecordingSpan(root), ctx)
+        # A proxy or no-op tracer (no SDK configured) records nothing: nothing to warn about.
+        if is_coordinator and not _is_noop(tracer):
+            report(
+                "no_chosen_ids",
+                "the tracer provider %s cannot start a span with chosen ids: ranks share a trace, "
+                "but its root span is missing",
+                type(tracer).__name__,
+            )
+        return op, remote_root_context(tracer, ids, ctx, flags)
 
     # --- across a process boundary (async save in a daemon process) -------
     def export(self) -> dict[str, Any] | None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext
+from opentelemetry.trace import NonRecordingSpan
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcp_otel import _forksafe, semconv
@@ -48,24 +48,20 @@ from dcp_otel.tracing.light import detach as light_detach
 from dcp_otel.tracing.light import get_current as light_get_current
 from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
-from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
+from dcp_otel.tracing.records import KIND_OPERATION, MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
 from dcp_otel.tracing.uploads import InFlight
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
 _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
 _GATHERED_TYPES = (list, LoadPlan)  # write results, local read plans: what carries byte counts
 _getrandbits = random.getrandbits
-_set_span = trace.set_span_in_context
-_get_span = trace.get_current_span
-_attach = context_api.attach
-_detach = context_api.detach
+_detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
 
 
 class SpanRecorder:
     """Records DCP calls for the builder; thread-safe; never raises from its ``on_*``."""
 
     def __init__(self, options: InstrumentOptions, metrics: MetricsSink | None = None) -> None:
-        self._options = options
         self.options = options
         self.metrics = metrics
         self.builder = SpanBuilder(DetailPolicy(options.detail, options.span_budget), metrics,
@@ -122,7 +118,7 @@ class SpanRecorder:
 
     def provider(self) -> trace.TracerProvider:
         """The tracer provider spans go to: the configured one, else the global one."""
-        return self._options.tracer_provider or trace.get_tracer_provider()
+        return self.options.tracer_provider or trace.get_tracer_provider()
 
     def _stack(self) -> list[Call]:
         stack: list[Call] | None = getattr(self._local, "stack", None)
@@ -207,7 +203,7 @@ class SpanRecorder:
             span_id = _getrandbits(64) or 1
             call = Call(uuid, func_name, time_ns, span_id, ctx.get(SPAN_KEY), op, op.step_attributes)  # type: ignore[arg-type]
             if func_name == _STATEFUL_PARENT:
-                call.keys = KeyStats(self._options.slowest_keys)
+                call.keys = KeyStats(self.options.slowest_keys)
             light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
             call.token = light_attach(with_span(ctx, light))
             if not stack and op.adopted:
@@ -329,7 +325,7 @@ class SpanRecorder:
     # --- the stack --------------------------------------------------------
     def _over_limit(self, uuid: str) -> bool:
         """Whether call ``uuid`` must be dropped (counted): too many open, or a duplicate."""
-        if len(self._open) < self._options.max_open_spans and uuid not in self._open:
+        if len(self._open) < self._max_open and uuid not in self._open:
             return False
         report("span_limit", "dropped a DCP span: %d spans already open, or a duplicate uuid", len(self._open))
         return True
@@ -343,13 +339,12 @@ class SpanRecorder:
         The general path (operations, nested saves); :meth:`on_record` does the
         same for a plain step in one frame: keep the two in step.
         """
-        parent = _get_span(ctx).get_span_context()
         span_id = span_id or new_span_id()
-        call = Call(uuid, func_name, time_ns, span_id, parent if parent.is_valid else None, op, attributes)
+        call = Call(uuid, func_name, time_ns, span_id, ctx.get(SPAN_KEY), op, attributes)  # type: ignore[arg-type]
         if func_name == _STATEFUL_PARENT:
-            call.keys = KeyStats(self._options.slowest_keys)
-        light = NonRecordingSpan(SpanContext(op.trace_id, span_id, False, op.flags))
-        call.token = _attach(_set_span(light, new_ctx if new_ctx is not None else ctx))
+            call.keys = KeyStats(self.options.slowest_keys)
+        light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
+        call.token = light_attach(with_span(new_ctx if new_ctx is not None else ctx, light))
         stack = self._stack()
         if not stack and op.adopted:  # a top-level call of an operation continued in this process
             call.owns_part = True
@@ -373,7 +368,7 @@ class SpanRecorder:
         # The operation travels with the context, into the async save thread too.
         call = self._push(event.uuid, event.func_name, event.time_ns, op, op.attributes, parent_ctx,
                           context_api.set_value(OPERATION_KEY, op, parent_ctx), op.span_id)  # fmt: skip
-        call.kind = "operation"
+        call.kind = KIND_OPERATION
         call.owns_part = True
         op.add_part()
 
@@ -422,7 +417,7 @@ class SpanRecorder:
             self.builder.submit(op, [call])
             return
         op.calls.append(call)
-        if call.kind == "operation":
+        if call.kind == KIND_OPERATION:
             op.start_ns = call.start_ns
             op.wait_s = (end_ns - call.start_ns - call.children_ns) / 1e9
         if call.owns_part and op.part_done(end_ns, call.failure.description if call.failure is not None else None):
