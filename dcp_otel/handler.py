@@ -1,23 +1,33 @@
-"""The ``logging.Handler`` we attach to torch's DCP logger.
+"""The stand-in for torch's DCP logger: every DCP record reaches dcp-otel first.
 
 torch's ``_dcp_method_logger`` logs a start, an end and (for some functions) an
-exception record for every DCP call, synchronously, on the calling thread. This
-handler hands each record to a :class:`~dcp_otel.tracing.tracker.SpanRecorder`.
+exception record for every DCP call, synchronously, on the calling thread,
+through the module global ``torch.distributed.checkpoint.logger._dcp_logger``.
+:class:`DCPLoggerTap` takes that global's place: it hands each record's dict to a
+:class:`~dcp_otel.tracing.tracker.SpanRecorder`, then passes the call on to
+torch's logger unchanged, so the logger's own handlers see exactly what they
+saw before.
 
-It overrides :meth:`handle` rather than :meth:`emit`: the base class would take
-a per-handler lock around every record, serializing the async save thread
-against the training thread for nothing (the recorder is thread-safe).
+Why not a ``logging.Handler`` on that logger: the application's logging
+configuration decides whether handlers are called. ``logging.config.dictConfig``
+or ``fileConfig`` (``disable_existing_loggers=True``, their default) disables
+every logger that exists when it runs, torch's included, and
+``logging.disable(INFO)`` silences every logger below WARNING; a handler then
+receives nothing, and every checkpoint vanishes from traces and metrics
+without a word. The tap does not depend on the logging configuration at all,
+and skips the ``LogRecord`` a handler would need.
 
 Usage::
 
-    handler = DCPLogHandler(recorder)
-    dcp_logger.addHandler(handler)
+    tap = DCPLoggerTap(torch_module._dcp_logger, recorder)
+    torch_module._dcp_logger = tap          # torch_hooks.install does this, and remove() undoes it
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
@@ -28,39 +38,67 @@ _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
 _KINDS = frozenset(("start", "end", "exception"))
 
 
-class DCPLogHandler(logging.Handler):
-    """Feeds DCP log records to a recorder; never raises, never blocks on export."""
+class DCPLoggerTap:
+    """Feeds DCP's records to a recorder, then logs them as torch would; never raises into DCP.
 
-    def __init__(self, recorder: SpanRecorder) -> None:
-        super().__init__(level=logging.NOTSET)
+    Everything but the logging methods is the wrapped logger's own (``handlers``,
+    ``level``, ``addHandler``, ...), so code that configures torch's logger
+    through the module global still configures the real one.
+    """
+
+    def __init__(self, logger: logging.Logger, recorder: SpanRecorder) -> None:
+        self.logger = logger
         self.recorder = recorder
         self._fast = recorder.on_record
 
-    def handle(self, record: logging.LogRecord) -> bool:  # noqa: D102 - see class docstring
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.logger, name)
+
+    def __repr__(self) -> str:
+        return f"<DCPLoggerTap of {self.logger!r}>"
+
+    # torch calls debug (start, end) and error (exception); the others are here for anyone else.
+    def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        self.feed(msg)
+        self.logger.debug(msg, *args, **kwargs)
+
+    def info(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        self.feed(msg)
+        self.logger.info(msg, *args, **kwargs)
+
+    def warning(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        self.feed(msg)
+        self.logger.warning(msg, *args, **kwargs)
+
+    def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        self.feed(msg)
+        self.logger.error(msg, *args, **kwargs)
+
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        self.feed(msg)
+        self.logger.log(level, msg, *args, **kwargs)
+
+    def feed(self, msg: Any) -> None:
+        """Hand one DCP record (torch's dict) to the recorder."""
         # The two records of every DCP step go straight to the recorder's hot path;
         # everything else (operations, per-key calls, exceptions, malformed records) comes here.
-        if self._fast(record):
-            return True
+        if self._fast(msg):
+            return
         try:
-            msg = record.msg
             if type(msg) is dict:  # a 10,000-key state dict logs 20,000 per-key records: no event object
                 kind, call_id, func_name, time_ns = msg.get("event"), msg.get("uuid"), msg.get("func_name"), msg.get("time")
                 if type(call_id) is str and type(func_name) is str and type(time_ns) is int and call_id and time_ns > 0 \
                         and func_name.startswith(_KEY_PREFIX) and kind in _KINDS:  # fmt: skip
                     self.recorder.on_key_event(kind, call_id, func_name, time_ns)
-                    return True
+                    return
             event = parse_event(msg)
         except MalformedEvent as exc:
             report("malformed_event", "dropped a DCP log record: %s", exc)
-            return True
+            return
         except Exception:  # noqa: BLE001 - telemetry never raises into training
             report("handler_error", "dcp_otel failed to read a DCP log record", exc_info=True)
-            return True
+            return
         # torch logs an exception from inside its ``except`` block: the
         # exception object (type, traceback) is the one being handled now.
         exc_value = sys.exc_info()[1] if event.kind == "exception" else None
         self.recorder.on_event(event, exc_value)
-        return True
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.handle(record)

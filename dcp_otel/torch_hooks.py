@@ -2,7 +2,8 @@
 
 Everything we attach to lives in torch's private DCP modules, which change
 between releases. Each attachment point is declared once in :data:`PATCHES`
-(plus the DCP logger itself); :func:`install` attaches whatever exists and
+(plus the DCP logger itself, replaced by a
+:class:`~dcp_otel.handler.DCPLoggerTap`); :func:`install` attaches whatever exists and
 emits ONE warning naming whatever does not, with what is lost. It never
 raises for a torch it does not recognize. :meth:`Installed.remove` undoes
 everything, restoring the original objects.
@@ -26,7 +27,7 @@ import wrapt
 
 from dcp_otel.async_context import AsyncContextCarrier
 from dcp_otel.config import InstrumentOptions
-from dcp_otel.handler import DCPLogHandler
+from dcp_otel.handler import DCPLoggerTap
 from dcp_otel.metrics import MetricsSink
 from dcp_otel.process_async import DAEMON_CLASS, DAEMON_ENTRY, PROCESS_MODULE, ProcessBridge, replace_daemon_entry
 from dcp_otel.tracing.tracker import SpanRecorder
@@ -146,8 +147,8 @@ PATCHES: tuple[Patch, ...] = (
 class Installed:
     """What :func:`install` attached; :meth:`remove` detaches all of it."""
 
-    handler: DCPLogHandler | None = None
-    dcp_logger: logging.Logger | None = None
+    tap: DCPLoggerTap | None = None
+    logger_module: Any = None  # torch's module whose ``_dcp_logger`` the tap replaced
     carrier: AsyncContextCarrier | None = None
     bridge: ProcessBridge | None = None
     wrapped: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, attribute, original)
@@ -165,18 +166,23 @@ class Installed:
             self.restore_daemon_entry = None
         if self.bridge is not None:
             self.bridge.close()
-        if self.dcp_logger is not None and self.handler is not None:
-            self.dcp_logger.removeHandler(self.handler)
-        self.handler = self.dcp_logger = None
+        if self.tap is not None:
+            original, current = self.tap.logger, getattr(self.logger_module, LOGGER_ATTR, None)
+            if current is self.tap:  # only ours: not what someone set since
+                setattr(self.logger_module, LOGGER_ATTR, original)
+        self.tap = self.logger_module = None
 
 
-def find_dcp_logger() -> logging.Logger | None:
+def find_dcp_logger() -> tuple[Any, logging.Logger] | None:
+    """torch's DCP logger module and the logger its ``_dcp_method_logger`` calls, if this torch has them."""
     try:
         module = importlib.import_module(LOGGER_MODULE)
     except Exception:  # noqa: BLE001 - any import failure means "not this torch"
         return None
     candidate = getattr(module, LOGGER_ATTR, None)
-    return candidate if isinstance(candidate, logging.Logger) else None
+    if isinstance(candidate, DCPLoggerTap):  # another recorder's tap (never two instrumentations at once)
+        candidate = candidate.logger
+    return (module, candidate) if isinstance(candidate, logging.Logger) else None
 
 
 def _resolve(patch: Patch) -> tuple[Any, str] | None:
@@ -207,13 +213,13 @@ def install(
     bridge = ProcessBridge(recorder, options or InstrumentOptions(), metrics)
     hooks = Hooks(recorder, carrier, bridge)
     installed = Installed(carrier=carrier, bridge=bridge)
-    dcp_logger = find_dcp_logger()
-    if dcp_logger is None:
+    found = find_dcp_logger()
+    if found is None:
         installed.missing.append(f"{LOGGER_MODULE}.{LOGGER_ATTR} (no spans at all)")
     else:
-        installed.handler = DCPLogHandler(recorder)
-        installed.dcp_logger = dcp_logger
-        dcp_logger.addHandler(installed.handler)
+        module, dcp_logger = found
+        installed.tap, installed.logger_module = DCPLoggerTap(dcp_logger, recorder), module
+        setattr(module, LOGGER_ATTR, installed.tap)
     for patch in PATCHES:
         target = _resolve(patch)
         if target is None:

@@ -109,17 +109,17 @@ def test_the_metrics_port_variable_serves_with_no_code(monkeypatch: pytest.Monke
 def test_a_bad_bind_address_fails_at_configuration_time_leaving_nothing(
     monkeypatch: pytest.MonkeyPatch, registry: CollectorRegistry
 ) -> None:
+    import torch.distributed.checkpoint.logger as dcp_logger_module
     from prometheus_client import generate_latest
-    from torch.distributed.checkpoint.logger import _dcp_logger
 
-    from dcp_otel.handler import DCPLogHandler
+    from dcp_otel.handler import DCPLoggerTap
 
     # Not an address of this machine: bind() fails locally (no packet is sent).
     monkeypatch.setenv(semconv.ENV_METRICS_ADDR, "192.0.2.1")
     with pytest.raises(OSError):
         dcp_otel.instrument(registry=registry, metrics_port=0)
     assert dcp_otel.DCPInstrumentor().recorder is None
-    assert not [h for h in _dcp_logger.handlers if isinstance(h, DCPLogHandler)]
+    assert not isinstance(dcp_logger_module._dcp_logger, DCPLoggerTap)
     assert b"dcp_operations" not in generate_latest(registry)
 
 

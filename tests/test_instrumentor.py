@@ -15,15 +15,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint._async_process_executor as process_executor
 import torch.distributed.checkpoint._async_thread_executor as thread_executor
+import torch.distributed.checkpoint.logger as dcp_logger_module
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 import torch.distributed.checkpoint.utils as dcp_utils
-from torch.distributed.checkpoint.logger import _dcp_logger
 
 import dcp_otel
 from dcp_otel import DCPInstrumentor, semconv
 from dcp_otel.config import InstrumentOptions
-from dcp_otel.handler import DCPLogHandler
+from dcp_otel.handler import DCPLoggerTap
 from tests.ranks import REPO
 from tests.spans_io import from_readable, named
 
@@ -49,8 +49,8 @@ def daemon_entry() -> object:  # replaced, not wrapped: torch pickles it by name
     return process_executor._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"]
 
 
-def our_handlers() -> list[logging.Handler]:
-    return [h for h in _dcp_logger.handlers if isinstance(h, DCPLogHandler)]
+def dcp_logger() -> object:  # what torch's _dcp_method_logger calls: a module global the tap replaces
+    return dcp_logger_module.__dict__["_dcp_logger"]
 
 
 def test_every_patch_point_is_covered_by_the_identity_check() -> None:
@@ -60,18 +60,20 @@ def test_every_patch_point_is_covered_by_the_identity_check() -> None:
 
 
 def test_uninstrument_restores_every_original_object(provider) -> None:
-    before, handlers_before, entry_before = originals(), list(_dcp_logger.handlers), daemon_entry()
+    before, logger_before, entry_before = originals(), dcp_logger(), daemon_entry()
+    handlers_before = list(logger_before.handlers)  # type: ignore[attr-defined]
 
     dcp_otel.instrument(tracer_provider=provider[0])
-    during, entry_during = originals(), daemon_entry()
+    during, entry_during, logger_during = originals(), daemon_entry(), dcp_logger()
     dcp_otel.uninstrument()
 
     assert all(during[name] is not before[name] for name in before)  # really patched
     assert entry_during is not entry_before
+    assert isinstance(logger_during, DCPLoggerTap) and logger_during.logger is logger_before
     after = originals()
     assert all(after[name] is before[name] for name in before), after
     assert daemon_entry() is entry_before
-    assert _dcp_logger.handlers == handlers_before and not our_handlers()
+    assert dcp_logger() is logger_before and logger_before.handlers == handlers_before  # type: ignore[attr-defined]
 
 
 def test_instrumenting_twice_only_warns_and_records_once(provider, tmp_path: Path, caplog) -> None:
@@ -80,7 +82,8 @@ def test_instrumenting_twice_only_warns_and_records_once(provider, tmp_path: Pat
         with caplog.at_level(logging.WARNING):
             dcp_otel.instrument(tracer_provider=provider[0])
         assert "already instrumented" in caplog.text
-        assert len(our_handlers()) == 1
+        tap = dcp_logger()
+        assert isinstance(tap, DCPLoggerTap) and not isinstance(tap.logger, DCPLoggerTap)
         dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "c"))
     finally:
         dcp_otel.uninstrument()
@@ -142,8 +145,6 @@ def test_a_torch_with_different_internals_gets_one_warning_and_no_exception(
 
 
 def test_a_torch_without_the_dcp_logger_is_named_in_the_warning(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    import torch.distributed.checkpoint.logger as dcp_logger_module
-
     monkeypatch.delattr(dcp_logger_module, "_dcp_logger")
     with caplog.at_level(logging.WARNING, logger="dcp_otel"):
         dcp_otel.instrument()

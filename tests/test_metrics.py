@@ -211,7 +211,7 @@ def test_promtool_accepts_the_exposition_of_a_real_save_and_load(traced, tmp_pat
 def test_telemetry_problems_are_exported_with_their_reason_and_this_process_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torch.distributed.checkpoint.logger import _dcp_logger
+    import torch.distributed.checkpoint.logger as dcp_log
 
     monkeypatch.setenv("RANK", "3")
     registry = CollectorRegistry()
@@ -219,7 +219,7 @@ def test_telemetry_problems_are_exported_with_their_reason_and_this_process_rank
     try:
         assert sample(registry, "dcp_otel_telemetry_problems_total", reason="malformed_event", rank="3") is None
         for _ in range(2):
-            _dcp_logger.debug({"event": "start"})  # no uuid: dropped, counted
+            dcp_log._dcp_logger.debug({"event": "start"})  # no uuid: dropped, counted
         assert sample(registry, "dcp_otel_telemetry_problems_total", reason="malformed_event", rank="3") == 2
     finally:
         dcp_otel.uninstrument()
@@ -228,7 +228,7 @@ def test_telemetry_problems_are_exported_with_their_reason_and_this_process_rank
     fresh = CollectorRegistry()
     dcp_otel.instrument(registry=fresh)
     try:
-        _dcp_logger.debug({"event": "start"})
+        dcp_log._dcp_logger.debug({"event": "start"})
         assert sample(fresh, "dcp_otel_telemetry_problems_total", reason="malformed_event", rank="3") == 1
     finally:
         dcp_otel.uninstrument()

@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch.distributed.checkpoint.logger as dcp_log
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
-from torch.distributed.checkpoint.logger import _dcp_logger
 from torch.distributed.elastic.metrics.api import MetricData
 
 import dcp_otel
@@ -61,11 +61,11 @@ def instrumented():  # type: ignore[no-untyped-def]
 def test_any_sequence_of_dcp_log_records_never_raises_and_stays_bounded(instrumented, msgs: list[object]) -> None:  # type: ignore[no-untyped-def]
     recorder = dcp_otel.DCPInstrumentor().recorder
     for msg in msgs:
-        _dcp_logger.debug(msg)  # through torch's real logger: a raise would reach the caller
+        dcp_log._dcp_logger.debug(msg)  # through torch's real logger: a raise would reach the caller
         assert recorder.open_count() <= MAX_OPEN
     # Whatever was left open closes when its end comes: bookkeeping returns to empty.
     for uuid in [f"u{i}" for i in range(6)]:
-        _dcp_logger.debug({"event": "end", "uuid": uuid, "func_name": "save", "time": T0 + 10**7})
+        dcp_log._dcp_logger.debug({"event": "end", "uuid": uuid, "func_name": "save", "time": T0 + 10**7})
     assert recorder.open_count() == 0 and recorder.stack_depth() == 0
     instrumented.clear()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.logger as dcp_log
 from prometheus_client import CollectorRegistry, generate_latest
-from torch.distributed.checkpoint.logger import _dcp_logger
 
 import dcp_otel
 from dcp_otel import _selftelemetry, semconv
@@ -64,7 +64,7 @@ def test_credentials_in_checkpoint_ids_reach_no_span_metric_or_log(traced, tmp_p
                         {"event": "end", "uuid": "x", "func_name": "save", "time": "t", "checkpoint_id": checkpoint_id},
                         {"event": "end", "uuid": "y", "func_name": "save", "time": 5, "checkpoint_id": checkpoint_id}):
                 _selftelemetry.reset()  # every warning logged, not rate-limited away
-                _dcp_logger.debug(bad)
+                dcp_log._dcp_logger.debug(bad)
     spans = traced.spans()
     assert len({s.attributes[semconv.ATTR_CHECKPOINT_ID] for s in spans}) == len(ids)  # redacted, not dropped
     # Our logs; torch's own DCP logger records the raw id, which is torch's business.
@@ -78,12 +78,12 @@ def test_credentials_in_checkpoint_ids_reach_no_span_metric_or_log(traced, tmp_p
 def test_no_metric_label_takes_free_text(traced) -> None:  # type: ignore[no-untyped-def]
     t0 = 1_700_000_000_000_000_000
     record = {"event": "start", "uuid": "op", "func_name": "save", "time": t0, "checkpoint_id": "/c"}
-    _dcp_logger.debug(record)
+    dcp_log._dcp_logger.debug(record)
     for i in range(500):  # 500 steps with names no DCP function has
         name = f"User Step {i} /with/path?and=query"
-        _dcp_logger.debug({**record, "uuid": f"s{i}", "func_name": name, "time": t0 + i})
-        _dcp_logger.debug({**record, "event": "end", "uuid": f"s{i}", "func_name": name, "time": t0 + i + 1})
-    _dcp_logger.debug({**record, "event": "end", "time": t0 + 10_000})
+        dcp_log._dcp_logger.debug({**record, "uuid": f"s{i}", "func_name": name, "time": t0 + i})
+        dcp_log._dcp_logger.debug({**record, "event": "end", "uuid": f"s{i}", "func_name": name, "time": t0 + i + 1})
+    dcp_log._dcp_logger.debug({**record, "event": "end", "time": t0 + 10_000})
     values = {
         value
         for metric in traced.registry.collect()

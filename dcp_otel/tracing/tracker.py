@@ -17,12 +17,11 @@ ends. The per-key calls of ``_stateful_to_state_dict`` are summarized on it.
 Usage (what :class:`dcp_otel.DCPInstrumentor` does)::
 
     recorder = SpanRecorder(InstrumentOptions())
-    if not recorder.on_record(record):            # the two records of every step, in one frame
-        recorder.on_event(parse_event(record.msg), exc=sys.exc_info()[1])   # everything else
+    if not recorder.on_record(msg):               # the two records of every step, in one frame
+        recorder.on_event(parse_event(msg), exc=sys.exc_info()[1])   # everything else
 """
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -139,18 +138,17 @@ class SpanRecorder:
         except Exception:  # noqa: BLE001 - telemetry never raises into training
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
 
-    def on_record(self, record: logging.LogRecord) -> bool:
+    def on_record(self, msg: Any) -> bool:
         """The hot path: one record of DCP's logger, a step's start inside an operation or an end.
 
         One frame for the two records every DCP step logs (what would read more
         naturally as three small methods costs a third more here). Returns
         ``False``, having done nothing, for anything else (a new operation, a
         call that names its own storage or planner like a nested save, a
-        per-key call, an exception, anything malformed): the handler's general
+        per-key call, an exception, anything malformed): the tap's general
         path takes those.
         """
         try:
-            msg = record.msg
             if type(msg) is not dict:
                 return False
             try:  # torch's records always have these; anything else goes the general way

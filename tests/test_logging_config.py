@@ -1,0 +1,107 @@
+"""The application's logging configuration cannot silence dcp-otel.
+
+``logging.config.dictConfig``/``fileConfig`` disable every logger that exists
+when they run (``disable_existing_loggers=True`` is their default), torch's DCP
+logger included, and ``logging.disable(INFO)`` silences every logger below
+WARNING. A ``logging.Handler`` on torch's logger then receives nothing: before
+the tap (``dcp_otel/handler.py``) every checkpoint vanished from traces and
+metrics without a word. Each case runs in its own process: logging
+configuration is global.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ranks import REPO, rank_env
+
+SCRIPT = r"""
+import json, logging, logging.config, sys, tempfile, textwrap
+import torch, torch.distributed.checkpoint as dcp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+import dcp_otel
+
+case, order = sys.argv[1], sys.argv[2]
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+registry = CollectorRegistry()
+
+def configure_logging():
+    if case == "dictConfig":
+        logging.config.dictConfig({"version": 1, "root": {"level": "INFO"}})
+    elif case == "fileConfig":
+        path = tempfile.mktemp(suffix=".ini")
+        with open(path, "w") as f:
+            f.write(textwrap.dedent('''
+                [loggers]
+                keys=root
+                [handlers]
+                keys=
+                [formatters]
+                keys=
+                [logger_root]
+                level=INFO
+                handlers=
+            '''))
+        logging.config.fileConfig(path)
+    elif case == "disable":
+        logging.disable(logging.INFO)
+
+if order == "config-first":
+    configure_logging()
+dcp_otel.instrument(tracer_provider=provider, registry=registry)
+if order == "instrument-first":
+    configure_logging()
+
+torch_logger = logging.getLogger("c10d-NullHandler-dcp")
+state = {"w": torch.arange(8.0)}
+with tempfile.TemporaryDirectory() as tmp:
+    dcp.save(state, checkpoint_id=tmp)
+    loaded = {"w": torch.zeros(8)}
+    dcp.load(loaded, checkpoint_id=tmp)
+dcp_otel.flush()
+spans = [s.name for s in exporter.get_finished_spans()]
+print(json.dumps({
+    "spans": spans,
+    "loaded_ok": bool(torch.equal(loaded["w"], state["w"])),
+    "saves": registry.get_sample_value("dcp_operations_total", {"operation": "save", "rank": "0", "status": "success"}),
+    "loads": registry.get_sample_value("dcp_operations_total", {"operation": "load", "rank": "0", "status": "success"}),
+    # the application's configuration still holds: dcp-otel re-enables nothing
+    "torch_logger_enabled": torch_logger.isEnabledFor(logging.DEBUG),
+}))
+"""
+
+
+def run_case(case: str, order: str, tmp_path: Path) -> dict:
+    script = tmp_path / "logging_case.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), case, order], env=rank_env(), cwd=REPO,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("case", "order"),
+    [("dictConfig", "instrument-first"), ("fileConfig", "config-first"), ("disable", "instrument-first")],
+)
+def test_a_logging_configuration_that_silences_torchs_logger_loses_no_checkpoint(
+    case: str, order: str, tmp_path: Path
+) -> None:
+    result = run_case(case, order, tmp_path)
+    assert result["loaded_ok"]
+    assert result["spans"].count("dcp.save") == 1 and result["spans"].count("dcp.load") == 1
+    assert "dcp.write_data" in result["spans"] and "dcp.read_data" in result["spans"]
+    assert result["saves"] == 1.0 and result["loads"] == 1.0
+    assert result["torch_logger_enabled"] is False  # still silenced for the application, as it asked
