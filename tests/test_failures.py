@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import traceback
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,68 @@ def test_no_span_is_left_open_after_failures(traced, tmp_path: Path) -> None:
     spans = traced.spans()
     assert named(spans, "dcp.save")[-1].status == "UNSET"
     assert len(named(spans, semconv.SPAN_CHECKPOINT)) == 3
+
+
+class SignedUrlWriter(dcp.FileSystemWriter):
+    """A cloud writer whose error quotes the signed URL it failed on, as boto3 and gcs clients do."""
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        raise PermissionError(
+            "403 PUT https://bucket.s3.amazonaws.com/ckpt/__0_0.distcp?X-Amz-Credential=AKIASECRET"
+            "&X-Amz-Signature=SIGSECRET (via s3://AKIASECRET:se/cr+et@bucket/ckpt)"
+        )
+
+
+@pytest.mark.parametrize("kind", ["save", "async_save"])
+def test_credentials_quoted_by_a_storage_error_reach_no_span(traced, tmp_path: Path, kind: str) -> None:
+    writer = SignedUrlWriter(str(tmp_path / "c"))
+    with pytest.raises(CheckpointException) as info:
+        if kind == "save":
+            dcp.save({"w": torch.ones(4)}, storage_writer=writer)
+        else:
+            dcp.async_save({"w": torch.ones(4)}, storage_writer=writer).result()
+    assert "SIGSECRET" in str(info.value)  # the caller's exception is torch's, untouched
+    traced.recorder().wait_for_uploads(30)
+    spans = traced.spans()
+    failed = [s for s in spans if s.status == "ERROR"]
+    assert len(failed) >= 3  # write_data, the operation, the root (and the upload)
+    text = repr(spans)
+    assert "X-Amz-Signature=REDACTED" in text  # the error is still there, to read
+    assert not [secret for secret in ("AKIASECRET", "SIGSECRET", "se/cr+et") if secret in text]
+
+
+def huge_checkpoint_exception(ranks: int, own: int) -> CheckpointException:
+    """torch's CheckpointException as the coordinator builds it when ``ranks`` ranks failed."""
+    failures = {}
+    for rank in range(ranks):
+        try:
+            raise OSError(errno.EIO, f"I/O error writing shard {rank} on node-{rank // 8}" + (" (OWN)" if rank == own else ""))
+        except OSError as exc:
+            failures[rank] = (exc, traceback.extract_tb(exc.__traceback__) + traceback.extract_stack())
+    return CheckpointException("write", failures)
+
+
+def test_a_thousand_failed_ranks_make_small_spans_that_keep_this_ranks_own_failure(traced, monkeypatch) -> None:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from torch.distributed.checkpoint.logger import _dcp_method_logger
+
+    monkeypatch.setenv("RANK", "517")
+    error = huge_checkpoint_exception(1024, own=517)
+    assert len(str(error)) > 1_000_000  # what used to be recorded, twice per span
+
+    @_dcp_method_logger(log_exceptions=True)
+    def save() -> None:  # torch's own logging decorator, as on dcp.save
+        raise error
+
+    with pytest.raises(CheckpointException):
+        save()
+    (span,) = [s for s in traced.exporter.get_finished_spans() if s.name == "dcp.save"]
+    size = len(encode_spans([span]).SerializeToString())
+    assert size < 64 * 1024, size  # it was 1.4 MB
+    (event,) = span.events
+    assert "(OWN)" in event.attributes["exception.message"]  # this rank's own failure, not rank 0's
+    assert "rank 517 (this rank)" in event.attributes["exception.message"]
+    assert "ranks [0-1023] failed (1024)" in event.attributes["exception.message"]
+    assert "(OWN)" in event.attributes["exception.stacktrace"] and "rank 517, where it failed" in event.attributes["exception.stacktrace"]
+    assert list(span.attributes[semconv.ATTR_FAILED_RANKS]) == list(range(1024))  # every failed rank, as a list
+    assert span.status.description.startswith("CheckpointException: ranks [0-1023] failed; rank 517: OSError")

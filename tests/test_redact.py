@@ -6,7 +6,7 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from dcp_otel.redact import MAX_LENGTH, redact_checkpoint_id
+from dcp_otel.redact import MAX_LENGTH, redact_checkpoint_id, redact_text
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,9 @@ from dcp_otel.redact import MAX_LENGTH, redact_checkpoint_id
         ("gs://bucket/ckpt?X-Goog-Signature=abc#frag", "gs://bucket/ckpt?X-Goog-Signature=REDACTED"),
         ("https://token@host/path@with-at", "https://REDACTED@host/path@with-at"),
         ("/local/dir/with@sign", "/local/dir/with@sign"),
+        # an AWS secret key holds "/": the user-info runs to the last "@", not to the first "/"
+        ("s3://AKIAXXX:se/cr+et@bucket/ckpt", "s3://REDACTED@bucket/ckpt"),
+        ("gs://bucket/team@example.com/ckpt", "gs://bucket/team@example.com/ckpt"),  # no "user:": a path
     ],
 )
 def test_redaction(raw: object, expected: str) -> None:
@@ -36,3 +39,16 @@ def test_signed_urls_that_differ_only_in_secrets_redact_alike() -> None:
 
 def test_very_long_ids_are_cut() -> None:
     assert len(redact_checkpoint_id("/x" * 2000)) == MAX_LENGTH
+
+
+def test_urls_and_secret_parameters_in_free_text_are_redacted() -> None:
+    text = (
+        "PUT https://b.s3.amazonaws.com/ckpt/0.distcp?X-Amz-Credential=AKIASECRET&X-Amz-Signature=SIGSECRET "
+        "failed (403); retried 's3://AKIASECRET:se/cr+et@bucket/ckpt' with token=TOKSECRET, "
+        "X-Amz-Security-Token=STSSECRET; size=4096"
+    )
+    redacted = redact_text(text)
+    assert not [s for s in ("AKIASECRET", "SIGSECRET", "se/cr+et", "TOKSECRET", "STSSECRET") if s in redacted]
+    assert "https://b.s3.amazonaws.com/ckpt/0.distcp?X-Amz-Credential=REDACTED" in redacted  # where it failed stays
+    assert redacted.endswith("size=4096")  # an ordinary parameter stays
+    assert redact_text("No space left on device") == "No space left on device"

@@ -27,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from dcp_otel import semconv
+from dcp_otel.redact import redact_text
 
 _getrandbits = random.getrandbits
 
@@ -37,6 +38,10 @@ def new_span_id() -> int:
 
 
 MAX_STATUS_TEXT: Final = 256
+#: An exception event's message and stack trace are cut to these (an OTLP batch must stay below 4 MiB).
+MAX_EXCEPTION_TEXT: Final = 4096
+MAX_STACKTRACE_TEXT: Final = 16384
+MAX_FRAMES: Final = 16  # of each side of a multi-rank failure
 MAX_KEY_TEXT: Final = 128
 #: Kinds of calls that are not steps: the spans every rank exports in every detail mode.
 KIND_OPERATION: Final = "operation"
@@ -83,25 +88,90 @@ class Failure:
 
     The exception object is not kept: its traceback holds the frames of the
     failed call (and whatever tensors they reference) alive. Its text is taken
-    now, in the form the SDK's ``record_exception`` gives an ``exception`` event.
+    now, in the form the SDK's ``record_exception`` gives an ``exception`` event,
+    capped and with credentials redacted (a storage error often quotes a signed
+    URL).
+
+    torch's ``CheckpointException`` is never formatted whole: its text holds
+    every failed rank's traceback (1.4 MB at 1,024 failed ranks, and 0.4 s to
+    format on the training thread). Its event keeps this rank's own failure
+    (``rank``; the first failed rank's when this rank did not fail), and the
+    failed ranks go to ``dcp.failed_ranks``.
     """
 
     __slots__ = ("description", "event", "failed_ranks")
 
-    def __init__(self, exc: BaseException | None, error: str | None) -> None:
+    def __init__(self, exc: BaseException | None, error: str | None, rank: int | None = None) -> None:
         # torch's own error text when there is no exception object (an inferred end, say)
-        self.description = describe(exc, error) if exc is not None else (error or "exception")
+        self.description = redact_text(describe(exc, error, rank) if exc is not None else (error or "exception"))
         self.failed_ranks = failed_ranks(exc) if exc is not None else None
-        if exc is not None:
-            module, qualname = type(exc).__module__, type(exc).__qualname__
-            self.event: dict[str, Any] = {
-                "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
-                "exception.message": str(exc),
-                "exception.stacktrace": "".join(traceback.format_exception(exc)),
-                "exception.escaped": "False",
-            }
-        else:
-            self.event = {"exception.message": (error or self.description)[: MAX_STATUS_TEXT * 4]}
+        if exc is None:
+            self.event: dict[str, Any] = {"exception.message": capped(redact_text(error or self.description))}
+            return
+        message, stacktrace = _exception_text(exc, self.failed_ranks, rank)
+        self.event = {
+            "exception.type": _type_name(exc),
+            "exception.message": capped(redact_text(message)),
+            "exception.stacktrace": capped(redact_text(stacktrace), MAX_STACKTRACE_TEXT),
+            "exception.escaped": "False",
+        }
+
+
+def capped(text: str, limit: int = MAX_EXCEPTION_TEXT) -> str:
+    """``text``, cut to ``limit`` characters with a note of how much was cut (keeping the start and the end)."""
+    if len(text) <= limit:
+        return text
+    note = f"\n... [{len(text) - limit} characters cut by dcp-otel] ...\n"
+    head = (limit - len(note)) * 2 // 3
+    return text[:head] + note + text[len(text) - (limit - len(note) - head) :]
+
+
+def _type_name(exc: BaseException) -> str:
+    module, qualname = type(exc).__module__, type(exc).__qualname__
+    return f"{module}.{qualname}" if module and module != "builtins" else qualname
+
+
+def _exception_text(exc: BaseException, ranks: list[int] | None, rank: int | None) -> tuple[str, str]:
+    """The message and stack trace of ``exc``; of a multi-rank failure, only one rank's own."""
+    if not ranks:
+        return str(exc), "".join(traceback.format_exception(exc))
+    own = rank if rank in ranks else ranks[0]
+    cause = _cause(exc, own)
+    cause_text = "".join(traceback.format_exception_only(cause)).strip() if isinstance(cause, BaseException) else str(cause)
+    header = f"{type(exc).__name__}: ranks [{rank_ranges(ranks)}] failed ({len(ranks)}); rank {own}"
+    header += " (this rank)" if own == rank else ""
+    message = f"{header}: {cause_text}"
+    failure = exc.failures[own]  # type: ignore[attr-defined]
+    remote = failure[1] if isinstance(failure, tuple) and len(failure) > 1 else None
+    # The innermost frames of each side: where the coordinator raised it, and where the rank failed.
+    local = traceback.format_tb(exc.__traceback__, limit=-MAX_FRAMES)
+    parts = ["Traceback (most recent call last):\n", *local, f"{_type_name(exc)}: {header}\n"]
+    if isinstance(remote, list):  # torch's StackSummary of the failing rank
+        frames = traceback.StackSummary.from_list(list(remote)[-MAX_FRAMES:])
+        parts += [f"\nrank {own}, where it failed (innermost {len(frames)} frames):\n", *frames.format()]
+    parts.append(cause_text + "\n")
+    return message, "".join(parts)
+
+
+def _cause(exc: BaseException, rank: int) -> object:
+    failure = exc.failures[rank]  # type: ignore[attr-defined]
+    return failure[0] if isinstance(failure, tuple) and failure else failure
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    parts: list[str] = []
+    start = prev = None
+    for r in ranks:
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
 
 
 class Call:
@@ -263,19 +333,20 @@ def failed_ranks(exc: BaseException) -> list[int] | None:
     return sorted(r for r in failures if isinstance(r, int))
 
 
-def describe(exc: BaseException | None, error: str | None) -> str:
+def describe(exc: BaseException | None, error: str | None, rank: int | None = None) -> str:
     """A one-line status description: the exception type and its first line.
 
     For ``CheckpointException`` (whose text is a multi-rank traceback dump):
-    the failing ranks and the first rank's own exception.
+    the failing ranks and one rank's own exception (``rank``'s if it failed,
+    else the first failed rank's), never the whole text.
     """
     ranks = failed_ranks(exc) if exc is not None else None
     if exc is not None and ranks:
-        first = exc.failures[ranks[0]]  # type: ignore[attr-defined]
-        cause = first[0] if isinstance(first, tuple) and first else first
+        own = rank if rank in ranks else ranks[0]
+        cause = _cause(exc, own)
         cause_text = str(cause).strip().splitlines()
         detail = f"{type(cause).__name__}: {cause_text[0]}" if cause_text else type(cause).__name__
-        return f"{type(exc).__name__}: ranks {ranks} failed; rank {ranks[0]}: {detail}"
+        return f"{type(exc).__name__}: ranks [{rank_ranges(ranks)}] failed; rank {own}: {detail}"
     if exc is not None:
         text = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -57,6 +57,11 @@ _getrandbits = random.getrandbits
 _detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
 
 
+def _rank_of(call: Call) -> int | None:
+    """The rank a call ran on (whose own failure its exception event keeps)."""
+    return call.op.rank if call.op is not None else None
+
+
 class SpanRecorder:
     """Records DCP calls for the builder; thread-safe; never raises from its ``on_*``."""
 
@@ -277,7 +282,7 @@ class SpanRecorder:
             if not top.span_id or top.func_name not in semconv.COLLECTIVE_STEPS:
                 return
             stack.pop()
-            top.failure = Failure(exc, None)
+            top.failure = Failure(exc, None, _rank_of(top))
             self._close(top, time.time_ns(), stack[-1] if stack else None)
         except Exception:  # noqa: BLE001
             report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
@@ -312,7 +317,7 @@ class SpanRecorder:
             while len(stack) > depth:
                 call = stack.pop()
                 if call.span_id:
-                    call.failure = Failure(exc, None if exc is not None else "did not return")
+                    call.failure = Failure(exc, None if exc is not None else "did not return", _rank_of(call))
                     call.inferred = True
                     self._close(call, now, stack[-1] if stack else None)
                 else:
@@ -381,7 +386,7 @@ class SpanRecorder:
         failed = kind == "exception"
         if failed and exc is None and error is None:
             error = "exception (not described by torch)"
-        failure = Failure(exc, error) if failed else None
+        failure = Failure(exc, error, _rank_of(stack[index])) if failed else None
         # Calls above it on the stack raised without torch logging it (a
         # success end can only come after they returned or raised).
         cause = failure.description if failure is not None else "exception not logged by torch; see parent span"

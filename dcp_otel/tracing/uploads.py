@@ -80,7 +80,7 @@ def begin_async_upload(
 def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseException) -> None:
     """An upload or staging call ended (on whatever thread completed its future)."""
     try:
-        call.failure = outcome_failure(outcome)
+        call.failure = outcome_failure(outcome, call.op.rank if call.op is not None else None)
         call.end_ns = end_ns = time.time_ns()
         op = call.op
         if op is not None:
@@ -119,11 +119,11 @@ class InFlight:
             return self._cond.wait_for(lambda: self._count == 0, timeout)
 
 
-def outcome_failure(outcome: Future[Any] | BaseException) -> Failure | None:
-    """The failure of a future's outcome (or an exception), if any."""
+def outcome_failure(outcome: Future[Any] | BaseException, rank: int | None = None) -> Failure | None:
+    """The failure of a future's outcome (or an exception) on ``rank``, if any."""
     if isinstance(outcome, BaseException):
-        return Failure(outcome, None)
+        return Failure(outcome, None, rank)
     if outcome.cancelled():
         return Failure(None, "cancelled")
     exc = outcome.exception()
-    return Failure(exc, None) if exc is not None else None
+    return Failure(exc, None, rank) if exc is not None else None
