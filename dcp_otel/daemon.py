@@ -17,9 +17,11 @@
 3. runs every save request in the context the rank sent with it, so the
    daemon's ``dcp.save`` and its steps are children of the rank's
    ``dcp.async_upload`` span, in the checkpoint's one trace;
-4. after every save, sends the metrics and flushes the spans (bounded by
-   ``flush_timeout_s``) before torch answers the rank: the daemon may be
-   terminated at any moment after that.
+4. after every save, sends the metrics (recorded within a millisecond, waited
+   for at most 1 s) before torch answers the rank, and asks a background thread
+   to flush the spans. A save's completion never waits for a span exporter: a
+   hung collector used to make every upload end ~10 s late. The spans of the
+   last save are flushed when the daemon ends (bounded by ``flush_timeout_s``).
 
 Nothing here raises into torch: a failure to set up tracing leaves the daemon
 checkpointing exactly as before, counted in ``dcp_otel.diagnostics()``.
@@ -28,6 +30,7 @@ checkpointing exactly as before, counted in ``dcp_otel.diagnostics()``.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -86,6 +89,7 @@ class DaemonSession:
         self._relay = MetricsRelay(bootstrap.relay)
         self._instrumentor = DCPInstrumentor()
         self._owner: Any = None
+        self._flusher = BackgroundFlush(self._flush)
 
     @classmethod
     def start(cls, bootstrap: DaemonBootstrap) -> DaemonSession | None:
@@ -131,8 +135,11 @@ class DaemonSession:
             if recorder is not None:  # the builder records the save's metrics into the relay: before any span
                 recorder.drain(_METRICS_DRAIN_S, metrics_only=True)
             self._relay.send()
-            if self._bootstrap.flush_timeout_s > 0:
-                flush_spans(recorder, self._bootstrap.flush_timeout_s, self._provider)
+            self._flusher.request()  # torch answers the rank now, whatever the exporter does
+
+    def _flush(self) -> None:
+        if self._bootstrap.flush_timeout_s > 0:
+            flush_spans(self._instrumentor.recorder, self._bootstrap.flush_timeout_s, self._provider)
 
     def close(self) -> None:
         try:
@@ -142,13 +149,39 @@ class DaemonSession:
             if recorder is not None:
                 recorder.drain(_METRICS_DRAIN_S, metrics_only=True)
             self._relay.send()
-            if self._bootstrap.flush_timeout_s > 0:
-                flush_spans(self._instrumentor.recorder, self._bootstrap.flush_timeout_s, self._provider)
+            self._flush()
             self._instrumentor.uninstrument()
             if self._owned and isinstance(self._provider, SDKTracerProvider):
                 self._provider.shutdown()
         except Exception:  # noqa: BLE001
             report("daemon_setup_error", "dcp_otel failed to shut down tracing in the async save process", exc_info=True)
+
+
+class BackgroundFlush:
+    """Runs ``flush`` on its own thread whenever asked; requests made while it runs coalesce into one more run."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+        self._wanted = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        """Ask for a flush; returns at once."""
+        self._wanted.set()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dcp-otel-daemon-flush", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            try:
+                self._flush()
+            except Exception:  # noqa: BLE001
+                report("daemon_setup_error", "dcp_otel failed to flush the async save process's spans", exc_info=True)
 
 
 def _daemon_provider(bootstrap: DaemonBootstrap) -> tuple[trace.TracerProvider, bool]:
