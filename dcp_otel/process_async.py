@@ -9,7 +9,11 @@ side of the bridge, installed by :mod:`dcp_otel.torch_hooks`:
   sets up tracing there and then runs torch's own entry point unchanged;
 * ``_ProcessGroupInitInfo``, which torch hands to the new daemon, also carries a
   :class:`DaemonBootstrap`: this rank's options, its resource attributes, and
-  the write end of a pipe for the daemon's metrics;
+  the write end of a pipe for the daemon's metrics. Each bootstrap has its own
+  pipe: two ``async_save`` calls issued before the first daemon is up each make
+  one, and torch may start a daemon for each. No pipe is closed while a daemon
+  may still be given it (that made torch's spawn fail with ``handle is closed``,
+  or lost every metric of the job's daemon); the rank reads every daemon's;
 * every save request sent to the daemon carries the current operation and span
   (:meth:`~dcp_otel.tracing.operations.OperationStarter.export`), the way OTel's
   messaging instrumentations put context in message headers;
@@ -76,24 +80,21 @@ class ProcessBridge:
         self._options = options
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._reader: Connection | None = None
-        self._writer: Connection | None = None  # our copy; closed once the daemon has its own
+        #: Pipes of bootstraps no daemon has been started with yet, by id of their write end.
+        self._pending: dict[int, tuple[Connection, Connection]] = {}
+        self._readers: list[Connection] = []  # of daemons that started
         _forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
-        # The pipe belongs to the parent's daemon; a forked child never reads it.
+        # The pipes belong to the parent's daemons; a forked child never reads them.
         self._lock = threading.Lock()
-        self._reader = self._writer = None
+        self._pending, self._readers = {}, []
 
     def bootstrap(self) -> DaemonBootstrap:
-        """A bootstrap for a new daemon, with a fresh metrics pipe (replacing any older one)."""
+        """A bootstrap for a new daemon, with a metrics pipe of its own."""
         reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
         with self._lock:
-            old = (self._reader, self._writer)
-            self._reader, self._writer = reader, writer
-        for conn in old:
-            if conn is not None:
-                conn.close()
+            self._pending[id(writer)] = (reader, writer)
         resource = getattr(self._recorder.provider(), "resource", None)
         options = self._options
         return DaemonBootstrap(
@@ -131,31 +132,52 @@ class ProcessBridge:
                     report("process_bridge_error", "dcp_otel could not tag an async save request", exc_info=True)
         return wrapped(*args, **kwargs)
 
+    def daemon_started(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:  # fmt: skip
+        """Around ``_AsyncCheckpointProcess.__init__``: a daemon was started with one bootstrap's pipe.
+
+        Once it has started (or failed to), the daemon holds its own copy of the
+        write end: ours is closed, so the rank sees the end of the pipe when the
+        daemon exits, and the read end joins the ones drained after each save.
+        """
+        info = kwargs.get("pg_init_info", args[0] if args else None)
+        bootstrap = getattr(info, BOOTSTRAP_ATTR, None)
+        writer = bootstrap.relay if isinstance(bootstrap, DaemonBootstrap) else None
+        started = False
+        try:
+            result = wrapped(*args, **kwargs)
+            started = True
+            return result
+        finally:
+            with self._lock:
+                pipe = self._pending.pop(id(writer), None) if writer is not None else None
+                if pipe is not None and started:
+                    self._readers.append(pipe[0])
+            if pipe is not None:
+                pipe[1].close()
+                if not started:
+                    pipe[0].close()
+
     def save(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Around ``_AsyncCheckpointProcess.save``: apply the daemon's metrics once it answered."""
-        with self._lock:  # the daemon runs: it holds its own copy of the write end now
-            writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
+        """Around ``_AsyncCheckpointProcess.save``: apply the daemons' metrics once it answered."""
         try:
             return wrapped(*args, **kwargs)
         finally:
             self.drain()
 
     def drain(self) -> int:
-        """Apply whatever metrics the daemon has sent so far; return how many."""
+        """Apply whatever metrics the daemons have sent so far; return how many."""
         with self._lock:
-            reader = self._reader
-            if reader is None or self._metrics is None:
+            if self._metrics is None:
                 return 0
-            return drain(reader, self._metrics)
+            return sum(drain(reader, self._metrics) for reader in self._readers)
 
     def close(self) -> None:
         with self._lock:
-            conns, self._reader, self._writer = (self._reader, self._writer), None, None
+            conns = [*self._readers, *(end for pipe in self._pending.values() for end in pipe)]
+            self._pending, self._readers = {}, []
         for conn in conns:
-            if conn is not None:
-                conn.close()
+            conn.close()
 
 
 def daemon_class() -> Any:

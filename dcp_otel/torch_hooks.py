@@ -137,6 +137,8 @@ PATCHES: tuple[Patch, ...] = (
         lambda hooks: hooks.carrier.save_wrapper,
     ),
     Patch(PROCESS_MODULE, "_ProcessGroupInitInfo.__init__", _NO_DAEMON, lambda hooks: hooks.bridge.init_info),
+    Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.__init__", "no metrics from the async save process",
+          lambda hooks: hooks.bridge.daemon_started),  # fmt: skip
     Patch(PROCESS_MODULE, "_AsyncCheckpointProcess._send", _NO_PROCESS_TRACE, lambda hooks: hooks.bridge.send),
     Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.save", "no metrics from the async save process",
           lambda hooks: hooks.bridge.save),  # fmt: skip

@@ -40,6 +40,7 @@ def originals() -> dict[str, object]:
         "process_execute_save": process._ProcessBasedAsyncCheckpointExecutor.__dict__["execute_save"],
         "process_execute_save_impl": process._ProcessBasedAsyncCheckpointExecutor.__dict__["_execute_save_impl"],
         "init_info": process._ProcessGroupInitInfo.__dict__["__init__"],
+        "daemon_init": process._AsyncCheckpointProcess.__dict__["__init__"],
         "daemon_send": process._AsyncCheckpointProcess.__dict__["_send"],
         "daemon_save": process._AsyncCheckpointProcess.__dict__["save"],
     }

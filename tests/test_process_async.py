@@ -111,3 +111,43 @@ def test_a_daemon_that_cannot_start_ends_its_span_as_an_error(tmp_path) -> None:
     assert start.error and start.status_message.startswith("TypeError")
     assert spans["dcp.async_upload"].error and spans["dcp.checkpoint"].error
     assert start.parent_id == spans["dcp.async_upload"].span_id
+
+
+def test_a_hung_collector_never_delays_the_daemons_save() -> None:
+    """The daemon answers the rank as soon as the save is written, not after flushing its spans."""
+    import socket
+
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(128)  # the kernel completes connections; nobody ever reads or answers
+        env = rank_env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{hung.getsockname()[1]}",
+                       OTEL_EXPORTER_OTLP_TIMEOUT="60", DCP_OTEL_FLUSH_TIMEOUT_S="60")  # fmt: skip
+        for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "DCP_OTEL_PROCESS_SETUP"):
+            env.pop(name, None)
+        done = subprocess.run(
+            [sys.executable, str(WORKERS / "daemon_hung_exporter.py"), str(free_port_range(1))],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    first, second = seen["outcomes"]
+    assert first["result"] == "Metadata"
+    # Before: every save waited for the daemon's span flush, up to the 60 s exporter timeout.
+    assert second["result"] == "Metadata", seen
+    assert seen["loaded"] == [2.0 * i for i in range(10)]
+    assert "dcp.async_upload" in seen["spans"]  # the rank's own spans are unaffected
+
+
+def test_a_second_save_before_the_daemon_is_up_keeps_every_save_and_its_metrics() -> None:
+    """Each new daemon gets its own metrics pipe; none is closed while a daemon may still use it."""
+    done = subprocess.run(
+        [sys.executable, str(WORKERS / "daemon_two_saves.py"), str(free_port_range(1))],
+        env=rank_env(), cwd=REPO, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["results"] == ["Metadata"] * 3  # before: "OSError: handle is closed", or metrics lost
+    # The daemons' metrics reached the rank: one write_data per save, every byte written.
+    assert sample(seen, "dcp_step_duration_seconds_count", operation="async_save", step="write_data", rank="0") == 3
+    assert sample(seen, "dcp_async_saves_in_flight", rank="0") == 0
+    assert (sample(seen, "dcp_written_bytes_total", rank="0") or 0) > 3 * 10 * 4
