@@ -10,7 +10,12 @@ Prometheus multiprocess mode (one endpoint per node) is used when
 ``$PROMETHEUS_MULTIPROC_DIR`` is set, as ``prometheus_client`` requires, before
 it is imported: every rank records into that folder's files, local rank 0
 serves them all on the base port (other ranks get ``None``), and each rank
-marks itself dead at exit so the live gauge stays right. Its limits are
+marks itself dead at exit so the live gauge stays right. A process killed
+(SIGKILL, SIGTERM, OOM) runs no exit handler: every scrape of the node's
+endpoint first marks dead the processes whose live-gauge files remain and that
+no longer exist (:class:`DeadProcessReaper`), so ``dcp_async_saves_in_flight``
+of a rank killed mid-upload returns to 0 instead of staying at 1 forever (and
+``DCPAsyncSaveStuck`` firing forever). Its limits are
 prometheus_client's: no exemplars, and gauges combine across processes as each
 metric declares (``dcp_async_saves_in_flight`` sums the live ones,
 ``dcp_last_success_timestamp_seconds`` takes the max).
@@ -28,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -181,6 +187,53 @@ def _mark_dead_at_exit(path: str) -> None:
         atexit.register(multiprocess.mark_process_dead, pid, path)
 
 
+_LIVE_FILE = re.compile(r"^gauge_live(?:sum|all|max|min|mostrecent)?_(\d+)\.db$")
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie, killed but not yet reaped by its parent, is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return True  # no /proc: os.kill said it exists
+
+
+class DeadProcessReaper:
+    """A collector that yields nothing: on each collection, marks dead the processes that died without saying so.
+
+    Registered before the node's ``MultiProcessCollector``, so a scrape never
+    counts the live gauge of a process that no longer exists. Uses
+    ``prometheus_client.multiprocess.mark_process_dead``, as the exit handler does.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def describe(self) -> list[object]:
+        return []
+
+    def collect(self) -> list[object]:
+        try:
+            names = os.listdir(self._path)
+        except OSError:
+            return []
+        pids = {int(m.group(1)) for m in map(_LIVE_FILE.match, names) if m}
+        for pid in pids - {os.getpid()}:
+            if not _process_exists(pid):
+                try:
+                    multiprocess.mark_process_dead(pid, self._path)  # type: ignore[no-untyped-call]
+                except OSError:  # another scrape removed them first
+                    pass
+        return []
+
+
 def start_metrics_server(
     port: int | None = None,
     addr: str | None = None,
@@ -220,6 +273,7 @@ def start_metrics_server(
         if int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
             return None  # local rank 0 serves this node
         target = CollectorRegistry()
+        target.register(DeadProcessReaper(shared))  # type: ignore[arg-type]  # first: before the files are read
         multiprocess.MultiProcessCollector(target, path=shared)  # type: ignore[no-untyped-call]  # raises if missing
         wanted = metrics_port(port, per_rank=False)
     else:

@@ -180,6 +180,53 @@ def test_multiprocess_mode_serves_the_whole_node_from_local_rank_zero(tmp_path: 
     assert not list(shared.glob("gauge_livesum_*.db"))  # each rank marked itself dead at exit
 
 
+STUCK_UPLOAD = r"""
+import sys, threading, torch, torch.distributed.checkpoint as dcp
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+import dcp_otel
+
+class StuckWriter(dcp.FileSystemWriter):  # an upload that never finishes
+    def write_data(self, plan, planner):
+        threading.Event().wait()
+
+dcp_otel.instrument(tracer_provider=TracerProvider(), registry=CollectorRegistry())
+dcp.async_save({"w": torch.ones(4)}, storage_writer=StuckWriter(sys.argv[1]))
+print("UPLOADING", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_rank_killed_mid_upload_does_not_leave_the_in_flight_gauge_stuck(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = tmp_path / "prometheus-multiproc"
+    shared.mkdir()
+    env = rank_env(PROMETHEUS_MULTIPROC_DIR=str(shared), LOCAL_RANK="1")
+    rank = subprocess.Popen([sys.executable, "-c", STUCK_UPLOAD, str(tmp_path / "ckpt")], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "UPLOADING"
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(shared))  # this process serves the node, as local rank 0
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1")
+        assert endpoint is not None
+        try:
+            assert 'dcp_async_saves_in_flight{rank="0"} 1.0' in scrape(endpoint.url)  # the upload is in flight
+            rank.kill()  # SIGKILL: no exit handler runs
+            rank.wait(timeout=30)
+            text = scrape(endpoint.url)
+            # Before: 1 forever (and DCPAsyncSaveStuck firing forever). A dead process's live gauge is gone.
+            assert 'dcp_async_saves_in_flight{rank="0"}' not in text, text
+            assert not list(shared.glob(f"gauge_livesum_{rank.pid}.db"))
+        finally:
+            endpoint.close()
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait(timeout=30)
+
+
 def scrape_openmetrics(url: str) -> str:
     """Scrape as Prometheus does: asking for OpenMetrics, the format that carries exemplars."""
     request = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
