@@ -20,16 +20,28 @@ workers are done: with ``$DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S`` the agent waits for
 one last scrape before it exits, so they reach Prometheus. Agent phases become
 spans when an OpenTelemetry SDK is configured in the launcher, e.g.
 ``opentelemetry-instrument dcp-otel-run ...``.
+
+Each round of workers (a restart, or a new rendezvous round after a membership
+change, which torchelastic does not count as a restart) gets its own
+``$DCP_OTEL_GENERATION``, agreed by the agents of the round through the round's
+own rendezvous store, so the traces of two rounds never share ids (see
+:func:`dcp_otel.trace_ids.round_generation`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import wrapt
 
 from torch.distributed.elastic.metrics.api import configure as configure_elastic_metrics
 
 from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
 from dcp_otel.config import env_int
 from dcp_otel.elastic import OTelMetricHandler
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
@@ -68,10 +80,30 @@ def enable_resource_detector() -> None:
         os.environ[_DETECTORS_ENV] = ",".join([*names, semconv.RESOURCE_DETECTOR])
 
 
+def publish_generation(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Around the agent's ``_start_workers``: give this round's workers their generation.
+
+    The worker group's store is the rendezvous round's (torch prefixes it with
+    the round number), so every agent of the round gets the value the first one
+    stored, and the next round starts from an empty key.
+    """
+    group: Any = args[0] if args else kwargs.get("worker_group")
+    try:
+        value = group.store.compare_set(semconv.STORE_GENERATION_KEY, "", uuid.uuid4().hex[:16])
+        os.environ[semconv.ENV_GENERATION] = value.decode() if isinstance(value, bytes) else str(value)
+    except Exception:  # noqa: BLE001 - the workers then agree through their own store
+        os.environ.pop(semconv.ENV_GENERATION, None)
+        report("no_generation", "dcp-otel-run could not agree on a generation for this round of workers",
+               exc_info=True)  # fmt: skip
+    return wrapped(*args, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with ``argv`` (default: this process's arguments)."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent
     from torch.distributed.run import main as torchrun_main
 
+    wrapt.wrap_function_wrapper(local_elastic_agent, "LocalElasticAgent._start_workers", publish_generation)
     enable_resource_detector()
     endpoint = observe_agent()
     try:

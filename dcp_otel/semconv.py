@@ -41,6 +41,7 @@ ATTR_CHECKPOINT_ID: Final = "dcp.checkpoint_id"  # str, credentials redacted
 ATTR_OPERATION: Final = "dcp.operation"  # str: save, async_save, load, ...
 ATTR_OPERATION_SEQ: Final = "dcp.operation.seq"  # int, per (operation, checkpoint id)
 ATTR_RUN_ID: Final = "dcp.run_id"  # str
+ATTR_GENERATION: Final = "dcp.generation"  # which round of workers (elastic restart, requeue) ran it
 ATTR_COORDINATOR: Final = "dcp.coordinator"  # bool
 ATTR_BACKEND: Final = "dcp.pg.backend"  # str, process-group backend (gloo, nccl, ...)
 ATTR_STORAGE_WRITER: Final = "dcp.storage_writer"  # str, class name
@@ -103,6 +104,10 @@ ENV_FLUSH_TIMEOUT_S: Final = "DCP_OTEL_FLUSH_TIMEOUT_S"  # seconds; bounds the f
 ENV_DETAIL: Final = "DCP_OTEL_DETAIL"  # full or auto
 ENV_SPAN_BUDGET: Final = "DCP_OTEL_SPAN_BUDGET"  # step spans one checkpoint may carry across all ranks (auto)
 ENV_MAX_QUEUED_OPERATIONS: Final = "DCP_OTEL_MAX_QUEUED_OPERATIONS"  # finished operations waiting to be built
+#: A value every rank of one rendezvous round shares (set by dcp-otel-run for its workers).
+ENV_GENERATION: Final = "DCP_OTEL_GENERATION"
+#: Store key under which the ranks of a round (or dcp-otel-run's agents) agree on their generation.
+STORE_GENERATION_KEY: Final = "dcp_otel/generation"
 #: Run-id sources set by launchers, tried in this order after ENV_RUN_ID.
 ENV_TORCHELASTIC_RUN_ID: Final = "TORCHELASTIC_RUN_ID"
 ENV_TORCHELASTIC_RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"

@@ -1,10 +1,11 @@
 """One trace per checkpoint operation across all ranks, with no collective.
 
 Every rank derives the same trace id from what it already knows: the run id,
-the torchelastic restart count, the operation, the (redacted) checkpoint id and
-a per-process sequence number of that (operation, checkpoint id) pair. Ranks
-call DCP operations in the same order (SPMD), so their sequence numbers agree;
-two saves to the same id are two traces, and two runs never share one.
+the torchelastic restart count, the generation of its workers (see
+:func:`round_generation`), the operation, the (redacted) checkpoint id and a
+per-process sequence number of that (operation, checkpoint id) pair. Ranks call
+DCP operations in the same order (SPMD), so their sequence numbers agree; two
+saves to the same id are two traces, and two runs never share one.
 
 The coordinator rank emits the root span ``dcp.checkpoint`` whose span id is
 derived too; every other rank parents its operation span to that id without
@@ -12,7 +13,7 @@ ever talking to the coordinator.
 
 Usage::
 
-    ids = derive_ids(CheckpointKey("job-42", "0", "save", "/ckpt/step-10"), seq=0)
+    ids = derive_ids(CheckpointKey("job-42", "0", "save", "/ckpt/step-10", round_generation()), seq=0)
     ids.trace_id, ids.root_span_id    # identical on every rank
 """
 
@@ -24,7 +25,8 @@ import logging
 import os
 import threading
 import uuid
-from typing import NamedTuple
+import weakref
+from typing import Any, NamedTuple
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
@@ -79,8 +81,55 @@ class CheckpointKey(NamedTuple):
     restart_count: str
     operation: str
     checkpoint_id: str  # redacted: signed URLs differ per rank, their redaction does not
+    generation: str = ""  # of the workers that run it: round_generation()
 
 
+_generation_lock = threading.Lock()
+_generation: tuple[Any, str] | None = None  # (weak reference to the default process group, its generation)
+
+
+def round_generation() -> str:
+    """A value every rank of this round of workers shares, and the next round does not.
+
+    The sequence numbers restart at 0 with every new process, and the run id and
+    ``TORCHELASTIC_RESTART_COUNT`` do not always change between rounds: an
+    elastic membership change does not count as a restart, a pod restarted with a
+    fixed rendezvous id and a SLURM requeue start over at 0 with the same ids. So
+    without this, two rounds would emit the same trace ids and root span ids.
+
+    First that applies: ``$DCP_OTEL_GENERATION`` (``dcp-otel-run`` sets it for
+    its workers from the rendezvous round's own store, so every round differs);
+    else the ranks agree through the default process group's store, once per
+    process group: the first rank to ask stores a random value
+    (``compare_set``: one store round trip, no collective, no waiting for other
+    ranks), every other rank reads it. A new round's store is new (a requeue, a
+    restarted pod, a plain ``init_process_group``); torchrun's rendezvous store
+    survives membership changes, which only ``dcp-otel-run`` tells apart. With
+    no process group: ``""`` (a single process keys its traces by pid already).
+    """
+    explicit = os.environ.get(semconv.ENV_GENERATION, "").strip()
+    if explicit:
+        return explicit
+    global _generation
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if not c10d.is_initialized():
+            return ""
+        group = c10d._get_default_group()
+        with _generation_lock:
+            if _generation is not None and _generation[0]() is group:
+                return _generation[1]
+            key = "/".join((semconv.STORE_GENERATION_KEY, os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"),
+                            str(c10d.get_world_size())))  # fmt: skip
+            value = c10d._get_default_store().compare_set(key, "", uuid.uuid4().hex[:16])
+            generation = value.decode() if isinstance(value, bytes) else str(value)
+            _generation = (weakref.ref(group), generation)
+            return generation
+    except Exception:  # noqa: BLE001 - no generation: the ids of two rounds may then coincide
+        logger.warning("dcp_otel: could not agree on a worker generation through the process group's store; "
+                       "two rounds of workers may share trace ids", exc_info=True)  # fmt: skip
+        return ""
 class DerivedIds(NamedTuple):
     trace_id: int
     root_span_id: int

@@ -37,3 +37,18 @@ def test_the_console_script_is_torchrun() -> None:
     env = {**os.environ, semconv.ENV_AGENT_METRICS_PORT: "0", semconv.ENV_METRICS_ADDR: "127.0.0.1"}
     shown = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=env)
     assert shown.returncode == 0 and "--nproc-per-node" in shown.stdout  # torchrun's own arguments
+
+
+def test_every_round_of_workers_gets_its_own_generation_shared_by_its_ranks(tmp_path: Path) -> None:
+    env = rank_env(**{semconv.ENV_AGENT_METRICS_PORT: "0", semconv.ENV_METRICS_ADDR: "127.0.0.1",
+                      "OUT_DIR": str(tmp_path)})  # fmt: skip
+    env.pop(semconv.ENV_GENERATION, None)
+    run = subprocess.run(
+        [sys.executable, "-m", "dcp_otel.launcher", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "--monitor-interval", "0.1", str(WORKERS / "generation_worker.py")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    rounds = {r: {(tmp_path / f"gen-{r}-{rank}.txt").read_text() for rank in (0, 1)} for r in (0, 1)}
+    assert all(len(values) == 1 and "" not in values for values in rounds.values()), rounds  # shared by the round
+    assert rounds[0] != rounds[1]  # and new in the next one

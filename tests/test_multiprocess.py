@@ -37,6 +37,13 @@ def job2(tmp_path_factory: pytest.TempPathFactory, shared_ckpt: Path) -> Job:
 
 
 @pytest.fixture(scope="module")
+def job2_requeued(tmp_path_factory: pytest.TempPathFactory, shared_ckpt: Path, job2: Job) -> Job:
+    """job2 again, as a SLURM requeue or a restarted pod runs it: the same run id, restart count and paths."""
+    return run_ranks("dcp_rank", 2, tmp_path_factory.mktemp("job2-requeued"), ckpt=shared_ckpt,
+                     env={semconv.ENV_RUN_ID: "run-a"}, extra_args=["--fail-rank", "1"])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def job4(tmp_path_factory: pytest.TempPathFactory, shared_ckpt: Path, job2: Job) -> Job:
     return run_ranks("dcp_rank", 4, tmp_path_factory.mktemp("job4"), ckpt=shared_ckpt,
                      env={semconv.ENV_TORCHELASTIC_RUN_ID: "run-b"})  # fmt: skip
@@ -156,3 +163,15 @@ def test_two_runs_saving_the_same_ids_never_share_a_trace(job2: Job, job4: Job) 
     assert ids(job2) & ids(job4)  # the same paths were saved by both runs ...
     assert not set(dcp_traces(job2)) & set(dcp_traces(job4))  # ... in different traces
     assert {s.attributes[semconv.ATTR_RUN_ID] for s in top_level(spans_of(job4))} == {"run-b"}
+
+
+def test_a_requeued_run_with_the_same_ids_never_reuses_a_trace(job2: Job, job2_requeued: Job) -> None:
+    first, again = dcp_traces(job2), dcp_traces(job2_requeued)
+    assert not set(first) & set(again)  # before: every trace id and root span id emitted twice
+    assert len(again) == len(first)
+    for spans in again.values():  # still one trace per checkpoint, with every rank in it
+        assert {s.rank for s in spans if s.name in OPERATION_SPANS} == {0, 1}
+    # Each rank's part of an operation says which generation ran it; every rank agreed on one.
+    parts = [s for s in spans_of(job2_requeued) if semconv.ATTR_RUN_ID in s.attributes]
+    generations = {s.attributes.get(semconv.ATTR_GENERATION) for s in parts}
+    assert {s.rank for s in parts} == {0, 1} and len(generations) == 1 and None not in generations

@@ -36,6 +36,7 @@ from dcp_otel.trace_ids import (
     derive_ids,
     remote_root_context,
     resolve_run_id,
+    round_generation,
     sampling_flags,
     supports_chosen_ids,
 )
@@ -112,11 +113,13 @@ class OperationStarter:
         # Outside torch.distributed every process is its own coordinator: keep
         # processes apart so two of them never emit the same root span id.
         scope = "" if distributed else f"/rank{rank}/pid{os.getpid()}"
+        generation = round_generation() if distributed else ""
         key = CheckpointKey(
             identity.run_id + scope,
             os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"),
             event.func_name,
             checkpoint_id,
+            generation,
         )
         seq = seq_counter.next(key)
         ids = derive_ids(key, seq)
@@ -131,6 +134,8 @@ class OperationStarter:
             semconv.ATTR_RUN_ID: identity.run_id,
             semconv.ATTR_COORDINATOR: is_coordinator,
         }
+        if generation:
+            attributes[semconv.ATTR_GENERATION] = generation
         if fields.backend:
             attributes[semconv.ATTR_BACKEND] = fields.backend
         attributes.update(self.class_attributes(event))

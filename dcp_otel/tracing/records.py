@@ -321,7 +321,8 @@ class Operation:
 
 #: Attributes that say something about the operation as a whole, kept off step spans.
 OPERATION_ONLY: Final = frozenset(
-    {semconv.ATTR_OPERATION_SEQ, semconv.ATTR_RUN_ID, semconv.ATTR_COORDINATOR, semconv.ATTR_GROUP_RANK}
+    {semconv.ATTR_OPERATION_SEQ, semconv.ATTR_RUN_ID, semconv.ATTR_COORDINATOR, semconv.ATTR_GROUP_RANK,
+     semconv.ATTR_GENERATION}
 )
 
 
