@@ -37,7 +37,6 @@ from collections.abc import Callable
 from typing import Any
 
 import wrapt
-
 from torch.distributed.elastic.metrics.api import configure as configure_elastic_metrics
 
 from dcp_otel import semconv
