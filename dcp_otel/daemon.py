@@ -135,10 +135,11 @@ class DaemonSession:
             if recorder is not None:  # the builder records the save's metrics into the relay: before any span
                 recorder.drain(_METRICS_DRAIN_S, metrics_only=True)
             self._relay.send()
-            self._flusher.request()  # torch answers the rank now, whatever the exporter does
+            if self._bootstrap.flush_timeout_s > 0:
+                self._flusher.request()  # torch answers the rank now, whatever the exporter does
 
     def _flush(self) -> None:
-        if self._bootstrap.flush_timeout_s > 0:
+        if self._bootstrap.flush_timeout_s > 0:  # 0: dcp-otel starts no flush
             flush_spans(self._instrumentor.recorder, self._bootstrap.flush_timeout_s, self._provider)
 
     def close(self) -> None:

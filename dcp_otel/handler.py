@@ -57,26 +57,15 @@ class DCPLoggerTap:
     def __repr__(self) -> str:
         return f"<DCPLoggerTap of {self.logger!r}>"
 
-    # torch calls debug (start, end) and error (exception); the others are here for anyone else.
+    # torch calls exactly these two: debug (start, end) and error (exception). Any other
+    # method is the logger's own (``__getattr__``), as for code that is not DCP's.
     def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         self.feed(msg)
         self.logger.debug(msg, *args, **kwargs)
 
-    def info(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        self.feed(msg)
-        self.logger.info(msg, *args, **kwargs)
-
-    def warning(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        self.feed(msg)
-        self.logger.warning(msg, *args, **kwargs)
-
     def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         self.feed(msg)
         self.logger.error(msg, *args, **kwargs)
-
-    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
-        self.feed(msg)
-        self.logger.log(level, msg, *args, **kwargs)
 
     def feed(self, msg: Any) -> None:
         """Hand one DCP record (torch's dict) to the recorder."""

@@ -184,3 +184,20 @@ def test_a_thousand_failed_ranks_make_small_spans_that_keep_this_ranks_own_failu
     assert "(OWN)" in event.attributes["exception.stacktrace"] and "rank 517, where it failed" in event.attributes["exception.stacktrace"]
     assert list(span.attributes[semconv.ATTR_FAILED_RANKS]) == list(range(1024))  # every failed rank, as a list
     assert span.status.description.startswith("CheckpointException: ranks [0-1023] failed; rank 517: OSError")
+
+
+def test_an_exception_raised_from_a_mass_failure_is_recorded_without_formatting_it_whole() -> None:
+    from dcp_otel.tracing.records import Failure
+
+    error = huge_checkpoint_exception(1024, own=3)
+    try:
+        try:
+            raise error
+        except CheckpointException as inner:
+            raise RuntimeError("the upload failed") from inner
+    except RuntimeError as outer:
+        failure = Failure(outer, None, rank=3)
+    stacktrace = failure.event["exception.stacktrace"]
+    assert len(stacktrace) < 8192  # not the 0.6 MB of the chained CheckpointException's text
+    assert stacktrace.startswith("CheckpointException: ranks [0-1023] failed; rank 3: OSError")
+    assert stacktrace.rstrip().endswith("RuntimeError: the upload failed")

@@ -134,10 +134,18 @@ def _type_name(exc: BaseException) -> str:
 def _exception_text(exc: BaseException, ranks: list[int] | None, rank: int | None) -> tuple[str, str]:
     """The message and stack trace of ``exc``; of a multi-rank failure, only one rank's own."""
     if not ranks:
-        return str(exc), "".join(traceback.format_exception(exc))
+        # A multi-rank failure further down the chain (a wrapper raised from it) is summarized, not formatted whole.
+        inner = next((e for e in _chain(exc) if failed_ranks(e)), None)
+        if inner is None:
+            return str(exc), "".join(traceback.format_exception(exc))
+        summary = f"{describe(inner, None, rank)}\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        # (traceback's format_exception and format_exception_only build the whole chain's text, even unused)
+        frames = traceback.format_tb(exc.__traceback__, limit=-MAX_FRAMES)
+        own = ["Traceback (most recent call last):\n", *frames, _exception_line(exc)]
+        return str(exc), summary + "".join(own)
     own = rank if rank in ranks else ranks[0]
     cause = _cause(exc, own)
-    cause_text = "".join(traceback.format_exception_only(cause)).strip() if isinstance(cause, BaseException) else str(cause)
+    cause_text = _exception_line(cause).strip() if isinstance(cause, BaseException) else str(cause)
     header = f"{type(exc).__name__}: ranks [{rank_ranges(ranks)}] failed ({len(ranks)}); rank {own}"
     header += " (this rank)" if own == rank else ""
     message = f"{header}: {cause_text}"
@@ -151,6 +159,21 @@ def _exception_text(exc: BaseException, ranks: list[int] | None, rank: int | Non
         parts += [f"\nrank {own}, where it failed (innermost {len(frames)} frames):\n", *frames.format()]
     parts.append(cause_text + "\n")
     return message, "".join(parts)
+
+
+def _exception_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{_type_name(exc)}: {text}\n" if text else f"{_type_name(exc)}\n"
+
+
+def _chain(exc: BaseException, depth: int = 8) -> list[BaseException]:
+    """The exceptions ``exc`` was raised from or while handling (at most ``depth``)."""
+    found: list[BaseException] = []
+    current = exc.__cause__ or exc.__context__
+    while current is not None and len(found) < depth and current is not exc:
+        found.append(current)
+        current = current.__cause__ or current.__context__
+    return found
 
 
 def _cause(exc: BaseException, rank: int) -> object:
