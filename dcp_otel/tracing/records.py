@@ -140,9 +140,9 @@ def _exception_text(exc: BaseException, ranks: list[int] | None, rank: int | Non
             return str(exc), "".join(traceback.format_exception(exc))
         summary = f"{describe(inner, None, rank)}\n\nDuring handling of the above exception, another exception occurred:\n\n"
         # (traceback's format_exception and format_exception_only build the whole chain's text, even unused)
-        frames = traceback.format_tb(exc.__traceback__, limit=-MAX_FRAMES)
-        own = ["Traceback (most recent call last):\n", *frames, _exception_line(exc)]
-        return str(exc), summary + "".join(own)
+        lines = ["Traceback (most recent call last):\n", *traceback.format_tb(exc.__traceback__, limit=-MAX_FRAMES),
+                 _exception_line(exc)]  # fmt: skip
+        return str(exc), summary + "".join(lines)
     own = rank if rank in ranks else ranks[0]
     cause = _cause(exc, own)
     cause_text = _exception_line(cause).strip() if isinstance(cause, BaseException) else str(cause)
