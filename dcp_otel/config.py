@@ -92,6 +92,9 @@ class InstrumentOptions:
     max_queued_operations: int = 4096
 
     def __post_init__(self) -> None:
+        if self.tracer_provider is not None and not isinstance(self.tracer_provider, TracerProvider):
+            raise ValueError(f"tracer_provider must be an opentelemetry TracerProvider, got "
+                             f"{type(self.tracer_provider).__name__}")  # fmt: skip
         if self.registry is not None and not isinstance(self.registry, CollectorRegistry):
             raise ValueError(f"registry must be a prometheus_client CollectorRegistry, got {type(self.registry).__name__}")
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id.strip()):
@@ -224,3 +227,17 @@ def env_int(env_name: str, low: int, high: int) -> int | None:
         )
         return None
     return value
+
+
+def differing_options(active: InstrumentOptions, requested: InstrumentOptions) -> dict[str, tuple[Any, Any]]:
+    """The options whose requested value differs from the one in force: ``{name: (in force, requested)}``.
+
+    Providers and registries are compared by identity, everything else by value.
+    """
+    found: dict[str, tuple[Any, Any]] = {}
+    for f in dataclasses.fields(InstrumentOptions):
+        now, asked = getattr(active, f.name), getattr(requested, f.name)
+        same = now is asked if f.name in ("tracer_provider", "registry") else now == asked
+        if not same:
+            found[f.name] = (now, asked)
+    return found

@@ -15,13 +15,14 @@ Usage::
 from __future__ import annotations
 
 import atexit
+import logging
 from collections.abc import Collection
 from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from prometheus_client import REGISTRY
 
-from dcp_otel.config import InstrumentOptions
+from dcp_otel.config import InstrumentOptions, differing_options
 from dcp_otel.export_queue import QueueFullWatch
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
 from dcp_otel.flushing import ExitFlush
@@ -32,11 +33,17 @@ from dcp_otel.tracing.drain import DrainOnCollect
 from dcp_otel.tracing.tracker import SpanRecorder
 
 
+logger = logging.getLogger("dcp_otel")
+#: BaseInstrumentor's own keywords, not dcp-otel options.
+_BASE_KWARGS = frozenset({"skip_dep_check", "raise_exception_on_conflict"})
+
+
 class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     """Spans for every ``torch.distributed.checkpoint`` step, one trace per checkpoint.
 
     A singleton, like every ``BaseInstrumentor``: instrumenting twice only
-    warns, and :meth:`uninstrument` restores torch's original objects and
+    warns (naming the options that stay in force when the second call asked
+    for others), and :meth:`uninstrument` restores torch's original objects and
     removes our metrics from their registry.
     Keyword options are those of :class:`dcp_otel.config.InstrumentOptions`.
     """
@@ -51,6 +58,25 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
+
+    def instrument(self, **kwargs: Any) -> None:
+        """Instrument DCP (see :class:`~dcp_otel.config.InstrumentOptions`); a bad option raises ``ValueError``.
+
+        Already instrumented: nothing changes, and a warning names every option
+        asked for that differs from the one in force.
+        """
+        recorder = self._recorder
+        if self._is_instrumented_by_opentelemetry and recorder is not None:
+            asked = {k: v for k, v in kwargs.items() if k not in _BASE_KWARGS and not k.startswith("_")}
+            differing = differing_options(recorder.options, InstrumentOptions.from_kwargs(asked))
+            if differing:
+                logger.warning(
+                    "dcp_otel is already instrumented; this call changes nothing. In force: %s (asked: %s). "
+                    "Call dcp_otel.uninstrument() first to change them.",
+                    ", ".join(f"{name}={now!r}" for name, (now, _) in differing.items()),
+                    ", ".join(f"{name}={asked!r}" for name, (_, asked) in differing.items()),
+                )
+        super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
         # Internal: the async save daemon relays its metrics to its rank instead.

@@ -92,6 +92,38 @@ def test_instrumenting_twice_only_warns_and_records_once(provider, tmp_path: Pat
     assert len(named(spans, "dcp.save")) == 1 and len(named(spans, "dcp.write_data")) == 1
 
 
+def test_a_second_instrument_asking_for_other_options_says_which_stay_in_force(provider, caplog) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    dcp_otel.instrument(tracer_provider=provider[0], detail="full", slowest_keys=3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dcp_otel"):
+            dcp_otel.instrument(tracer_provider=provider[0], detail="full", slowest_keys=3)  # the same: no word
+            assert "In force" not in caplog.text
+            other = TracerProvider()
+            dcp_otel.instrument(tracer_provider=other, detail="auto", slowest_keys=3)
+        (line,) = [r.getMessage() for r in caplog.records if "In force" in r.getMessage()]
+        assert "detail='full'" in line and "detail='auto'" in line and "tracer_provider=" in line
+        assert "slowest_keys" not in line  # only what differs
+        assert DCPInstrumentor().recorder.options.detail == "full"  # nothing changed
+        with pytest.raises(ValueError, match="detail"):  # a bad value is an error, instrumented or not
+            dcp_otel.instrument(detail="everything")
+    finally:
+        dcp_otel.uninstrument()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [("tracer_provider", "x", "tracer_provider must be an opentelemetry TracerProvider, got str"),
+     ("tracer_provider", object(), "got object"),
+     ("registry", "x", "registry must be a prometheus_client CollectorRegistry, got str")],
+)
+def test_a_provider_or_registry_of_the_wrong_type_is_a_clear_error(option: str, value: object, expected: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        dcp_otel.instrument(**{option: value})
+    assert DCPInstrumentor().recorder is None  # nothing attached
+
+
 def test_nothing_is_recorded_after_uninstrument(provider, tmp_path: Path) -> None:
     dcp_otel.instrument(tracer_provider=provider[0])
     dcp_otel.uninstrument()
