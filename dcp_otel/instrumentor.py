@@ -32,7 +32,6 @@ from dcp_otel.torch_hooks import Installed, install
 from dcp_otel.tracing.drain import DrainOnCollect
 from dcp_otel.tracing.tracker import SpanRecorder
 
-
 logger = logging.getLogger("dcp_otel")
 #: BaseInstrumentor's own keywords, not dcp-otel options.
 _BASE_KWARGS = frozenset({"skip_dep_check", "raise_exception_on_conflict"})
