@@ -13,6 +13,7 @@ from dcp_otel import semconv
 from dcp_otel.report import build
 from tests.otlp_receiver import OtlpReceiver
 from tests.ranks import rank_env
+from tests.report_invariants import assert_times_add_up
 
 REPO = Path(__file__).parent.parent
 
@@ -43,6 +44,7 @@ def test_the_demo_trains_checkpoints_resumes_and_reports_the_slow_rank(tmp_path:
     # The span files are OTLP JSON that the report reads back, and the same spans went over OTLP.
     report = build([out / "traces"])
     assert [c.operation for c in report.checkpoints] == ["save", "async_save", "save", "async_save", "load"]
+    assert_times_add_up(report.checkpoints)
     file_spans = {s.span_id for c in report.checkpoints for s in c.spans}
     assert file_spans <= {s.span_id for s in receiver.spans}
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]

@@ -18,6 +18,7 @@ from dcp_otel.otlp_file import FileSpan, read_spans
 from dcp_otel.report.model import checkpoints
 from dcp_otel.tracing.detail import in_sample, sample_every
 from tests.ranks import run_ranks
+from tests.report_invariants import assert_times_add_up
 
 WORLD, SLOW, FAILING, BUDGET = 8, 3, 5, 16
 _NOT_STEPS = {semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING, "dcp.save"}
@@ -98,5 +99,7 @@ def test_the_report_names_the_same_straggler_and_failing_rank_from_auto_as_from_
         for detail, spans in jobs.items()
     }
     assert answers["auto"] == answers["full"]
+    for spans in jobs.values():  # the summary-only ranks' times add up too
+        assert_times_add_up(checkpoints(spans))
     assert [straggler for straggler, _, _ in answers["full"]] == [SLOW, SLOW, SLOW]
     assert [failed for _, failed, _ in answers["full"]] == [[], [FAILING], []]

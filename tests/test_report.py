@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dcp_otel.report import SpanFileError, build
+from tests.report_invariants import assert_times_add_up
 
 RECORDED = Path(__file__).parent / "data" / "demo-3-ranks"
 SLOW, FAILING = 2, 1
@@ -48,6 +49,15 @@ def test_the_report_names_the_slow_rank_the_failure_and_the_uploads() -> None:
     for ckpt in (report.checkpoints[1], report.checkpoints[3]):
         assert [r.upload for r in ckpt.ranks] == ["completed"] * 3
         assert all(r.bytes > 1_000_000 and r.throughput_bps for r in ckpt.ranks)
+
+
+def test_every_row_adds_up_and_an_async_saves_two_sides_stay_apart() -> None:
+    report = build([RECORDED])
+    assert_times_add_up(report.checkpoints)
+    for ckpt in (report.checkpoints[1], report.checkpoints[3]):  # the async saves
+        slow = next(r for r in ckpt.ranks if r.rank == SLOW)
+        assert slow.duration_s < 0.1 < 0.5 <= slow.upload_busy_s  # it returned at once; the upload was slow
+        assert slow.io_s >= 0.5 and ckpt.straggler == SLOW
 
 
 def test_the_terminal_table_says_it_in_words() -> None:

@@ -109,16 +109,37 @@ def _lanes(ckpt: Checkpoint) -> list[dict[str, Any]]:
     return [lanes[rank] for rank in sorted(lanes)]
 
 
+#: Column names, each with the definition shown on hover. The parts add up: total = busy + waiting.
+_HEADERS = (
+    ("rank", ""), ("total s", "the rank's operation span"), ("busy s", "in its own steps"),
+    ("waiting s", "the rest of total: waiting for other ranks"), ("bytes", ""), ("MB/s", "bytes / write or read time"),
+    ("error", "the first error among the rank's spans"),
+)  # fmt: skip
+#: An async save's two sides: the caller's (returned = busy + waiting; staging is part of busy) and
+#: the upload's (write is part of upload busy, which is part of upload).
+_ASYNC_HEADERS = (
+    *_HEADERS[:1], ("returned s", "time for async_save to return to the caller"),
+    ("busy s", "the caller's own steps (staging included)"), ("waiting s", "the rest of returned"),
+    ("staging s", "copying the state dict for the upload"), ("upload s", "from hand-off to the upload's end"),
+    ("upload busy s", "in the background save's steps"), ("write s", "in write_data, during the upload"),
+    *_HEADERS[4:],
+)  # fmt: skip
+
+
 def _summary(index: int, ckpt: Checkpoint) -> str:
     e = html.escape
+    is_async = ckpt.operation == "async_save"
     rows = []
     for r in ckpt.ranks:
         mbps = f"{r.throughput_bps / 1e6:.1f}" if r.throughput_bps else "-"
-        upload = f"{r.upload} ({r.upload_s:.3f} s)" if r.upload else "-"
         cls = ' class="straggler"' if r.rank == ckpt.straggler else ""
-        rows.append(f"<tr{cls}><td>{r.rank}</td><td>{r.duration_s:.3f}</td><td>{r.busy_s:.3f}</td>"
-                    f"<td>{r.wait_s:.3f}</td><td>{e(format_bytes(r.bytes))}</td><td>{mbps}</td><td>{e(upload)}</td>"
-                    f"<td>{e(r.error or '')}</td></tr>")  # fmt: skip
+        cells = [str(r.rank), f"{r.duration_s:.3f}", f"{r.busy_s:.3f}", f"{r.wait_s:.3f}"]
+        if is_async:
+            upload = f"{r.upload_s:.3f} {r.upload}" if r.upload else "-"
+            cells += [f"{r.staging_s:.3f}", upload, f"{r.upload_busy_s:.3f}", f"{r.io_s:.3f}"]
+        cells += [format_bytes(r.bytes), mbps, r.error or ""]
+        rows.append(f"<tr{cls}>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
+    headers = _ASYNC_HEADERS if is_async else _HEADERS
     step_rows = "".join(
         f"<tr><td>{e(step.name)}</td><td>{step.slowest_rank}</td><td>{step.by_rank[step.slowest_rank]:.3f}</td>"
         f"<td>{step.median_s:.3f}</td><td>{step.skew:.1f}x</td></tr>"
@@ -135,8 +156,8 @@ def _summary(index: int, ckpt: Checkpoint) -> str:
         f'<section class="checkpoint" id="checkpoint-{index}">'
         f"<h2>{e(ckpt.operation)} {e(ckpt.checkpoint_id)} &mdash; {ckpt.duration_s:.3f} s, {status}</h2>"
         f'<div class="meta">trace {e(ckpt.trace_id)}</div>'
-        "<table><tr><th>rank</th><th>total s</th><th>busy s</th><th>waiting s</th><th>bytes</th>"
-        "<th>MB/s</th><th>async upload</th><th>error</th></tr>" + "".join(rows) + "</table>"
+        "<table><tr>" + "".join(f'<th title="{e(why)}">{e(name)}</th>' for name, why in headers) + "</tr>"
+        + "".join(rows) + "</table>"
         '<details><summary>steps</summary><table class="steps"><tr><th>step</th><th>slowest rank</th>'
         "<th>its time s</th><th>median s</th><th>skew</th></tr>" + step_rows + "</table></details>"
         f"<p>{' '.join(notes)}</p>"

@@ -4,8 +4,15 @@ A checkpoint operation is one trace (dcp-otel puts every rank of a save,
 async save or load into one). For each, this finds each rank's operation span,
 its steps, the time it spent waiting for the others, its bytes and their
 throughput, whether its async upload completed, and who failed. The straggler
-is the rank that was busy longest (its own steps: the others wait for it in the
+is the rank that worked longest (its own steps: the others wait for it in the
 collectives), with its skew against the median rank.
+
+Every time is defined so that the parts add up. For a save or a load,
+``busy_s + wait_s == duration_s``. An ``async_save`` has two sides, never mixed:
+the caller's (``duration_s``, the time to return, is ``busy_s + wait_s``, with
+``staging_s`` part of ``busy_s``) and the upload's (``upload_s`` from hand-off to
+done, of which ``upload_busy_s`` in the background save's steps, of which
+``io_s`` writing); bytes and throughput belong to the upload.
 
 Usage::
 
@@ -32,6 +39,8 @@ _NOT_STEPS: Final = frozenset({semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOA
 _OPERATION_SPANS: Final = frozenset(semconv.span_name(op) for op in semconv.OPERATIONS)
 #: Steps that move the bytes: where their throughput is measured.
 _IO_STEP: Final = {"write_data": semconv.ATTR_WRITTEN_BYTES, "read_data": semconv.ATTR_READ_BYTES}
+#: The caller-side step of an async save that copies the state dict for the upload.
+_STAGING: Final = "stage_state_dict"
 #: A skew below this is noise, not a straggler.
 STRAGGLER_SKEW: Final = 1.5
 
@@ -41,14 +50,21 @@ class RankResult:
     """One rank's part of a checkpoint operation."""
 
     rank: int
-    duration_s: float  # its operation span
-    busy_s: float  # in its own steps
-    wait_s: float  # the rest: waiting for other ranks
+    duration_s: float  # its operation span (an async save: the time to return)
+    busy_s: float  # in its own steps (an async save: the caller's steps only)
+    wait_s: float  # the rest of duration_s: waiting for other ranks
     bytes: int
-    io_s: float  # in write_data / read_data
+    io_s: float  # in write_data / read_data (an async save: in the upload)
     upload: str | None = None  # async save only: "completed", "failed" or "unfinished"
-    upload_s: float = 0.0
+    upload_s: float = 0.0  # async save: from hand-off to the upload's end
+    upload_busy_s: float = 0.0  # async save: in the background save's steps (part of upload_s)
+    staging_s: float = 0.0  # async save: copying the state dict for the upload (part of busy_s)
     error: str | None = None  # the first error among this rank's spans
+
+    @property
+    def work_s(self) -> float:
+        """Time in its own steps, both sides of an async save: what makes a rank the straggler."""
+        return self.busy_s + self.upload_busy_s
 
     @property
     def throughput_bps(self) -> float | None:
@@ -114,12 +130,12 @@ class Checkpoint:
         """The rank busy longest, if it stands out (``STRAGGLER_SKEW`` times the median), else ``None``."""
         if len(self.ranks) < 2:
             return None
-        slowest = max(self.ranks, key=lambda r: (r.busy_s, -r.rank))
+        slowest = max(self.ranks, key=lambda r: (r.work_s, -r.rank))
         return slowest.rank if self.straggler_skew >= STRAGGLER_SKEW else None
 
     @property
     def straggler_skew(self) -> float:
-        busy = [r.busy_s for r in self.ranks]
+        busy = [r.work_s for r in self.ranks]
         median = statistics.median(busy) if busy else 0.0
         return max(busy) / median if busy and median > 0 else 1.0
 
@@ -164,21 +180,24 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
             continue
         subtree = _subtree(op_span, children)
         own_steps = [s for s in subtree if s.name not in _NOT_STEPS and s.name not in _OPERATION_SPANS]
-        # Busy: in steps run right under an operation span (the rank's, or an async save's
-        # background save); the rest of the operation span is waiting for the other ranks.
-        busy = sum(s.duration_s for s in own_steps if by_id[s.parent_id].name in _OPERATION_SPANS)
+        # Busy: in steps run right under the rank's operation span; the rest of it is waiting for
+        # the other ranks. An async save's background save (under its upload) is the upload's side.
         direct = sum(s.duration_s for s in children[op_span.span_id] if s.name not in _NOT_STEPS)
+        upload_busy = sum(s.duration_s for s in own_steps
+                          if s.parent_id != op_span.span_id and by_id[s.parent_id].name in _OPERATION_SPANS)  # fmt: skip
         result = RankResult(
             rank=rank,
             duration_s=op_span.duration_s,
-            busy_s=busy,
+            busy_s=min(direct, op_span.duration_s),
             wait_s=max(0.0, op_span.duration_s - direct),
+            upload_busy_s=upload_busy,
+            staging_s=sum(s.duration_s for s in children[op_span.span_id] if s.name == semconv.span_name(_STAGING)),
             # On the operation span; for an async save, on its background save.
             bytes=max(int(s.attributes.get(bytes_key) or 0) for s in subtree if s.name in _OPERATION_SPANS),
             io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
         )
         if op_span.attributes.get(semconv.ATTR_DETAIL) == semconv.DETAIL_SUMMARY:
-            _from_summary(result, op_span, steps)  # this rank exported no step spans (detail="auto")
+            _from_summary(result, op_span, steps, operation == "async_save")  # no step spans (detail="auto")
         for step in own_steps:
             steps[step.name.removeprefix(semconv.SPAN_PREFIX)][rank] += step.duration_s
         uploads = [s for s in subtree if s.name == semconv.SPAN_ASYNC_UPLOAD]
@@ -211,20 +230,29 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
     )
 
 
-def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[int, float]]) -> None:
-    """A rank's busy, wait and I/O time from the summary on its operation span."""
+def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[int, float]], is_async: bool) -> None:
+    """A rank's busy, wait and I/O time from the summary on its operation span.
+
+    The summary's step seconds cover both sides of an async save: what the
+    caller's side did not spend (``busy_s``) is the upload's.
+    """
     attrs = op_span.attributes
     names, seconds = attrs.get(semconv.ATTR_STEP_NAMES) or [], attrs.get(semconv.ATTR_STEP_SECONDS) or []
     wait = attrs.get(semconv.ATTR_WAIT_SECONDS)
     if isinstance(wait, (int, float)):
-        result.wait_s = float(wait)
-        result.busy_s = max(0.0, op_span.duration_s - float(wait))
-    result.io_s = 0.0
+        result.wait_s = min(float(wait), op_span.duration_s)
+        result.busy_s = op_span.duration_s - result.wait_s
+    result.io_s = total = 0.0
     for name, value in zip(names, seconds, strict=False):  # a malformed file: what pairs up
         if isinstance(name, str) and isinstance(value, (int, float)):
             steps[name][result.rank] += float(value)
+            total += float(value)
             if name in _IO_STEP:
                 result.io_s += float(value)
+            if name == _STAGING:
+                result.staging_s += float(value)
+    if is_async:
+        result.upload_busy_s = max(0.0, total - result.busy_s)
 
 
 def _subtree(root: FileSpan, children: dict[str, list[FileSpan]]) -> list[FileSpan]:
