@@ -3,7 +3,7 @@
 Usage::
 
     dcp-otel demo [--ranks 4] [--slow-rank R] [--fail-rank R] [--out out/demo]
-    dcp-otel report out/demo/traces [--html report.html] [--perfetto trace.json]
+    dcp-otel report out/demo/traces [--html report.html] [--perfetto trace.json] [--all]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("traces", nargs="+", type=Path, help="trace files, or folders of .json/.jsonl files")
     report.add_argument("--html", type=Path, help="also write the report as a self-contained HTML page")
     report.add_argument("--perfetto", type=Path, help="also write a Chrome/Perfetto trace JSON")
+    report.add_argument("--all", action="store_true", help="every checkpoint in detail (default: the 10 worst)")
     return parser
 
 
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         result = build(args.traces)
     except (ValueError, SpanFileError) as exc:  # SpanFileError is a ValueError; both are the user's to fix
         parser.exit(2, f"dcp-otel {args.command}: error: {exc}\n")
-    print(result.text(), end="")
+    print(result.text(limit=None if args.all else 10), end="")
     if args.html:
         args.html.write_text(result.html(), encoding="utf-8")
         print(f"report (HTML): {args.html}")

@@ -36,8 +36,21 @@ def test_the_demo_trains_checkpoints_resumes_and_reports_the_slow_rank(tmp_path:
     assert "save step-6 FAILED: CheckpointException" in text  # --fail-rank: the third checkpoint
     assert "resumed from step-8 (step 8)" in text
     assert re.search(r"metrics of rank 0: http://127\.0\.0\.1:\d+/metrics", text)
-    assert "5 checkpoint operations, 2 ranks" in text and text.count("straggler: rank 1") >= 4
+    assert text.count("straggler: rank 1,") >= 4  # in the details of each checkpoint
     assert "failed on rank 0: OSError: [Errno 28] No space left on device" in text
+    # The last screen is the answer: the failed checkpoint with its rank and full cause, the run's straggler.
+    lines = text.strip().splitlines()
+    start = lines.index("5 checkpoint operations (2 save, 2 async_save, 1 load) on 2 ranks: 1 failed")
+    last = lines[start:]
+    assert len(last) <= 15 and lines[start - 2].startswith("again, from the files:"), last  # nothing after it
+    assert any(line.startswith("FAILED  save ") and line.endswith("on rank 0:") for line in last), last
+    assert any("OSError: [Errno 28] No space left on device" in line for line in last), last
+    assert any(line.startswith("straggler: rank 1 was the slowest in ") for line in last), last
+    # The command it prints runs as printed, from where the demo ran.
+    (again,) = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("again, from the files:")]
+    rerun = subprocess.run(again, shell=True, capture_output=True, text=True, timeout=120, cwd=REPO)  # noqa: S602
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout.startswith("5 checkpoint operations")
     for name in ("report.html", "trace.perfetto.json"):
         assert (out / name).stat().st_size > 1000 and str(out / name) in text
     json.loads((out / "trace.perfetto.json").read_text())

@@ -64,8 +64,11 @@ def test_the_terminal_table_says_it_in_words() -> None:
     shown = run_cli(str(RECORDED))
     assert shown.returncode == 0, shown.stderr
     text = shown.stdout
-    assert text.startswith("5 checkpoint operations, 3 ranks")
-    assert text.count(f"straggler: rank {SLOW}") == 5
+    assert text.startswith("5 checkpoint operations (2 save, 2 async_save, 1 load) on 3 ranks: 1 failed\n")
+    assert f"\nFAILED  save /tmp/demo1/checkpoints/step-9 (operation 3 of 5) on rank {FAILING}:\n" in text
+    assert "\n        OSError: [Errno 28] No space left on device\n" in text  # the rank's own exception, in full
+    assert f"\nstraggler: rank {SLOW} was the slowest in 5 of 5 checkpoints, " in text
+    assert text.count(f"straggler: rank {SLOW},") == 5  # and in each checkpoint's details
     assert f"failed on rank {FAILING}: OSError: [Errno 28] No space left on device" in text
     assert "most skewed step: read_data on rank 2" in text and "completed" in text
     # Per step: the slowest rank, its time, the median across ranks and the skew.

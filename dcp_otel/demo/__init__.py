@@ -159,14 +159,31 @@ def _wait_all(procs: list[subprocess.Popen[str]]) -> list[int]:
 
 
 def write_report(out: Path) -> int:
+    """The details, where the files are, then the answer: the summary is the last screen."""
     report = build([out / "traces"])
     print()
-    print(report.text())
+    print(report.details_text())
     html_path, perfetto_path = out / "report.html", out / "trace.perfetto.json"
     html_path.write_text(report.html(), encoding="utf-8")
     perfetto_path.write_text(json.dumps(report.perfetto()), encoding="utf-8")
+    print()
     print(f"spans (OTLP JSON):     {out / 'traces'}/rank-*.jsonl")
     print(f"report (HTML):         {html_path}")
     print(f"trace (Perfetto):      {perfetto_path}   (open in https://ui.perfetto.dev or chrome://tracing)")
-    print(f"again, from the files: dcp-otel report {out / 'traces'}")
+    print(f"again, from the files: {report_command()} report {out / 'traces'} --html {html_path}")
+    print()
+    print(report.summary_text())
     return 0
+
+
+def report_command() -> str:
+    """How to run ``dcp-otel`` from here: the script beside this interpreter, else ``python -m dcp_otel``."""
+    script = Path(sys.executable).with_name("dcp-otel")
+    if shutil.which("dcp-otel") == str(script):
+        return "dcp-otel"  # on PATH (an activated environment, or installed for the user)
+    if script.exists():
+        try:
+            return str(script.relative_to(Path.cwd()))
+        except ValueError:
+            return str(script)
+    return f"{sys.executable} -m dcp_otel"

@@ -33,10 +33,22 @@ __all__ = ["Report", "SpanFileError", "build"]
 class Report:
     checkpoints: list[Checkpoint]
 
-    def text(self) -> str:
+    def text(self, limit: int | None = 10) -> str:
+        """The summary, then the worst ``limit`` checkpoints in detail (``None``: every one)."""
         from dcp_otel.report.terminal import render
 
-        return render(self.checkpoints)
+        return render(self.checkpoints, limit)
+
+    def summary_text(self) -> str:
+        from dcp_otel.report.summary import summarize
+        from dcp_otel.report.terminal import render_summary
+
+        return render_summary(summarize(self.checkpoints))
+
+    def details_text(self, limit: int | None = 10) -> str:
+        from dcp_otel.report.terminal import render_details
+
+        return render_details(self.checkpoints, limit)
 
     def html(self) -> str:
         from dcp_otel.report.html import render

@@ -104,8 +104,9 @@ class Checkpoint:
     ranks: list[RankResult]
     steps: list[StepResult]
     failed_ranks: list[int]
-    error: str | None
+    error: str | None  # one line: the failing rank's own exception (not torch's wrapper), if found
     spans: list[FileSpan] = field(repr=False, default_factory=list)
+    error_detail: str | None = None  # that exception in full, from its span's exception event
 
     @property
     def duration_s(self) -> float:
@@ -174,6 +175,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
     failed: set[int] = set()
     first_error: str | None = None  # what the first rank to fail said
     root_cause: str | None = None  # what the step that raised said (not torch's CheckpointException)
+    cause_detail: str | None = None  # ... in full
     for op_span in sorted((s for s in spans if is_operation_span(s)), key=lambda s: _rank_of(s) or 0):
         rank = _rank_of(op_span)
         if rank is None:
@@ -211,7 +213,9 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         raising = [s for s in errors if s.name.removeprefix(semconv.SPAN_PREFIX) in semconv.COLLECTIVE_STEPS]
         if raising:
             failed.add(rank)
-            root_cause = root_cause or raising[0].status_message or None
+            if root_cause is None:
+                root_cause = raising[0].status_message or None
+                cause_detail = raising[0].exception or root_cause
         failed.update(int(r) for r in op_span.attributes.get(semconv.ATTR_FAILED_RANKS, []) or [])
         ranks.append(result)
     return Checkpoint(
@@ -227,6 +231,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         failed_ranks=sorted(failed),
         error=root_cause or first_error,
         spans=spans,
+        error_detail=cause_detail or root_cause or first_error,
     )
 
 

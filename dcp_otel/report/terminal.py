@@ -1,15 +1,22 @@
-"""The report as a terminal table: one block per checkpoint operation.
+"""The report for a terminal: the run's summary, then one block per checkpoint operation, worst first.
 
 Usage::
 
-    print(render(checkpoints(spans)))
+    print(render(checkpoints(spans)))                  # summary, then the 10 worst checkpoints' details
+    print(render(checkpoints(spans), limit=None))      # ... every checkpoint's
+    print(render_summary(summarize(checkpoints(spans))))
 """
 
 from __future__ import annotations
 
+import statistics
 import textwrap
 
 from dcp_otel.report.model import Checkpoint, RankResult
+from dcp_otel.report.summary import Summary, sparkline, summarize, worst_first
+
+#: Checkpoints shown in detail by default (the worst first); the summary covers all of them.
+DETAIL_LIMIT = 10
 
 #: A save or load: total = busy + waiting.
 _COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "MB/s", "error")
@@ -19,6 +26,12 @@ _ASYNC_COLUMNS = ("rank", "returned", "busy", "waiting", "staging", "upload", "u
                   "MB/s", "error")  # fmt: skip
 #: The error column is cut at a word; the whole error is on the "failed on rank" line.
 _ERROR_WIDTH = 60
+#: Failures listed in the summary, and lines of each one's cause.
+_FAILURES_SHOWN = 5
+_CAUSE_LINES = 12
+#: A checkpoint's table lists every rank up to this many; beyond, the ranks worth reading.
+_RANKS_SHOWN = 16
+_SLOWEST_SHOWN = 5
 
 
 def format_bytes(n: int) -> str:
@@ -42,8 +55,13 @@ def render_one(ckpt: Checkpoint) -> str:
              f"trace {ckpt.trace_id}"]  # fmt: skip
     is_async = ckpt.operation == "async_save"
     rows: list[tuple[str, ...]] = [_ASYNC_COLUMNS if is_async else _COLUMNS]
-    rows += [_row(r, r.rank == ckpt.straggler, is_async) for r in ckpt.ranks]
+    shown = _ranks_worth_showing(ckpt)
+    rows += [_row(r, r.rank == ckpt.straggler, is_async) for r in ckpt.ranks if r.rank in shown]
     lines += _table(rows)
+    if len(shown) < len(ckpt.ranks):
+        rest = [r for r in ckpt.ranks if r.rank not in shown]
+        lines.append(f"  ... {len(rest)} other ranks: total {min(r.duration_s for r in rest):.3f}s.."
+                     f"{max(r.duration_s for r in rest):.3f}s, busy median {statistics.median(r.busy_s for r in rest):.3f}s")  # fmt: skip
     if ckpt.steps and len(ckpt.ranks) > 1:
         steps: list[tuple[str, ...]] = [("step", "slowest rank", "its time", "median", "skew")]
         for step in sorted(ckpt.steps, key=lambda s: -s.by_rank[s.slowest_rank]):
@@ -62,6 +80,18 @@ def render_one(ckpt: Checkpoint) -> str:
     return "\n".join(lines)
 
 
+def _ranks_worth_showing(ckpt: Checkpoint) -> set[int]:
+    """Every rank of a small job; of a large one, the coordinator, the failed, the straggler and the slowest."""
+    if len(ckpt.ranks) <= _RANKS_SHOWN:
+        return {r.rank for r in ckpt.ranks}
+    slowest = sorted(ckpt.ranks, key=lambda r: (-r.work_s, r.rank))[:_SLOWEST_SHOWN]
+    keep = {0, *ckpt.failed_ranks, *(r.rank for r in slowest), *(r.rank for r in ckpt.ranks if r.error and
+                                                                  not r.error.startswith("CheckpointException"))}
+    if ckpt.straggler is not None:
+        keep.add(ckpt.straggler)
+    return keep
+
+
 def _row(r: RankResult, straggler: bool, is_async: bool) -> tuple[str, ...]:
     mbps = f"{r.throughput_bps / 1e6:.1f}" if r.throughput_bps else "-"
     error = textwrap.shorten(r.error, _ERROR_WIDTH, placeholder=" ...") if r.error else ""
@@ -74,6 +104,47 @@ def _row(r: RankResult, straggler: bool, is_async: bool) -> tuple[str, ...]:
             mbps, error)  # fmt: skip
 
 
-def render(checkpoints: list[Checkpoint]) -> str:
-    head = f"{len(checkpoints)} checkpoint operations, {len({r.rank for c in checkpoints for r in c.ranks})} ranks"
-    return "\n\n".join([head, *(render_one(c) for c in checkpoints)]) + "\n"
+def render_summary(summary: Summary) -> str:
+    """The run in a few lines: counts, each failure with its full cause, the run's straggler, the trends."""
+    kinds = ", ".join(f"{n} {op}" for op, n in summary.by_operation.items())
+    failed = f"{len(summary.failures)} failed" if summary.failures else "none failed"
+    lines = [f"{summary.operations} checkpoint operations ({kinds}) on {summary.ranks} ranks: {failed}"]
+    for f in summary.failures[:_FAILURES_SHOWN]:
+        ranks = ", ".join(map(str, f.ranks)) or "?"
+        lines.append(f"FAILED  {f.operation} {f.checkpoint_id or '(no id)'} (operation {f.index + 1} of "
+                     f"{summary.operations}) on rank {ranks}:")  # fmt: skip
+        lines += [f"        {line}" for line in f.cause.strip().splitlines()[:_CAUSE_LINES]]
+    if len(summary.failures) > _FAILURES_SHOWN:
+        lines.append(f"        ... and {len(summary.failures) - _FAILURES_SHOWN} more failed operations (details below)")
+    s = summary.straggler
+    if s is not None:
+        lines.append(f"straggler: rank {s.rank} was the slowest in {s.slowest_in} of {s.of} checkpoints, "
+                     f"{s.median_skew:.1f}x the median rank")  # fmt: skip
+    else:
+        lines.append("straggler: no rank was the slowest in most checkpoints")
+    lines.append("trend, oldest to newest:")
+    rows: list[tuple[str, ...]] = [("operation", "count", "duration", "median", "range", "change", "MB/s median")]
+    for t in summary.trends:
+        change = t.change()
+        rates = [v for v in t.throughputs_bps if v is not None]
+        rows.append((t.operation, str(len(t.durations_s)), sparkline(t.durations_s), f"{t.median_s:.3f}s",
+                     f"{min(t.durations_s):.3f}s..{max(t.durations_s):.3f}s",
+                     "-" if change is None else f"{(change - 1) * 100:+.0f}%",
+                     f"{statistics.median(rates) / 1e6:.1f}" if rates else "-"))  # fmt: skip
+    lines += _table(rows)
+    return "\n".join(lines)
+
+
+def render_details(checkpoints: list[Checkpoint], limit: int | None = DETAIL_LIMIT) -> str:
+    """The details of the worst ``limit`` checkpoints (``None``: all), worst first."""
+    order = worst_first(checkpoints)
+    shown = order if limit is None else order[:limit]
+    more = len(checkpoints) - len(shown)
+    head = (f"details, worst first: the {len(shown)} worst of {len(checkpoints)} (--all for every one)" if more
+            else f"details, worst first ({len(checkpoints)})")  # fmt: skip
+    return "\n\n".join([head, *(render_one(checkpoints[i]) for i in shown)])
+
+
+def render(checkpoints: list[Checkpoint], limit: int | None = DETAIL_LIMIT) -> str:
+    """The summary, then the details of the worst ``limit`` checkpoints (``None``: all), worst first."""
+    return render_summary(summarize(checkpoints)) + "\n\n" + render_details(checkpoints, limit) + "\n"

@@ -1,0 +1,146 @@
+"""The answer first: what failed, who straggled across the run, and how each kind of operation trends.
+
+A run's report can hold hundreds of checkpoint operations on dozens of ranks.
+Before any detail, a person wants: how many operations, which failed (which
+checkpoint, which rank, that rank's own exception in full), whether one rank
+is slow across the run (not just once), and whether checkpoints are getting
+slower. :func:`summarize` computes that; :func:`worst_first` orders the
+details so the ones worth reading come first.
+
+Usage::
+
+    summary = summarize(checkpoints(spans))
+    summary.straggler       # RunStraggler(rank=2, slowest_in=7, of=7, median_skew=25.3)
+    [t.operation for t in summary.trends]
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+
+from dcp_otel.report.model import Checkpoint
+
+#: A rank is the run's straggler when it was the straggler of at least this share of the checkpoints.
+RUN_STRAGGLER_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed checkpoint operation."""
+
+    index: int  # its position in the run, oldest first
+    operation: str
+    checkpoint_id: str
+    ranks: list[int]
+    cause: str  # the failing rank's own exception, in full when the spans carry it
+
+
+@dataclass(frozen=True)
+class RunStraggler:
+    """A rank that was the straggler of many checkpoints."""
+
+    rank: int
+    slowest_in: int
+    of: int
+    median_skew: float  # its work against the median rank's, over the checkpoints it straggled
+
+
+@dataclass(frozen=True)
+class Trend:
+    """One operation kind over the run, oldest first."""
+
+    operation: str
+    durations_s: list[float]
+    throughputs_bps: list[float | None]  # all ranks' bytes over the checkpoint's duration
+    failed: int
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.durations_s)
+
+    def change(self) -> float | None:
+        """The last fifth's median duration over the first fifth's (1.5: 50% slower), with 5 or more."""
+        n = len(self.durations_s)
+        if n < 5:
+            return None
+        k = max(1, n // 5)
+        first, last = statistics.median(self.durations_s[:k]), statistics.median(self.durations_s[-k:])
+        return last / first if first > 0 else None
+
+
+@dataclass(frozen=True)
+class Summary:
+    operations: int
+    ranks: int
+    by_operation: dict[str, int]
+    failures: list[Failure]
+    straggler: RunStraggler | None
+    trends: list[Trend]
+
+
+def summarize(checkpoints: list[Checkpoint]) -> Summary:
+    """The run's summary (``checkpoints`` oldest first, as :func:`~dcp_otel.report.model.checkpoints` gives them)."""
+    failures = [
+        Failure(i, c.operation, c.checkpoint_id, c.failed_ranks, c.error_detail or c.error or "failed")
+        for i, c in enumerate(checkpoints)
+        if c.error
+    ]
+    multi_rank = [c for c in checkpoints if len(c.ranks) > 1]
+    stragglers = Counter(c.straggler for c in multi_rank if c.straggler is not None)
+    straggler = None
+    if stragglers:
+        rank, count = max(stragglers.items(), key=lambda item: (item[1], -item[0]))
+        if count >= RUN_STRAGGLER_SHARE * len(multi_rank):
+            skews = [c.straggler_skew for c in multi_rank if c.straggler == rank]
+            straggler = RunStraggler(rank, count, len(multi_rank), statistics.median(skews))
+    trends = []
+    for operation in dict.fromkeys(c.operation for c in checkpoints):
+        mine = [c for c in checkpoints if c.operation == operation]
+        trends.append(Trend(
+            operation,
+            [c.duration_s for c in mine],
+            [sum(r.bytes for r in c.ranks) / c.duration_s if c.duration_s > 0 and any(r.bytes for r in c.ranks)
+             else None for c in mine],
+            sum(1 for c in mine if c.error),
+        ))  # fmt: skip
+    return Summary(
+        operations=len(checkpoints),
+        ranks=len({r.rank for c in checkpoints for r in c.ranks}),
+        by_operation=dict(Counter(c.operation for c in checkpoints)),
+        failures=failures,
+        straggler=straggler,
+        trends=trends,
+    )
+
+
+def worst_first(checkpoints: list[Checkpoint]) -> list[int]:
+    """Indices of ``checkpoints``, the ones worth reading first: failed, then slowest against their kind's median."""
+    medians = {
+        op: statistics.median(c.duration_s for c in checkpoints if c.operation == op)
+        for op in {c.operation for c in checkpoints}
+    }
+
+    def badness(i: int) -> tuple[int, float, int]:
+        c = checkpoints[i]
+        median = medians[c.operation]
+        return (0 if c.error else 1, -(c.duration_s / median if median > 0 else 1.0), i)
+
+    return sorted(range(len(checkpoints)), key=badness)
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 24) -> str:
+    """``values`` as a line of block characters, resampled to at most ``width`` (bucket medians)."""
+    if not values:
+        return ""
+    if len(values) > width:
+        step = len(values) / width
+        values = [statistics.median(values[int(i * step) : max(int(i * step) + 1, int((i + 1) * step))])
+                  for i in range(width)]  # fmt: skip
+    low, high = min(values), max(values)
+    span = high - low
+    return "".join(SPARKS[int((v - low) / span * (len(SPARKS) - 1)) if span > 0 else 0] for v in values)
