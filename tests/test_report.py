@@ -178,3 +178,116 @@ def test_the_html_report_draws_one_lane_per_rank_and_highlights_the_straggler(br
     assert failed >= 1
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == []
+
+
+def test_the_html_report_opens_with_the_runs_summary_and_a_trend_chart(browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    page = tmp_path / "report.html"
+    assert run_cli(str(RECORDED), "--html", str(page)).returncode == 0
+    browser.get(page.as_uri())
+    top = browser.execute_script("""
+        const summary = document.querySelector('#summary');
+        const chart = summary.querySelector('svg.trend');
+        return {first: document.querySelector('h1').nextElementSibling.id, text: summary.innerText,
+                cause: summary.querySelector('pre.cause').innerText,
+                lines: [...chart.querySelectorAll('polyline.trend-line')].map(p => p.dataset.operation),
+                yTicks: chart.querySelectorAll('text.tick[text-anchor="end"]').length,
+                failedDots: chart.querySelectorAll('circle.trend-failed').length,
+                sectionTop: document.querySelector('section.checkpoint').getBoundingClientRect().top,
+                summaryBottom: summary.getBoundingClientRect().bottom}""")
+    assert top["first"] == "summary"  # the first thing under the title
+    assert "5 checkpoint operations" in top["text"] and "1 failed" in top["text"]
+    assert f"rank {SLOW} was the slowest in 5 of 5 checkpoints" in top["text"]
+    assert top["cause"] == "OSError: [Errno 28] No space left on device"  # the failing rank's own, in full
+    assert top["lines"] == ["save", "async_save", "load"] and top["yTicks"] >= 4 and top["failedDots"] == 1
+    assert top["summaryBottom"] <= top["sectionTop"]  # above every checkpoint's details
+
+
+def check_timelines(browser) -> dict:  # type: ignore[no-untyped-def]
+    """Every drawn timeline: labels never clipped, every bar colour in the legend, at least 4 axis ticks."""
+    seen = browser.execute_script("""
+        const legend = new Set([...document.querySelectorAll('.timeline-legend i')]
+            .map(i => getComputedStyle(i).backgroundColor));
+        return [...document.querySelectorAll('.timeline-host svg')].map(svg => {
+            const bars = [...svg.querySelectorAll('rect.bar')];
+            const firstBar = Math.min(...bars.map(b => b.getBBox().x));
+            const labels = [...svg.querySelectorAll('.lane-label')].map(t => {
+                const box = t.getBBox();
+                return {text: t.textContent, right: box.x + box.width, chars: t.getNumberOfChars(),
+                        shown: t.getSubStringLength(0, t.getNumberOfChars()), width: box.width};
+            });
+            return {firstBar, svgWidth: svg.getBBox().width, labels,
+                    fills: [...new Set(bars.map(b => getComputedStyle(b).fill))],
+                    missing: [...new Set(bars.map(b => getComputedStyle(b).fill))].filter(f => !legend.has(f)),
+                    ticks: svg.querySelectorAll('text.tick').length,
+                    tickLabels: [...svg.querySelectorAll('text.tick')].map(t => t.textContent)};
+        });""")
+    assert seen
+    for timeline in seen:
+        for label in timeline["labels"]:
+            assert label["right"] < timeline["firstBar"], (label, timeline["firstBar"])  # ends before the bars
+        assert timeline["missing"] == [], timeline["fills"]
+        assert timeline["ticks"] >= 4, timeline["tickLabels"]
+    return {"timelines": len(seen), "labels": [label["text"] for t in seen for label in t["labels"]]}
+
+
+def test_the_html_timelines_have_unclipped_labels_a_legend_for_every_colour_and_a_ticked_axis(browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    page = tmp_path / "report.html"
+    assert run_cli(str(RECORDED), "--html", str(page)).returncode == 0
+    browser.get(page.as_uri())
+    seen = check_timelines(browser)
+    assert seen["timelines"] == 5 and f"rank {SLOW} (straggler)" in seen["labels"]
+    orange = browser.execute_script(
+        "return [...document.querySelectorAll('.lane.straggler rect.bar.io')].map(b => getComputedStyle(b).fill)")
+    assert set(orange) == {"rgb(212, 91, 0)"}  # the straggler's colour, which the legend names
+
+
+# --- a large run: 500 checkpoints on 64 ranks (tests/generated_run.py; its time is in benchmarks/report_scale.py)
+@pytest.fixture(scope="module")
+def large_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.generated_run import write_run
+
+    return write_run(tmp_path_factory.mktemp("large-run"), checkpoints=500, ranks=64)
+
+
+def test_a_large_runs_summary_names_its_failure_straggler_and_trend(large_run: Path) -> None:
+    from dcp_otel.report.summary import summarize
+    from tests import generated_run as run
+
+    report = build([large_run])
+    summary = summarize(report.checkpoints)
+    assert summary.operations == 500 and summary.ranks == 64
+    assert summary.by_operation == {"save": 250, "async_save": 125, "load": 125}
+    (failure,) = summary.failures
+    assert (failure.index, failure.ranks) == (run.FAILED_AT, [run.FAILING])
+    assert failure.cause == run.ERROR + " (full text)"  # from the failing step's exception event
+    assert summary.straggler is not None
+    assert (summary.straggler.rank, summary.straggler.slowest_in, summary.straggler.of) == (run.SLOW, 450, 500)
+    assert all(t.change() is not None and t.change() > 1.5 for t in summary.trends)  # the run slowed down
+    assert_times_add_up(report.checkpoints)
+    text = report.text()
+    assert len(text.splitlines()) < 250  # readable: the summary and the 10 worst, the ranks worth reading
+    assert text.splitlines()[1].startswith(f"FAILED  load /ckpt/step-{run.FAILED_AT * 10} (operation 124 of 500) on rank 5")
+
+
+def test_a_large_runs_html_page_opens_on_its_summary_with_the_worst_checkpoints_drawn(browser, large_run: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from tests import generated_run as run
+
+    page = tmp_path / "large.html"
+    assert run_cli(str(large_run), "--html", str(page)).returncode == 0
+    browser.get(page.as_uri())
+    assert browser.execute_script("return document.body.dataset.rendered") == "500"
+    state = browser.execute_script("""
+        const sections = [...document.querySelectorAll('section.checkpoint')];
+        return {open: sections.filter(s => s.querySelector('details.ckpt').open).map(s => s.id),
+                drawn: document.querySelectorAll('.timeline-host svg').length,
+                lanes: document.querySelector('.timeline-host svg').querySelectorAll('g.lane').length,
+                summary: document.querySelector('#summary').innerText}""")
+    assert state["open"][0] == f"checkpoint-{run.FAILED_AT}"  # the worst (the failure) first
+    assert len(state["open"]) == state["drawn"] == 5  # the rest are collapsed, drawn when opened
+    assert state["lanes"] == 64 and f"rank {run.SLOW} was the slowest in 450 of 500" in state["summary"]
+    check_timelines(browser)
+    drawn = browser.execute_async_script("""
+        const done = arguments[arguments.length - 1], details = document.querySelector('#checkpoint-0 details.ckpt');
+        details.addEventListener('toggle', () => done(document.querySelectorAll('.timeline-host svg').length));
+        details.open = true;  // the page's own toggle listener was added first: it has drawn when this one runs""")
+    assert drawn == 6

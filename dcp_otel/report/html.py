@@ -1,9 +1,13 @@
-"""The report as one self-contained HTML page: tables, and a timeline per checkpoint.
+"""The report as one self-contained HTML page: the run's summary and trend, then each checkpoint.
 
-Works offline: no external script, style or font. The tables are written here;
-the timelines are drawn in the browser (SVG) from the data embedded in the page:
-one lane per rank, each span a bar nested by depth, failed spans outlined in
-red, and the straggler's lane highlighted.
+Works offline: no external script, style or font. At the top, the summary (each
+failure with its cause in full, the run's straggler) and a chart of each
+operation kind's duration over the run, drawn here as SVG. Then one section per
+checkpoint, worst first, the first few open and the rest collapsed: a table,
+and a timeline drawn in the browser (SVG) from the data embedded in the page
+when its section is opened: one lane per rank (labels sized to fit), each span
+a bar nested by depth, failed spans outlined in red, the straggler's lane
+highlighted, a time axis with ticks, and a legend for every colour used.
 
 Usage::
 
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from typing import Any
 
 from dcp_otel import semconv
 from dcp_otel.report.model import Checkpoint
-from dcp_otel.report.terminal import format_bytes
+from dcp_otel.report.summary import Summary, summarize, worst_first
+from dcp_otel.report.terminal import format_bytes, ranks_worth_showing
 
 _STYLE = """
 body { font: 14px system-ui, sans-serif; margin: 24px; color: #1d2330; background: #fafbfc; }
@@ -40,6 +46,13 @@ tr.straggler td { background: #fff1e6; font-weight: 600; }
 .lane.straggler .bar.io { fill: #d45b00; }
 .legend span { display: inline-block; margin-right: 14px; font-size: 12px; }
 .legend i { display: inline-block; width: 10px; height: 10px; margin-right: 4px; vertical-align: middle; }
+.legend i.outline { background: #fff; border: 2px solid #c4162a; width: 8px; height: 8px; }
+.tick { font-size: 11px; fill: #5a6270; } .tick-line { stroke: #d5d9de; stroke-width: 1; }
+.summary { background: #fff; border: 1px solid #e3e6ea; border-radius: 4px; padding: 10px 16px; margin: 10px 0 18px; }
+.summary pre { background: #fff6f6; border-left: 3px solid #c4162a; padding: 6px 10px; white-space: pre-wrap;
+  font-size: 12px; margin: 4px 0 10px; }
+.trend-line { fill: none; stroke-width: 1.5; }
+section.checkpoint > details > summary { font-size: 15px; font-weight: 600; color: #1d2330; margin: 14px 0 4px; }
 """
 
 # Draws every checkpoint's timeline from the embedded data; no library needed.
@@ -53,20 +66,32 @@ function el(name, attrs, parent) {
   if (parent) parent.appendChild(node);
   return node;
 }
-for (const ckpt of data.checkpoints) {
+function niceStep(total, ticks) {  // 1, 2 or 5 times a power of ten, giving at least `ticks` ticks
+  const raw = total / ticks, power = Math.pow(10, Math.floor(Math.log10(raw)));
+  for (const m of [5, 2, 1]) if (m * power <= raw) return m * power;
+  return power / 2;
+}
+function draw(ckpt) {
   const host = document.getElementById("timeline-" + ckpt.index);
-  const width = 1100, label = 110, row = 14;
+  if (!host || host.dataset.drawn) return;
+  host.dataset.drawn = "1";
+  const width = 1100, row = 14;
   const depth = Math.max(1, ...ckpt.lanes.map(l => l.depth + 1));
   const laneHeight = depth * row + 8;
-  const svg = el("svg", {class: "timeline", width: width, height: ckpt.lanes.length * laneHeight + 24}, host);
-  const scale = (width - label - 10) / Math.max(ckpt.duration_ms, 1e-6);
+  const svg = el("svg", {class: "timeline", width: width, height: ckpt.lanes.length * laneHeight + 34}, host);
+  // Labels first, measured, so the bars start after the longest one: never clipped.
+  const labels = ckpt.lanes.map((lane, i) => {
+    const g = el("g", {class: "lane" + (lane.rank === ckpt.straggler ? " straggler" : ""), "data-rank": lane.rank}, svg);
+    el("rect", {class: "lane-bg", x: 0, y: 4 + i * laneHeight, width: width, height: laneHeight,
+                fill: i % 2 ? "#fff" : "#f6f7f9"}, g);
+    const text = el("text", {class: "lane-label", x: 6, y: 4 + i * laneHeight + 14}, g);
+    text.textContent = "rank " + lane.rank + (lane.rank === ckpt.straggler ? " (straggler)" : "");
+    return [g, text];
+  });
+  const label = 16 + Math.max(40, ...labels.map(([, t]) => t.getComputedTextLength()));
+  const scale = (width - label - 16) / Math.max(ckpt.duration_ms, 1e-6);
   ckpt.lanes.forEach((lane, i) => {
-    const y0 = 4 + i * laneHeight;
-    const g = el("g", {class: "lane" + (lane.rank === ckpt.straggler ? " straggler" : ""),
-                       "data-rank": lane.rank}, svg);
-    el("rect", {class: "lane-bg", x: 0, y: y0, width: width, height: laneHeight, fill: i % 2 ? "#fff" : "#f6f7f9"}, g);
-    el("text", {class: "lane-label", x: 6, y: y0 + 14}, g).textContent =
-      "rank " + lane.rank + (lane.rank === ckpt.straggler ? " (straggler)" : "");
+    const y0 = 4 + i * laneHeight, g = labels[i][0];
     for (const bar of lane.bars) {
       const rect = el("rect", {
         class: "bar " + bar.kind + (bar.error ? " error" : ""), "data-name": bar.name,
@@ -76,9 +101,19 @@ for (const ckpt of data.checkpoints) {
         (bar.error ? " (failed: " + bar.error + ")" : "");
     }
   });
-  const axisY = ckpt.lanes.length * laneHeight + 18;
-  el("text", {x: label, y: axisY, class: "lane-label"}, svg).textContent = "0 ms";
-  el("text", {x: width - 90, y: axisY, class: "lane-label"}, svg).textContent = ckpt.duration_ms.toFixed(1) + " ms";
+  const axisY = ckpt.lanes.length * laneHeight + 8, step = niceStep(ckpt.duration_ms, 5);
+  for (let t = 0; t <= ckpt.duration_ms + 1e-9; t += step) {
+    const x = label + t * scale;
+    el("line", {class: "tick-line", x1: x, x2: x, y1: 4, y2: axisY + 4}, svg);
+    const tick = el("text", {class: "tick", x: x, y: axisY + 18, "text-anchor": "middle"}, svg);
+    tick.textContent = (step < 1 ? t.toFixed(1) : t.toFixed(0)) + " ms";
+  }
+}
+for (const ckpt of data.checkpoints) {
+  const section = document.getElementById("checkpoint-" + ckpt.index);
+  const details = section && section.querySelector("details.ckpt");
+  if (!details || details.open) draw(ckpt);
+  if (details) details.addEventListener("toggle", () => { if (details.open) draw(ckpt); });
 }
 document.body.setAttribute("data-rendered", String(data.checkpoints.length));
 """
@@ -126,11 +161,12 @@ _ASYNC_HEADERS = (
 )  # fmt: skip
 
 
-def _summary(index: int, ckpt: Checkpoint) -> str:
+def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
     e = html.escape
     is_async = ckpt.operation == "async_save"
     rows = []
-    for r in ckpt.ranks:
+    shown = ranks_worth_showing(ckpt)
+    for r in (r for r in ckpt.ranks if r.rank in shown):
         mbps = f"{r.throughput_bps / 1e6:.1f}" if r.throughput_bps else "-"
         cls = ' class="straggler"' if r.rank == ckpt.straggler else ""
         cells = [str(r.rank), f"{r.duration_s:.3f}", f"{r.busy_s:.3f}", f"{r.wait_s:.3f}"]
@@ -152,17 +188,103 @@ def _summary(index: int, ckpt: Checkpoint) -> str:
         ranks = ", ".join(map(str, ckpt.failed_ranks))
         notes.append(f'<span class="failed">Failed on rank {ranks}: {e(ckpt.error or "")}</span>')
     status = '<span class="failed">FAILED</span>' if ckpt.error else "ok"
+    if len(shown) < len(ckpt.ranks):
+        rest = [r for r in ckpt.ranks if r.rank not in shown]
+        notes.insert(0, f"{len(rest)} other ranks not listed: total {min(r.duration_s for r in rest):.3f} to "
+                        f"{max(r.duration_s for r in rest):.3f} s (their lanes are in the timeline).")  # fmt: skip
     return (
-        f'<section class="checkpoint" id="checkpoint-{index}">'
-        f"<h2>{e(ckpt.operation)} {e(ckpt.checkpoint_id)} &mdash; {ckpt.duration_s:.3f} s, {status}</h2>"
+        f'<section class="checkpoint" id="checkpoint-{index}"><details class="ckpt"{" open" if open_ else ""}>'
+        f"<summary>{e(ckpt.operation)} {e(ckpt.checkpoint_id)} &mdash; {ckpt.duration_s:.3f} s, {status}</summary>"
         f'<div class="meta">trace {e(ckpt.trace_id)}</div>'
         "<table><tr>" + "".join(f'<th title="{e(why)}">{e(name)}</th>' for name, why in headers) + "</tr>"
         + "".join(rows) + "</table>"
         '<details><summary>steps</summary><table class="steps"><tr><th>step</th><th>slowest rank</th>'
         "<th>its time s</th><th>median s</th><th>skew</th></tr>" + step_rows + "</table></details>"
         f"<p>{' '.join(notes)}</p>"
-        f'<div class="timeline-host" id="timeline-{index}"></div></section>'
+        f'<div class="timeline-host" id="timeline-{index}"></div></details></section>'
     )
+
+
+#: Every colour a timeline uses, and what it means (the straggler's write/read bars are orange).
+LEGEND = (("operation", "#8ab8ff"), ("write/read", "#3274d9"), ("straggler's write/read", "#d45b00"),
+          ("async upload/staging", "#a78bfa"), ("other steps", "#73bf69"))  # fmt: skip
+#: Sections open when the page loads (the worst first); the others draw their timeline when opened.
+OPEN_SECTIONS = 5
+_TREND_COLORS = ("#3274d9", "#a78bfa", "#73bf69", "#d45b00", "#8ab8ff", "#5a6270")
+
+
+def _ticks(high: float, count: int = 5) -> list[float]:
+    """Round tick values from 0 to at least ``high``: at least ``count - 1`` of them."""
+    if high <= 0:
+        return [0.0, 1.0, 2.0, 3.0]
+    raw = high / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next((m * power for m in (1, 2, 5, 10) if m * power >= raw), 10 * power)
+    return [i * step for i in range(int(high / step) + 2)]
+
+
+def _trend_chart(checkpoints: list[Checkpoint]) -> str:
+    """Each operation kind's duration over the run, as an SVG line chart with ticked axes and a legend."""
+    width, height, left, bottom, top = 900, 220, 60, 30, 10
+    durations = [c.duration_s for c in checkpoints]
+    y_ticks = _ticks(max(durations))
+    x_ticks = [t for t in _ticks(len(checkpoints) - 1 if len(checkpoints) > 1 else 1) if t <= max(1, len(checkpoints) - 1)]
+    y_max, x_max = y_ticks[-1], max(1, len(checkpoints) - 1)
+
+    def x(i: float) -> float:
+        return left + (width - left - 10) * i / x_max
+
+    def y(v: float) -> float:
+        return top + (height - top - bottom) * (1 - v / y_max)
+
+    parts = [f'<svg class="trend" width="{width}" height="{height}" role="img" '
+             'aria-label="checkpoint duration over the run, per operation kind">']  # fmt: skip
+    for v in y_ticks:
+        parts.append(f'<line class="tick-line" x1="{left}" x2="{width - 10}" y1="{y(v):.1f}" y2="{y(v):.1f}"/>'
+                     f'<text class="tick" x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:g} s</text>')  # fmt: skip
+    for t in x_ticks:
+        parts.append(f'<text class="tick" x="{x(t):.1f}" y="{height - 10}" text-anchor="middle">#{int(t) + 1}</text>')
+    legend = []
+    for n, op in enumerate(dict.fromkeys(c.operation for c in checkpoints)):
+        color = _TREND_COLORS[n % len(_TREND_COLORS)]
+        points = " ".join(f"{x(i):.1f},{y(c.duration_s):.1f}" for i, c in enumerate(checkpoints) if c.operation == op)
+        parts.append(f'<polyline class="trend-line" data-operation="{html.escape(op)}" stroke="{color}" points="{points}"/>')
+        legend.append(f'<span><i style="background:{color}"></i>{html.escape(op)}</span>')
+    for i, c in enumerate(checkpoints):
+        if c.error:
+            parts.append(f'<circle class="trend-failed" cx="{x(i):.1f}" cy="{y(c.duration_s):.1f}" r="4" fill="#c4162a">'
+                         f"<title>#{i + 1} {html.escape(c.operation)} failed</title></circle>")  # fmt: skip
+    if any(c.error for c in checkpoints):
+        legend.append('<span><i style="background:#c4162a"></i>failed</span>')
+    parts.append("</svg>")
+    return f'<div class="legend trend-legend">{"".join(legend)}</div>{"".join(parts)}'
+
+
+def _run_summary(summary: Summary, checkpoints: list[Checkpoint]) -> str:
+    e = html.escape
+    kinds = ", ".join(f"{n} {op}" for op, n in summary.by_operation.items())
+    failed = f'<span class="failed">{len(summary.failures)} failed</span>' if summary.failures else "none failed"
+    parts = [f'<div class="summary" id="summary"><p><b>{summary.operations} checkpoint operations</b> ({e(kinds)}) '
+             f"on {summary.ranks} ranks: {failed}.</p>"]  # fmt: skip
+    for f in summary.failures[:5]:
+        ranks = ", ".join(map(str, f.ranks)) or "?"
+        parts.append(f'<p class="failed"><a href="#checkpoint-{f.index}">{e(f.operation)} {e(f.checkpoint_id)}</a> '
+                     f"(operation {f.index + 1} of {summary.operations}) failed on rank {ranks}:</p>"
+                     f'<pre class="cause">{e(f.cause)}</pre>')  # fmt: skip
+    if len(summary.failures) > 5:
+        parts.append(f"<p>... and {len(summary.failures) - 5} more failed operations, first below.</p>")
+    st = summary.straggler
+    parts.append(f'<p class="straggler-summary">Straggler: <b>rank {st.rank}</b> was the slowest in {st.slowest_in} of '
+                 f"{st.of} checkpoints, {st.median_skew:.1f}x the median rank.</p>" if st is not None
+                 else "<p>No rank was the slowest in most checkpoints.</p>")  # fmt: skip
+    trends = []
+    for t in summary.trends:
+        change = t.change()
+        trends.append(f"{e(t.operation)}: median {t.median_s:.3f} s over {len(t.durations_s)}"
+                      + ("" if change is None else f", {(change - 1) * 100:+.0f}% from the first fifth to the last"))  # fmt: skip
+    parts.append(f"<p>Duration, oldest to newest &mdash; {'; '.join(trends)}.</p>")
+    parts.append(_trend_chart(checkpoints) + "</div>")
+    return "".join(parts)
 
 
 def render(checkpoints: list[Checkpoint]) -> str:
@@ -174,16 +296,18 @@ def render(checkpoints: list[Checkpoint]) -> str:
         ]
     }  # fmt: skip
     # "</" would end the script element early; JSON allows "<\\/" for it.
-    payload = json.dumps(data).replace("</", "<\\/")
-    legend = "".join(f'<span><i style="background:{c}"></i>{name}</span>' for name, c in (
-        ("operation", "#8ab8ff"), ("write/read", "#3274d9"), ("async", "#a78bfa"), ("other steps", "#73bf69")))  # fmt: skip
-    sections = "".join(_summary(i, c) for i, c in enumerate(checkpoints))
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    legend = "".join(f'<span><i style="background:{c}"></i>{name}</span>' for name, c in LEGEND)
+    legend += '<span><i class="outline"></i>failed span</span>'
+    order = worst_first(checkpoints)
+    sections = "".join(_section(i, checkpoints[i], n < OPEN_SECTIONS) for n, i in enumerate(order))
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         "<title>dcp-otel checkpoint report</title>"
         f"<style>{_STYLE}</style></head><body>"
-        f"<h1>dcp-otel checkpoint report</h1><div class=\"meta\">{len(checkpoints)} checkpoint operations</div>"
-        f'<div class="legend">{legend}</div>{sections}'
+        "<h1>dcp-otel checkpoint report</h1>"
+        f"{_run_summary(summarize(checkpoints), checkpoints)}"
+        f'<h2>Checkpoints, worst first</h2><div class="legend timeline-legend">{legend}</div>{sections}'
         f'<script type="application/json" id="report-data">{payload}</script>'
         f"<script>{_SCRIPT}</script></body></html>\n"
     )

@@ -55,7 +55,7 @@ def render_one(ckpt: Checkpoint) -> str:
              f"trace {ckpt.trace_id}"]  # fmt: skip
     is_async = ckpt.operation == "async_save"
     rows: list[tuple[str, ...]] = [_ASYNC_COLUMNS if is_async else _COLUMNS]
-    shown = _ranks_worth_showing(ckpt)
+    shown = ranks_worth_showing(ckpt)
     rows += [_row(r, r.rank == ckpt.straggler, is_async) for r in ckpt.ranks if r.rank in shown]
     lines += _table(rows)
     if len(shown) < len(ckpt.ranks):
@@ -80,7 +80,7 @@ def render_one(ckpt: Checkpoint) -> str:
     return "\n".join(lines)
 
 
-def _ranks_worth_showing(ckpt: Checkpoint) -> set[int]:
+def ranks_worth_showing(ckpt: Checkpoint) -> set[int]:
     """Every rank of a small job; of a large one, the coordinator, the failed, the straggler and the slowest."""
     if len(ckpt.ranks) <= _RANKS_SHOWN:
         return {r.rank for r in ckpt.ranks}
