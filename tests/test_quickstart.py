@@ -36,7 +36,7 @@ def test_quickstart_writes_one_trace_per_checkpoint_that_the_report_reads(tmp_pa
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
     assert summary.returncode == 0, summary.stderr
-    assert summary.stdout.startswith("3 checkpoint operations, 2 ranks")
+    assert summary.stdout.startswith("3 checkpoint operations (1 save, 1 async_save, 1 load) on 2 ranks: none failed\n")
     for operation in ("save", "async_save", "load"):
         assert f"\n{operation} {tmp_path}/checkpoints/step-" in summary.stdout
     assert "async_save" in summary.stdout and "completed" in summary.stdout

@@ -36,4 +36,4 @@ def test_sixteen_ranks_give_one_trace_per_checkpoint_and_a_report(tmp_path: Path
         assert all(s.parent_id in ids for s in group if s is not roots[0])
     report = build([out / "traces"])
     assert [len(c.ranks) for c in report.checkpoints] == [RANKS] * 3
-    assert f"3 checkpoint operations, {RANKS} ranks" in run.stdout
+    assert f"3 checkpoint operations (1 save, 1 async_save, 1 load) on {RANKS} ranks: " in run.stdout
