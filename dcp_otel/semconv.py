@@ -95,7 +95,7 @@ COLLECTIVE_STEPS: Final = frozenset(
 #: Prefix of the per-key calls that are summarized instead of traced.
 STATEFUL_KEY_PREFIX: Final = "_stateful_to_state_dict."
 
-# --- environment variables (documented in README.md, "Configuration") ------
+# --- environment variables (documented in docs/configuration.md) ------
 ENV_RUN_ID: Final = "DCP_OTEL_RUN_ID"
 ENV_SLOWEST_KEYS: Final = "DCP_OTEL_SLOWEST_KEYS"
 ENV_MAX_OPEN_SPANS: Final = "DCP_OTEL_MAX_OPEN_SPANS"

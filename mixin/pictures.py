@@ -3,7 +3,7 @@
 Grafana is what users run; this draws, with matplotlib, what its panels would
 show: each picture takes panels of a committed dashboard by title, sends their
 own queries (variables set to "All") to a Prometheus, and plots the answers.
-The README's pictures come from ``scripts/pictures.sh``, which points it at a
+The documentation's pictures come from ``scripts/pictures.sh``, which points it at a
 live run of our stack (tests/stack.py).
 
 Usage::
@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from mixin.dashboards import panels, render_expr  # noqa: E402
 from mixin.promapi import PrometheusAPI  # noqa: E402
 
-#: Panels shown in the README, per dashboard file.
+#: Panels shown in docs/receiving-stack.md, per dashboard file.
 MAIN_PANELS = {
     "dcp-otel-checkpoints.json": [
         "Operations by status", "Operation duration", "Step duration p95", "Bytes per second",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Redraw the README's pictures:
+# Redraw the documentation's pictures (docs/img):
 #   - docs/img/dcp-otel-*.png: the dashboards' main panels, from a live run of the stack
 #     (a real Prometheus with our config and rules, scraping a 3-rank dcp-otel-run job);
 #   - docs/img/report.png: the HTML report of the recorded demo run, in headless Chromium.

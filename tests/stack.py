@@ -128,7 +128,7 @@ class Stack:
 
 
 def draw(live: Stack, dashboard: str, at: float, out_dir: Path) -> dict[str, int]:
-    """The README picture of ``dashboard``'s main panels, from this run, up to ``at``."""
+    """The documentation's picture of ``dashboard``'s main panels, from this run, up to ``at``."""
     import json
 
     from mixin.pictures import MAIN_PANELS, render

@@ -13,13 +13,12 @@ from dcp_otel import config, semconv
 from dcp_otel.config import InstrumentOptions, is_rank_process
 from dcp_otel.resource import TorchDistributedResourceDetector
 
-README = Path(__file__).parent.parent / "README.md"
+CONFIGURATION = Path(__file__).parent.parent / "docs" / "configuration.md"
 
 
-def test_every_environment_variable_we_read_is_in_the_readme_table() -> None:
+def test_every_environment_variable_we_read_is_in_the_configuration_table() -> None:
     variables = {value for name, value in vars(semconv).items() if name.startswith("ENV_")}
-    section = README.read_text().split("### Configuration", 1)[1].split("\n## ", 1)[0]
-    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", section))
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", CONFIGURATION.read_text()))
     assert variables - documented == set()
 
 

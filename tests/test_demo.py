@@ -51,6 +51,17 @@ def test_the_demo_trains_checkpoints_resumes_and_reports_the_slow_rank(tmp_path:
     rerun = subprocess.run(again, shell=True, capture_output=True, text=True, timeout=120, cwd=REPO)  # noqa: S602
     assert rerun.returncode == 0, rerun.stderr
     assert rerun.stdout.startswith("5 checkpoint operations")
+    # ...and so does the README's, as printed: from a checkout whose demo wrote out/demo.
+    (readme_command,) = [line.split("#", 1)[0].strip() for line in (REPO / "README.md").read_text().splitlines()
+                         if line.startswith(".venv/bin/dcp-otel report")]  # fmt: skip
+    checkout = tmp_path / "checkout"
+    (checkout / "out").mkdir(parents=True)
+    (checkout / ".venv").symlink_to(REPO / ".venv")
+    (checkout / "out" / "demo").symlink_to(out)
+    (out / "report.html").unlink()
+    rerun = subprocess.run(readme_command, shell=True, capture_output=True, text=True, timeout=120, cwd=checkout)  # noqa: S602
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout.startswith("5 checkpoint operations") and (out / "report.html").stat().st_size > 1000
     for name in ("report.html", "trace.perfetto.json"):
         assert (out / name).stat().st_size > 1000 and str(out / name) in text
     json.loads((out / "trace.perfetto.json").read_text())

@@ -1,4 +1,4 @@
-"""The README's first command works: a real 2-rank torchrun job, traced to files or OTLP."""
+"""examples/quickstart.py, as docs/setup.md shows it, works: a real 2-rank torchrun job, traced to files or OTLP."""
 
 from __future__ import annotations
 

@@ -249,6 +249,9 @@ def _trend_chart(checkpoints: list[Checkpoint]) -> str:
         color = _TREND_COLORS[n % len(_TREND_COLORS)]
         points = " ".join(f"{x(i):.1f},{y(c.duration_s):.1f}" for i, c in enumerate(checkpoints) if c.operation == op)
         parts.append(f'<polyline class="trend-line" data-operation="{html.escape(op)}" stroke="{color}" points="{points}"/>')
+        if len(checkpoints) <= 100:  # each checkpoint a dot too (a kind seen once has no line)
+            parts += [f'<circle cx="{x(i):.1f}" cy="{y(c.duration_s):.1f}" r="2.5" fill="{color}"/>'
+                      for i, c in enumerate(checkpoints) if c.operation == op]
         legend.append(f'<span><i style="background:{color}"></i>{html.escape(op)}</span>')
     for i, c in enumerate(checkpoints):
         if c.error:
