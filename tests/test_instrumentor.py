@@ -116,7 +116,9 @@ def test_a_second_instrument_asking_for_other_options_says_which_stay_in_force(p
     ("option", "value", "expected"),
     [("tracer_provider", "x", "tracer_provider must be an opentelemetry TracerProvider, got str"),
      ("tracer_provider", object(), "got object"),
-     ("registry", "x", "registry must be a prometheus_client CollectorRegistry, got str")],
+     ("registry", "x", "registry must be a prometheus_client CollectorRegistry, got str"),
+     # no OpenTelemetry metrics path yet: any meter_provider is refused, naming the valid options
+     ("meter_provider", "x", "unknown dcp_otel option(s) ['meter_provider']; valid options are")],
 )
 def test_a_provider_or_registry_of_the_wrong_type_is_a_clear_error(option: str, value: object, expected: str) -> None:
     with pytest.raises(ValueError, match=re.escape(expected)):
