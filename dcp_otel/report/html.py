@@ -228,7 +228,8 @@ def _trend_chart(checkpoints: list[Checkpoint]) -> str:
     width, height, left, bottom, top = 900, 220, 60, 30, 10
     durations = [c.duration_s for c in checkpoints]
     y_ticks = _ticks(max(durations))
-    x_ticks = [t for t in _ticks(len(checkpoints) - 1 if len(checkpoints) > 1 else 1) if t <= max(1, len(checkpoints) - 1)]
+    # Checkpoint numbers: whole ones only (a run of 2 has ticks #1 and #2, not #1, #1.2, ...).
+    x_ticks = sorted({round(t) for t in _ticks(max(1, len(checkpoints) - 1)) if t <= max(1, len(checkpoints) - 1)})
     y_max, x_max = y_ticks[-1], max(1, len(checkpoints) - 1)
 
     def x(i: float) -> float:
