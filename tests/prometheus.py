@@ -46,8 +46,13 @@ class PrometheusServer(PrometheusAPI):
     """``prometheus`` with ``config`` (a dict, written as YAML), its data in ``workdir``;
     its HTTP API once started."""
 
-    def __init__(self, config: dict[str, Any], workdir: Path, *, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, config: dict[str, Any], workdir: Path, *, start_timeout_s: float = 60.0,
+                 agent: bool = False, flags: tuple[str, ...] = ()) -> None:  # fmt: skip
+        """``agent``: Prometheus in agent mode (scrape and remote-write only); ``flags``: more of its flags."""
+        workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
+        self.agent = agent
+        self.flags = flags
         self.config_path = workdir / "prometheus.yml"
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.start_timeout_s = start_timeout_s
@@ -61,10 +66,11 @@ class PrometheusServer(PrometheusAPI):
             [
                 binary("prometheus"),
                 f"--config.file={self.config_path}",
-                f"--storage.tsdb.path={self.workdir / 'data'}",
+                *([f"--storage.agent.path={self.workdir / 'agent-data'}", "--enable-feature=agent,exemplar-storage"]
+                  if self.agent else [f"--storage.tsdb.path={self.workdir / 'data'}", "--enable-feature=exemplar-storage"]),
                 "--web.listen-address=127.0.0.1:0",
-                "--enable-feature=exemplar-storage",
                 "--log.level=info",
+                *self.flags,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

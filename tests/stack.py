@@ -19,9 +19,12 @@ Usage::
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +42,10 @@ WORLD = 3
 SLOW_RANK, FAIL_RANK = 2, 1
 RANK_JOB, AGENT_JOB = "dcp-otel", "torchelastic-agent"
 JOB_TIMEOUT_S = 420
+#: The agent's remote-write progress: the newest sample timestamp it has sent.
+_SENT = re.compile(r"^prometheus_remote_storage_queue_highest_sent_timestamp_seconds\{[^}]*\} (\S+)$", re.MULTILINE)
+#: ... and the newest it has scraped.
+_APPENDED = re.compile(r"^prometheus_remote_storage_highest_timestamp_in_seconds (\S+)$", re.MULTILINE)
 
 
 def live_config(shipped: Path, targets: Path, interval: str = "1s") -> dict[str, Any]:
@@ -59,14 +66,46 @@ def live_config(shipped: Path, targets: Path, interval: str = "1s") -> dict[str,
     return config
 
 
-class Stack:
-    """A real Prometheus (our config and rules) and, in :meth:`run_job`, a real job."""
+def agent_config(shipped: Path, targets: Path, central_url: str, interval: str = "1s") -> dict[str, Any]:
+    """Our shipped agent.yml, for a test: fast intervals, this run's file_sd folder, this central Prometheus."""
+    config = yaml.safe_load(shipped.read_text())
+    config["global"]["scrape_interval"] = interval
+    for job in config["scrape_configs"]:
+        for sd in job["file_sd_configs"]:
+            sd["files"] = [str(targets / Path(f).name) for f in sd["files"]]
+    (remote,) = config["remote_write"]
+    remote["url"] = f"{central_url}/api/v1/write"
+    remote["queue_config"]["batch_send_deadline"] = interval
+    return config
 
-    def __init__(self, tmp: Path) -> None:
+
+def central_config(shipped: Path, interval: str = "1s") -> dict[str, Any]:
+    """The central Prometheus behind the agents: our rules, no scrape job of its own."""
+    config = yaml.safe_load(shipped.read_text())
+    return {"global": {"evaluation_interval": interval},
+            "rule_files": [str((shipped.parent / f).resolve()) for f in config["rule_files"]]}  # fmt: skip
+
+
+class Stack:
+    """A real Prometheus (our config and rules) and, in :meth:`run_job`, a real job.
+
+    With ``agent=True``, what scrapes the job is a Prometheus in agent mode with our
+    ``agent.yml``, remote-writing to a central Prometheus (the remote-write
+    receiver, with our rules) that :attr:`prom` then is: what a many-node job runs.
+    """
+
+    def __init__(self, tmp: Path, *, agent: bool = False) -> None:
         self.tmp = tmp
         self.targets = tmp / "targets"
         self.targets.mkdir(parents=True, exist_ok=True)
-        self.prom = PrometheusServer(live_config(PROMETHEUS_DIR / "prometheus.yml", self.targets), tmp)
+        shipped = PROMETHEUS_DIR / "prometheus.yml"
+        if agent:
+            self.prom = PrometheusServer(central_config(shipped), tmp / "central",
+                                         flags=("--web.enable-remote-write-receiver",))  # fmt: skip
+        else:
+            self.prom = PrometheusServer(live_config(shipped, self.targets), tmp)
+        self.scraper: PrometheusServer | None = None  # the agent, once the central side is up
+        self._agent = agent
         self.t_start = time.time()
         self.t_ranks = self.t_agent = 0.0
         self.job_log = tmp / "job.log"
@@ -74,13 +113,44 @@ class Stack:
 
     def __enter__(self) -> Stack:
         self.prom.__enter__()
+        if self._agent:
+            config = agent_config(PROMETHEUS_DIR / "agent.yml", self.targets, self.prom.url)
+            self.scraper = PrometheusServer(config, self.tmp / "agent", agent=True)
+            try:
+                self.scraper.__enter__()
+            except BaseException:
+                self.prom.__exit__(None, None, None)
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._job is not None and self._job.poll() is None:
             self._job.kill()
             self._job.wait()
+        if self.scraper is not None:
+            self.scraper.__exit__(*exc)
         self.prom.__exit__(*exc)
+
+    def wait_until_sent(self, at: float | None, timeout_s: float = 60.0) -> None:
+        """Until the agent has sent the central side every sample it scraped up to ``at`` (``None``: all it
+        has scraped; no-op without an agent).
+
+        Scrapes reach the central side through the agent's remote-write queue, a
+        batch at a time; the agent's own metrics say how far it has sent.
+        """
+        if self.scraper is None:
+            return
+        deadline, wake = time.monotonic() + timeout_s, threading.Event()
+        while True:
+            with urllib.request.urlopen(f"{self.scraper.url}/metrics", timeout=10) as response:  # noqa: S310 - loopback
+                text = response.read().decode()
+            sent = [float(v) for v in _SENT.findall(text)]
+            target = at if at is not None else max((float(v) for v in _APPENDED.findall(text)), default=0.0)
+            if sent and max(sent) >= target > 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the agent never sent its samples up to {at}:\n{self.log_tail()}")
+            wake.wait(0.25)  # polling the agent's progress, bounded by the deadline
 
     def run_job(self, while_ranks_live: Callable[[], None] = lambda: None) -> None:
         """Run the job to its end; raise with its log if it fails or overruns."""
@@ -107,6 +177,7 @@ class Stack:
         except Exception as exc:  # the store's timeout: say why, with the job's own words
             raise AssertionError(f"the ranks never finished: {exc}\n{self.log_tail()}") from exc
         self.t_ranks = time.time()
+        self.wait_until_sent(self.t_ranks)
         try:
             while_ranks_live()
         finally:
@@ -116,6 +187,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 code = None
         assert code == 0, f"the job ended with {code}:\n{self.log_tail()}"
+        self.wait_until_sent(None)  # the agent's final scrape, too
         self.t_agent = self.last_scrape(AGENT_JOB)
 
     def last_scrape(self, job: str) -> float:
@@ -124,7 +196,9 @@ class Stack:
         return max(float(t) for t, value in up["values"] if value == "1")
 
     def log_tail(self) -> str:
-        return self.job_log.read_text(errors="replace")[-6000:] + "\n--- prometheus ---\n" + "".join(self.prom.log[-20:])
+        agent = "".join(self.scraper.log[-20:]) if self.scraper is not None else ""
+        job = self.job_log.read_text(errors="replace")[-6000:] if self.job_log.exists() else ""
+        return job + "\n--- prometheus ---\n" + "".join(self.prom.log[-20:]) + ("\n--- agent ---\n" + agent if agent else "")
 
 
 def draw(live: Stack, dashboard: str, at: float, out_dir: Path) -> dict[str, int]:

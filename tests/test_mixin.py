@@ -95,6 +95,20 @@ def test_promtool_accepts_the_scrape_config_and_the_rules() -> None:
     assert rules.returncode == 0, rules.stdout + rules.stderr
 
 
+def test_the_agent_config_is_valid_runs_no_rules_and_scrapes_exactly_as_prometheus_yml() -> None:
+    agent = PROMETHEUS / "agent.yml"
+    checked = promtool("check", "config", str(agent))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    config = load_yaml(agent)
+    assert "rule_files" not in config and "alerting" not in config  # agent mode refuses both
+    (remote,) = config["remote_write"]
+    assert remote["send_exemplars"] is True
+    # The same jobs, discovery and relabelling as prometheus.yml (its static example targets aside).
+    server = {job["job_name"]: {k: v for k, v in job.items() if k != "static_configs"}
+              for job in load_yaml(PROMETHEUS / "prometheus.yml")["scrape_configs"] if job.get("file_sd_configs")}  # fmt: skip
+    assert {job["job_name"]: job for job in config["scrape_configs"]} == server
+
+
 def test_the_large_jobs_config_is_valid_and_drops_only_real_per_rank_buckets() -> None:
     large = PROMETHEUS / "large-jobs.yml"
     checked = promtool("check", "config", str(large))

@@ -2,7 +2,9 @@
 
 One run of tests/stack.py (Prometheus with exporters/prometheus/prometheus.yml
 and our rules; a 3-rank ``dcp-otel-run`` job found through dcp-otel's file_sd
-files) feeds every check here: each query of each panel of each dashboard,
+files) feeds every check here, and a second run where a Prometheus in agent mode
+(exporters/prometheus/agent.yml) scrapes the job and remote-writes to a central
+Prometheus with our rules, which the checks query: each query of each panel of each dashboard,
 with its variables substituted as Grafana would; each variable's own query;
 the exemplars of the duration panels; the recording rules; the alerts.
 """
@@ -29,11 +31,17 @@ _LABEL_VALUES = re.compile(r"^label_values\((?P<match>.+),\s*(?P<label>\w+)\)$")
 _TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Run the job once; record what the checks need at both moments (ranks live, agent done)."""
+@pytest.fixture(scope="module", params=["prometheus", "agent"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Run the job once per way of collecting it; record what the checks need at both moments
+    (ranks live, agent done).
+
+    ``prometheus``: one Prometheus with prometheus.yml scrapes the job. ``agent``: a Prometheus
+    in agent mode with agent.yml scrapes it and remote-writes to a central Prometheus, which
+    every check then queries, as a many-node job runs.
+    """
     results: dict[str, Any] = {}
-    with Stack(tmp_path_factory.mktemp("stack")) as live:
+    with Stack(tmp_path_factory.mktemp(f"stack-{request.param}"), agent=request.param == "agent") as live:
         results["stack"] = live
 
         def while_ranks_live() -> None:
