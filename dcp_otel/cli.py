@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dcp_otel import demo
 from dcp_otel.otlp_file import SpanFileError
-from dcp_otel.report import build
+from dcp_otel.report import DETAIL_LIMIT, build
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("traces", nargs="+", type=Path, help="trace files, or folders of .json/.jsonl files")
     report.add_argument("--html", type=Path, help="also write the report as a self-contained HTML page")
     report.add_argument("--perfetto", type=Path, help="also write a Chrome/Perfetto trace JSON")
-    report.add_argument("--all", action="store_true", help="every checkpoint in detail (default: the 10 worst)")
+    report.add_argument("--all", action="store_true", help=f"every checkpoint in detail (default: the {DETAIL_LIMIT} worst)")
     return parser
 
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         result = build(args.traces)
     except (ValueError, SpanFileError) as exc:  # SpanFileError is a ValueError; both are the user's to fix
         parser.exit(2, f"dcp-otel {args.command}: error: {exc}\n")
-    print(result.text(limit=None if args.all else 10), end="")
+    print(result.text(limit=None if args.all else DETAIL_LIMIT), end="")
     if args.html:
         args.html.write_text(result.html(), encoding="utf-8")
         print(f"report (HTML): {args.html}")

@@ -52,6 +52,8 @@ class DCPLoggerTap:
         self._fast = recorder.on_record
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("logger", "recorder", "_fast"):  # not set yet (a copy being built): never recurse
+            raise AttributeError(name)
         return getattr(self.logger, name)
 
     def __repr__(self) -> str:

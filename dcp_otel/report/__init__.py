@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from dcp_otel.otlp_file import SpanFileError, read_spans
 from dcp_otel.report.model import Checkpoint, checkpoints
 
+#: Checkpoints shown in detail by default, the worst first (the summary covers all of them).
+DETAIL_LIMIT = 10
+
 __all__ = ["Report", "SpanFileError", "build"]
 
 
@@ -33,7 +36,7 @@ __all__ = ["Report", "SpanFileError", "build"]
 class Report:
     checkpoints: list[Checkpoint]
 
-    def text(self, limit: int | None = 10) -> str:
+    def text(self, limit: int | None = DETAIL_LIMIT) -> str:
         """The summary, then the worst ``limit`` checkpoints in detail (``None``: every one)."""
         from dcp_otel.report.terminal import render
 
@@ -45,7 +48,7 @@ class Report:
 
         return render_summary(summarize(self.checkpoints))
 
-    def details_text(self, limit: int | None = 10) -> str:
+    def details_text(self, limit: int | None = DETAIL_LIMIT) -> str:
         from dcp_otel.report.terminal import render_details
 
         return render_details(self.checkpoints, limit)

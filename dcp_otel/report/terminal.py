@@ -12,11 +12,9 @@ from __future__ import annotations
 import statistics
 import textwrap
 
+from dcp_otel.report import DETAIL_LIMIT
 from dcp_otel.report.model import Checkpoint, RankResult
 from dcp_otel.report.summary import Summary, sparkline, summarize, worst_first
-
-#: Checkpoints shown in detail by default (the worst first); the summary covers all of them.
-DETAIL_LIMIT = 10
 
 #: A save or load: total = busy + waiting.
 _COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "MB/s", "error")
