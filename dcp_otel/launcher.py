@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +43,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.config import env_int
 from dcp_otel.elastic import OTelMetricHandler
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
+from dcp_otel.trace_ids import agree_on_generation
 
 _DETECTORS_ENV = "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS"
 
@@ -88,8 +88,7 @@ def publish_generation(wrapped: Callable[..., Any], instance: Any, args: tuple[A
     """
     group: Any = args[0] if args else kwargs.get("worker_group")
     try:
-        value = group.store.compare_set(semconv.STORE_GENERATION_KEY, "", uuid.uuid4().hex[:16])
-        os.environ[semconv.ENV_GENERATION] = value.decode() if isinstance(value, bytes) else str(value)
+        os.environ[semconv.ENV_GENERATION] = agree_on_generation(group.store, semconv.STORE_GENERATION_KEY)
     except Exception:  # noqa: BLE001 - the workers then agree through their own store
         os.environ.pop(semconv.ENV_GENERATION, None)
         report("no_generation", "dcp-otel-run could not agree on a generation for this round of workers",

@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
 from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
 
 logger = logging.getLogger("dcp_otel")
 
@@ -117,19 +118,27 @@ def round_generation() -> str:
         if not c10d.is_initialized():
             return ""
         group = c10d._get_default_group()
-        with _generation_lock:
-            if _generation is not None and _generation[0]() is group:
-                return _generation[1]
-            key = "/".join((semconv.STORE_GENERATION_KEY, os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"),
-                            str(c10d.get_world_size())))  # fmt: skip
-            value = c10d._get_default_store().compare_set(key, "", uuid.uuid4().hex[:16])
-            generation = value.decode() if isinstance(value, bytes) else str(value)
-            _generation = (weakref.ref(group), generation)
-            return generation
-    except Exception:  # noqa: BLE001 - no generation: the ids of two rounds may then coincide
-        logger.warning("dcp_otel: could not agree on a worker generation through the process group's store; "
-                       "two rounds of workers may share trace ids", exc_info=True)  # fmt: skip
+    except Exception:  # noqa: BLE001 - not this torch: no generation
         return ""
+    with _generation_lock:
+        if _generation is not None and _generation[0]() is group:
+            return _generation[1]
+        key = "/".join((semconv.STORE_GENERATION_KEY, os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"),
+                        str(group.size())))  # fmt: skip
+        try:
+            generation = agree_on_generation(c10d._get_default_store(), key)
+        except Exception:  # noqa: BLE001 - no generation: the ids of two rounds may then coincide
+            report("no_generation", "dcp_otel: could not agree on a worker generation through the process group's "
+                   "store; two rounds of workers may share trace ids", exc_info=True)  # fmt: skip
+            generation = ""
+        _generation = (weakref.ref(group), generation)  # once per process group, even when it failed
+        return generation
+
+
+def agree_on_generation(store: Any, key: str) -> str:
+    """The generation stored under ``key``: the first caller's random value (``compare_set``), for every caller."""
+    value = store.compare_set(key, "", uuid.uuid4().hex[:16])
+    return value.decode() if isinstance(value, bytes) else str(value)
 class DerivedIds(NamedTuple):
     trace_id: int
     root_span_id: int

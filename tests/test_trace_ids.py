@@ -103,3 +103,33 @@ def test_non_coordinators_parent_to_the_coordinators_root_span_id() -> None:
     span = tracer.start_span("dcp.save", context=remote_root_context(tracer, ids, context_api.Context()))
     assert span.parent is not None and span.parent.span_id == ids.root_span_id and span.parent.is_remote
     assert isinstance(trace.get_current_span(), trace.NonRecordingSpan)  # nothing leaked into the context
+
+
+def test_a_store_that_cannot_agree_on_a_generation_is_asked_once_per_process_group_and_counted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    import dcp_otel
+    from dcp_otel import _selftelemetry, trace_ids
+
+    class Unreachable:
+        asked = 0
+
+        def compare_set(self, *args: object) -> bytes:
+            Unreachable.asked += 1
+            raise RuntimeError("store connection refused")
+
+    monkeypatch.delenv(semconv.ENV_GENERATION, raising=False)
+    monkeypatch.setattr(trace_ids, "_generation", None)
+    _selftelemetry.reset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(distributed_c10d, "_get_default_store", Unreachable)
+        assert [trace_ids.round_generation() for _ in range(3)] == ["", "", ""]  # the checkpoint goes on
+        assert Unreachable.asked == 1  # not a store round trip per operation
+        assert dcp_otel.diagnostics()["no_generation"] == 1
+    finally:
+        dist.destroy_process_group()
+        trace_ids._generation = None
