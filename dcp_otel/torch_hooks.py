@@ -93,6 +93,7 @@ def _gather_object_wrapper(hooks: Hooks) -> Callable[..., Any]:
 _NO_STORAGE_CLASS = "no storage class on spans when DCP infers it from checkpoint_id"
 _NO_PROCESS_TRACE = "the save in the async save process is not part of the checkpoint's trace"
 _NO_DAEMON = "the async save process is not traced"
+_NO_DAEMON_METRICS = "no metrics from the async save process"
 
 PATCHES: tuple[Patch, ...] = (
     # save and load each import _storage_setup into their own namespace.
@@ -137,11 +138,10 @@ PATCHES: tuple[Patch, ...] = (
         lambda hooks: hooks.carrier.save_wrapper,
     ),
     Patch(PROCESS_MODULE, "_ProcessGroupInitInfo.__init__", _NO_DAEMON, lambda hooks: hooks.bridge.init_info),
-    Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.__init__", "no metrics from the async save process",
+    Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.__init__", _NO_DAEMON_METRICS,
           lambda hooks: hooks.bridge.daemon_started),  # fmt: skip
     Patch(PROCESS_MODULE, "_AsyncCheckpointProcess._send", _NO_PROCESS_TRACE, lambda hooks: hooks.bridge.send),
-    Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.save", "no metrics from the async save process",
-          lambda hooks: hooks.bridge.save),  # fmt: skip
+    Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.save", _NO_DAEMON_METRICS, lambda hooks: hooks.bridge.save),
 )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from dcp_otel import semconv
 from dcp_otel.report.model import Checkpoint
-from dcp_otel.report.summary import Summary, summarize, worst_first
+from dcp_otel.report.summary import FAILURES_SHOWN, Summary, summarize, worst_first
 from dcp_otel.report.terminal import format_bytes, ranks_worth_showing
 
 _STYLE = """
@@ -266,17 +266,16 @@ def _trend_chart(checkpoints: list[Checkpoint]) -> str:
 
 def _run_summary(summary: Summary, checkpoints: list[Checkpoint]) -> str:
     e = html.escape
-    kinds = ", ".join(f"{n} {op}" for op, n in summary.by_operation.items())
     failed = f'<span class="failed">{len(summary.failures)} failed</span>' if summary.failures else "none failed"
-    parts = [f'<div class="summary" id="summary"><p><b>{summary.operations} checkpoint operations</b> ({e(kinds)}) '
-             f"on {summary.ranks} ranks: {failed}.</p>"]  # fmt: skip
-    for f in summary.failures[:5]:
+    parts = [f'<div class="summary" id="summary"><p><b>{summary.operations} checkpoint operations</b> '
+             f"({e(summary.kinds)}) on {summary.ranks} ranks: {failed}.</p>"]  # fmt: skip
+    for f in summary.failures[:FAILURES_SHOWN]:
         ranks = ", ".join(map(str, f.ranks)) or "?"
         parts.append(f'<p class="failed"><a href="#checkpoint-{f.index}">{e(f.operation)} {e(f.checkpoint_id)}</a> '
                      f"(operation {f.index + 1} of {summary.operations}) failed on rank {ranks}:</p>"
                      f'<pre class="cause">{e(f.cause)}</pre>')  # fmt: skip
-    if len(summary.failures) > 5:
-        parts.append(f"<p>... and {len(summary.failures) - 5} more failed operations, first below.</p>")
+    if len(summary.failures) > FAILURES_SHOWN:
+        parts.append(f"<p>... and {len(summary.failures) - FAILURES_SHOWN} more failed operations, first below.</p>")
     st = summary.straggler
     parts.append(f'<p class="straggler-summary">Straggler: <b>rank {st.rank}</b> was the slowest in {st.slowest_in} of '
                  f"{st.of} checkpoints, {st.median_skew:.1f}x the median rank.</p>" if st is not None

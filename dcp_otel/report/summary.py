@@ -24,6 +24,8 @@ from dcp_otel.report.model import Checkpoint
 
 #: A rank is the run's straggler when it was the straggler of at least this share of the checkpoints.
 RUN_STRAGGLER_SHARE = 0.5
+#: Failures a summary lists one by one (the rest are counted).
+FAILURES_SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,11 @@ class Summary:
     failures: list[Failure]
     straggler: RunStraggler | None
     trends: list[Trend]
+
+    @property
+    def kinds(self) -> str:
+        """``"2 save, 2 async_save, 1 load"``."""
+        return ", ".join(f"{n} {op}" for op, n in self.by_operation.items())
 
 
 def summarize(checkpoints: list[Checkpoint]) -> Summary:

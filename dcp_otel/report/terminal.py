@@ -14,7 +14,7 @@ import textwrap
 
 from dcp_otel.report import DETAIL_LIMIT
 from dcp_otel.report.model import Checkpoint, RankResult
-from dcp_otel.report.summary import Summary, sparkline, summarize, worst_first
+from dcp_otel.report.summary import FAILURES_SHOWN, Summary, sparkline, summarize, worst_first
 
 #: A save or load: total = busy + waiting.
 _COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "MB/s", "error")
@@ -24,8 +24,7 @@ _ASYNC_COLUMNS = ("rank", "returned", "busy", "waiting", "staging", "upload", "u
                   "MB/s", "error")  # fmt: skip
 #: The error column is cut at a word; the whole error is on the "failed on rank" line.
 _ERROR_WIDTH = 60
-#: Failures listed in the summary, and lines of each one's cause.
-_FAILURES_SHOWN = 5
+#: Lines of each failure's cause in the summary.
 _CAUSE_LINES = 12
 #: A checkpoint's table lists every rank up to this many; beyond, the ranks worth reading.
 _RANKS_SHOWN = 16
@@ -104,16 +103,15 @@ def _row(r: RankResult, straggler: bool, is_async: bool) -> tuple[str, ...]:
 
 def render_summary(summary: Summary) -> str:
     """The run in a few lines: counts, each failure with its full cause, the run's straggler, the trends."""
-    kinds = ", ".join(f"{n} {op}" for op, n in summary.by_operation.items())
     failed = f"{len(summary.failures)} failed" if summary.failures else "none failed"
-    lines = [f"{summary.operations} checkpoint operations ({kinds}) on {summary.ranks} ranks: {failed}"]
-    for f in summary.failures[:_FAILURES_SHOWN]:
+    lines = [f"{summary.operations} checkpoint operations ({summary.kinds}) on {summary.ranks} ranks: {failed}"]
+    for f in summary.failures[:FAILURES_SHOWN]:
         ranks = ", ".join(map(str, f.ranks)) or "?"
         lines.append(f"FAILED  {f.operation} {f.checkpoint_id or '(no id)'} (operation {f.index + 1} of "
                      f"{summary.operations}) on rank {ranks}:")  # fmt: skip
         lines += [f"        {line}" for line in f.cause.strip().splitlines()[:_CAUSE_LINES]]
-    if len(summary.failures) > _FAILURES_SHOWN:
-        lines.append(f"        ... and {len(summary.failures) - _FAILURES_SHOWN} more failed operations (details below)")
+    if len(summary.failures) > FAILURES_SHOWN:
+        lines.append(f"        ... and {len(summary.failures) - FAILURES_SHOWN} more failed operations (details below)")
     s = summary.straggler
     if s is not None:
         lines.append(f"straggler: rank {s.rank} was the slowest in {s.slowest_in} of {s.of} checkpoints, "
