@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/run_all.py --quick    # fewer repetitions, ~6 min
 
 Rows come from overhead.py (span cost per step; save, load, async save on 2
-ranks), metrics_overhead.py (put_metric paths), faults.py (saves with a dead
+ranks), metric_sinks.py (Prometheus and OpenTelemetry metrics, on the caller's
+thread and on the builder's), metrics_overhead.py (put_metric paths), faults.py (saves with a dead
 or hung OTLP endpoint) and process_async.py (the traced checkpoint daemon).
 Each compares instrumented with uninstrumented runs interleaved in this run
 (medians), never with a number from elsewhere. The series budget is
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import faults  # noqa: E402
+import metric_sinks  # noqa: E402
 import metrics_overhead  # noqa: E402
 import overhead  # noqa: E402
 import process_async  # noqa: E402
@@ -31,6 +33,8 @@ import torch  # noqa: E402
 Row = tuple[str, float, float, float | None, str]  # measure, ours, baseline, goal, unit
 #: (case, ms the background builder spent per checkpoint, its peak queue depth), off the caller's thread.
 BUILDER_ROWS: list[tuple[str, float, int]] = []
+#: (metrics sinks, microseconds the builder spent per DCP step): what each sink costs off the caller's thread.
+BUILDER_STEP_ROWS: list[tuple[str, float]] = []
 
 
 def rows(quick: bool) -> list[Row]:
@@ -47,6 +51,12 @@ def rows(quick: bool) -> list[Row]:
     for name in overhead.BUILDS:
         busy_ms, peak = overhead.builder_stats(name)
         BUILDER_ROWS.append((name, busy_ms, peak))
+    sinks = metric_sinks.measure(repeats=5 if quick else 15, steps=2_000 if quick else 10_000)
+    prometheus, both = sinks["prometheus"], sinks["prometheus,opentelemetry"]
+    found.append(("DCP step on the caller, both metric sinks / Prometheus", both["step_us"], prometheus["step_us"],
+                  None, "us"))  # fmt: skip
+    for name, row in sinks.items():
+        BUILDER_STEP_ROWS.append((name, row["builder_us"]))
     costs = metrics_overhead.put_metric_costs(calls=2_000 if quick else 10_000, repeats=3 if quick else 9)
     for path, by in costs.items():
         found.append((f"put_metric {path} / ConsoleMetricHandler", by["OTelMetricHandler"] * 1e6,
@@ -81,6 +91,9 @@ def main() -> None:
     print(f"{'case':<56} {'ms per checkpoint':>18} {'peak queue':>11}")
     for name, busy_ms, peak in BUILDER_ROWS:
         print(f"{name:<56} {busy_ms:>18.3f} {peak:>11d}")
+    print(f"\n{'the builder per DCP step, by metrics sinks (full detail)':<56} {'us per step':>18}")
+    for name, busy_us in BUILDER_STEP_ROWS:
+        print(f"{name:<56} {busy_us:>18.2f}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from opentelemetry.trace import TracerProvider
 from dcp_otel import _selftelemetry
 from dcp_otel.elastic import OTelMetricHandler
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.flushing import flush_spans
+from dcp_otel.flushing import flush_all
 from dcp_otel.instrumentor import DCPInstrumentor
 from dcp_otel.version import __version__
 
@@ -51,7 +51,7 @@ def instrument(tracer_provider: TracerProvider | None = None, **options: Any) ->
         **options: see :class:`dcp_otel.config.InstrumentOptions` (``registry``,
             ``metrics_port``, ``run_id``, ``slowest_keys``, ``max_open_spans``,
             ``process_setup``, ``flush_timeout_s``, ``detail``, ``span_budget``,
-            ``max_queued_operations``).
+            ``max_queued_operations``, ``meter_provider``, ``metrics``).
 
     Raises:
         ValueError: an unknown option or a bad value.
@@ -67,7 +67,10 @@ def uninstrument() -> None:
 
 
 def flush(timeout_s: float = 30.0, tracer_provider: TracerProvider | None = None) -> bool:
-    """Wait for in-flight async uploads to end and their spans to be built, then flush the provider.
+    """Wait for in-flight async uploads to end and their spans to be built, then flush the providers.
+
+    The meter provider is flushed alongside the tracer provider when the
+    OpenTelemetry metrics are on (an OTLP push now rather than at the next period).
 
     dcp-otel does this by itself at interpreter exit (within
     ``flush_timeout_s``); call it when you shut the provider down earlier, or
@@ -83,7 +86,8 @@ def flush(timeout_s: float = 30.0, tracer_provider: TracerProvider | None = None
         future.result()
         dcp_otel.flush()
     """
-    return flush_spans(DCPInstrumentor().recorder, timeout_s, tracer_provider)
+    instrumentor = DCPInstrumentor()
+    return flush_all(instrumentor.recorder, instrumentor.otel_metrics, timeout_s, tracer_provider)
 
 
 def diagnostics() -> dict[str, int]:

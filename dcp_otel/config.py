@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -77,6 +78,15 @@ class InstrumentOptions:
         max_queued_operations: finished operations waiting for the background
             builder; past it an operation's spans and metrics are dropped and
             counted (``build_queue_full``), never waited for.
+        meter_provider: where the OpenTelemetry side of the metrics goes;
+            ``None`` means the global provider (which ``opentelemetry-instrument``
+            sets from ``OTEL_METRICS_EXPORTER``), so OTLP push needs no code.
+        metrics: where checkpoint metrics are recorded: ``"prometheus"``
+            (prometheus-client: the scrape endpoint, multiprocess files),
+            ``"opentelemetry"`` (the metrics API: OTLP push, or whatever the
+            meter provider exports), both (the default, also written
+            ``"prometheus,opentelemetry"``) or ``"none"``; a string or a
+            sequence. ``$DCP_OTEL_METRICS`` when not given.
     """
 
     tracer_provider: TracerProvider | None = None
@@ -90,8 +100,14 @@ class InstrumentOptions:
     detail: DetailMode = "auto"
     span_budget: int = 2000
     max_queued_operations: int = 4096
+    meter_provider: MeterProvider | None = None
+    metrics: tuple[str, ...] = semconv.METRIC_SINKS
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "metrics", metric_sinks(self.metrics))
+        if self.meter_provider is not None and not isinstance(self.meter_provider, MeterProvider):
+            raise ValueError(f"meter_provider must be an opentelemetry MeterProvider, got "
+                             f"{type(self.meter_provider).__name__}")  # fmt: skip
         if self.tracer_provider is not None and not isinstance(self.tracer_provider, TracerProvider):
             raise ValueError(f"tracer_provider must be an opentelemetry TracerProvider, got "
                              f"{type(self.tracer_provider).__name__}")  # fmt: skip
@@ -136,6 +152,7 @@ class InstrumentOptions:
                 values["detail"] = env.lower()
             else:
                 logger.warning("ignoring %s=%r: expected one of %s", semconv.ENV_DETAIL, env, list(DETAIL_MODES))
+        values["metrics"] = metric_sinks_from_env(values.get("metrics"))
         for name, env_name, low, high in _INT_ENV:
             if name == "metrics_port" and not is_rank_process():
                 # The checkpoint daemon, a DataLoader worker or torchrun itself
@@ -203,6 +220,43 @@ def resolve_callable(spec: str) -> Callable[..., Any]:
     return found
 
 
+def metric_sinks(value: object) -> tuple[str, ...]:
+    """Where metrics are recorded, as a tuple in catalogue order: ``metric_sinks("opentelemetry")``.
+
+    Accepts a comma-separated string or a sequence of ``"prometheus"`` and
+    ``"opentelemetry"``; ``"none"`` (or nothing) for neither.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, str):
+        names = [part.strip().lower() for part in value.split(",") if part.strip()]
+    elif isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in value):
+        names = [v.strip().lower() for v in value]
+    else:
+        raise ValueError(f"metrics must be a string or a sequence of strings, got {value!r}")
+    if names == ["none"]:
+        names = []
+    unknown = sorted(set(names) - set(semconv.METRIC_SINKS))
+    if unknown:
+        raise ValueError(f"unknown metrics sink(s) {unknown}: expected a combination of "
+                         f"{list(semconv.METRIC_SINKS)}, or 'none'")  # fmt: skip
+    return tuple(sink for sink in semconv.METRIC_SINKS if sink in names)
+
+
+def metric_sinks_from_env(value: object | None) -> tuple[str, ...]:
+    """``value`` checked (raises ``ValueError``), else ``$DCP_OTEL_METRICS`` (a bad one warns), else both sinks."""
+    if value is not None:
+        return metric_sinks(value)
+    env = os.environ.get(semconv.ENV_METRICS, "").strip()
+    if env:
+        try:
+            return metric_sinks(env)
+        except ValueError as exc:
+            logger.warning("ignoring %s=%r: %s", semconv.ENV_METRICS, env, exc)
+    return semconv.METRIC_SINKS
+
+
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer from {low} to {high}, got {value!r}")
@@ -237,7 +291,7 @@ def differing_options(active: InstrumentOptions, requested: InstrumentOptions) -
     found: dict[str, tuple[Any, Any]] = {}
     for f in dataclasses.fields(InstrumentOptions):
         now, asked = getattr(active, f.name), getattr(requested, f.name)
-        same = now is asked if f.name in ("tracer_provider", "registry") else now == asked
+        same = now is asked if f.name in ("tracer_provider", "registry", "meter_provider") else now == asked
         if not same:
             found[f.name] = (now, asked)
     return found

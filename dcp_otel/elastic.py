@@ -1,4 +1,4 @@
-"""``OTelMetricHandler``: torchelastic's metrics as Prometheus metrics and spans.
+"""``OTelMetricHandler``: torchelastic's metrics as Prometheus and OpenTelemetry metrics, and spans.
 
 torchelastic publishes metrics through ``torch.distributed.elastic.metrics``
 (``put_metric``, ``@prof``) to a ``MetricHandler``; torch ships only a console
@@ -13,6 +13,11 @@ and a null handler. This one maps them, as a contract:
   ``torchelastic_calls_total{group, name, status}``;
 * anything else -> ``torchelastic_events_total{group, name}`` incremented by
   its value, and ``torchelastic_last_value{group, name}`` set to it.
+
+Each metric is recorded in prometheus-client and as an OpenTelemetry
+instrument of the same catalogue (``torchelastic.duration`` in seconds, and so
+on; see :data:`dcp_otel.semconv.ELASTIC_METRICS`), unless ``metrics`` (or
+``$DCP_OTEL_METRICS``) turns one side off.
 
 Custom rules run first: callables given ``(group, name, value, timestamp)``
 that return ``True`` when they handled the metric.
@@ -42,13 +47,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from opentelemetry import trace
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from torch.distributed.elastic.metrics.api import MetricData, MetricHandler
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.metrics import exemplar_for
+from dcp_otel.config import metric_sinks_from_env
+from dcp_otel.metrics import exemplar_for, prometheus_collector
+from dcp_otel.otel_metrics import OTelElasticInstruments
 from dcp_otel.version import __version__
 
 #: ``rule(group, name, value, timestamp) -> handled``
@@ -72,9 +80,16 @@ class OTelMetricHandler(MetricHandler):
         rules: custom mappings tried before the default ones.
         max_series: distinct (group, name) pairs kept before folding new ones
             into ``_overflow``.
+        meter_provider: where the OpenTelemetry side of the metrics goes
+            (default: the global one, which ``opentelemetry-instrument`` sets).
+        metrics: ``"prometheus"``, ``"opentelemetry"``, both (the default)
+            or ``"none"``, as for :func:`dcp_otel.instrument`; default
+            ``$DCP_OTEL_METRICS``.
 
     Raises:
-        ValueError: ``max_series`` is not a positive integer, or a rule is not callable.
+        ValueError: ``max_series`` is not a positive integer, a rule is not
+            callable, a bad ``metrics`` value, or ``meter_provider`` is not a
+            ``MeterProvider``.
     """
 
     def __init__(
@@ -84,12 +99,19 @@ class OTelMetricHandler(MetricHandler):
         *,
         rules: Sequence[MetricRule] = (),
         max_series: int = 500,
+        meter_provider: MeterProvider | None = None,
+        metrics: str | Sequence[str] | None = None,
     ) -> None:
         if isinstance(max_series, bool) or not isinstance(max_series, int) or max_series < 1:
             raise ValueError(f"max_series must be a positive integer, got {max_series!r}")
         if not all(callable(rule) for rule in rules):
             raise ValueError("every rule must be callable(group, name, value, timestamp) -> bool")
-        self._metrics = _ElasticMetrics.for_registry(registry if registry is not None else REGISTRY)
+        if meter_provider is not None and not isinstance(meter_provider, MeterProvider):
+            raise ValueError(f"meter_provider must be an opentelemetry MeterProvider, got {type(meter_provider).__name__}")
+        sinks = metric_sinks_from_env(metrics)
+        self._metrics = (_ElasticMetrics.for_registry(registry if registry is not None else REGISTRY)
+                         if semconv.SINK_PROMETHEUS in sinks else None)  # fmt: skip
+        self._otel = OTelElasticInstruments.for_provider(meter_provider) if semconv.SINK_OPENTELEMETRY in sinks else None
         self._tracer = trace.get_tracer(semconv.SCOPE_NAME, __version__, tracer_provider)
         self._rules = tuple(rules)
         self._max_series = max_series
@@ -120,13 +142,19 @@ class OTelMetricHandler(MetricHandler):
                     return
             if self._rules and self._apply_rules(route, value, metric_data):
                 return
-            kind = route.kind
+            kind, prom, otel = route.kind, self._metrics, self._otel
             if kind is _EVENT:
-                (route.gauge or route.create("gauge", self._metrics.last_value)).set(value)
+                if prom is not None:
+                    (route.gauge or route.create("gauge", prom.last_value)).set(value)
+                if otel is not None:
+                    otel.last_value.set(value, route.attributes)
             if value < 0:
                 self._drop("negative_value", "did not count torchelastic metric %r: negative value", route.name)
             elif kind is _CALLS or kind is _EVENT:
-                (route.counter or route.create("counter", self._metrics.calls if kind is _CALLS else self._metrics.events)).inc(value)
+                if prom is not None:
+                    (route.counter or route.create("counter", prom.calls if kind is _CALLS else prom.events)).inc(value)
+                if otel is not None:
+                    (otel.calls if kind is _CALLS else otel.events).add(value, route.attributes)
             else:
                 self._duration(route, value, _number(getattr(metric_data, "timestamp", None)))
         except Exception:  # noqa: BLE001 - a metrics sink must never break the agent
@@ -174,7 +202,12 @@ class OTelMetricHandler(MetricHandler):
                 attributes={semconv.ATTR_ELASTIC_GROUP: group, semconv.ATTR_ELASTIC_NAME: base},
             )
             span.end(end_time=end_ns)
-        (route.histogram or route.create("histogram", self._metrics.duration)).observe(seconds, exemplar_for(span))
+        if self._metrics is not None:
+            (route.histogram or route.create("histogram", self._metrics.duration)).observe(seconds, exemplar_for(span))
+        if self._otel is not None:
+            # The span's own context: the trace-based exemplar filter links the observation to it.
+            ctx = trace.set_span_in_context(span) if span is not None else None
+            self._otel.duration.record(seconds, route.attributes, context=ctx)
 
     def _bounded(self, group: str, name: str) -> tuple[str, str]:
         """(group, name) itself, or the overflow pair once ``max_series`` pairs exist."""
@@ -192,7 +225,10 @@ class OTelMetricHandler(MetricHandler):
     def _drop(self, reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         report(f"torchelastic_{reason}", msg, *args, exc_info=exc_info)
         try:
-            self._metrics.dropped.labels(reason).inc()
+            if self._metrics is not None:
+                self._metrics.dropped.labels(reason).inc()
+            if self._otel is not None:
+                self._otel.dropped.add(1, {semconv.LABEL_REASON: reason})
         except Exception:  # noqa: BLE001
             pass
 
@@ -207,10 +243,13 @@ class _Route:
     is dropped, or handled by a custom rule, never leaves an empty series.
     """
 
-    __slots__ = ("group", "name", "kind", "labels", "counter", "gauge", "histogram")
+    __slots__ = ("group", "name", "kind", "labels", "attributes", "counter", "gauge", "histogram")
 
     def __init__(self, group: str, name: str, kind: str, labels: tuple[str, ...]) -> None:
         self.group, self.name, self.kind, self.labels = group, name, kind, labels
+        keys = (semconv.LABEL_GROUP, semconv.LABEL_NAME, semconv.LABEL_STATUS)
+        #: The same labels as OpenTelemetry attributes.
+        self.attributes = dict(zip(keys, labels, strict=False))  # events have no status
         self.counter: Any = None
         self.gauge: Any = None
         self.histogram: Any = None
@@ -237,17 +276,11 @@ class _ElasticMetrics:
             return metrics
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        group, name = semconv.LABEL_GROUP, semconv.LABEL_NAME
-        self.duration = Histogram(semconv.METRIC_ELASTIC_DURATION, "Duration of a torchelastic phase (@prof).",
-                                  [group, name], buckets=semconv.DURATION_BUCKETS, registry=registry)  # fmt: skip
-        self.calls = Counter(semconv.METRIC_ELASTIC_CALLS, "torchelastic calls by outcome (@prof).",
-                             [group, name, semconv.LABEL_STATUS], registry=registry)  # fmt: skip
-        self.events = Counter(semconv.METRIC_ELASTIC_EVENTS, "Other torchelastic metrics, summed.", [group, name],
-                              registry=registry)  # fmt: skip
-        self.last_value = Gauge(semconv.METRIC_ELASTIC_LAST_VALUE, "Last value of other torchelastic metrics.",
-                                [group, name], registry=registry, multiprocess_mode="mostrecent")  # fmt: skip
-        self.dropped = Counter(semconv.METRIC_ELASTIC_DROPPED, "torchelastic metrics dropped or not counted.",
-                               [semconv.LABEL_REASON], registry=registry)  # fmt: skip
+        self.duration: Histogram = prometheus_collector(semconv.ELASTIC_DURATION, registry)  # type: ignore[assignment]
+        self.calls: Counter = prometheus_collector(semconv.ELASTIC_CALLS, registry)  # type: ignore[assignment]
+        self.events: Counter = prometheus_collector(semconv.ELASTIC_EVENTS, registry)  # type: ignore[assignment]
+        self.last_value: Gauge = prometheus_collector(semconv.ELASTIC_LAST_VALUE, registry)  # type: ignore[assignment]
+        self.dropped: Counter = prometheus_collector(semconv.ELASTIC_DROPPED, registry)  # type: ignore[assignment]
 
 
 def _label(value: object) -> str:

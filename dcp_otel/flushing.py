@@ -1,17 +1,20 @@
-"""Flushing spans without ever hanging the caller.
+"""Flushing spans and metrics without ever hanging the caller.
 
-The SDK's ``BatchSpanProcessor.force_flush`` exports in the calling thread and
-does not honour its timeout, so a stuck collector would hang whoever flushes.
-:func:`flush_spans` runs the flush in a helper thread and waits at most
-``timeout_s`` for it; :class:`ExitFlush` does that once at interpreter exit,
-after the in-flight async uploads' spans have ended, so a training script that
-never calls :func:`dcp_otel.flush` still exports its last checkpoint's spans;
-and if the exporter is stuck, the process still exits within ``timeout_s``.
+The SDK's ``force_flush`` exports in the calling thread and does not honour its
+timeout against a hung exporter, so a stuck collector would hang whoever
+flushes. :func:`flush_spans` and :func:`flush_all` run each provider's flush in
+a helper thread and wait at most ``timeout_s`` for it; :class:`ExitFlush` does
+that once at interpreter exit, after the in-flight async uploads' spans have
+ended, so a training script that never calls :func:`dcp_otel.flush` still
+exports its last checkpoint's spans and pushes its last metrics (the OTLP
+metric reader would otherwise wait for its next period, which never comes);
+and if an exporter is stuck, the process still exits within ``timeout_s``.
 
 Usage::
 
     flush_spans(recorder, timeout_s=10)      # True: everything exported in time
-    atexit.register(ExitFlush(recorder, 10))
+    flush_all(recorder, otel_metrics, 10)    # spans and OpenTelemetry metrics, side by side
+    atexit.register(ExitFlush(recorder, 10, otel_metrics))
 """
 
 from __future__ import annotations
@@ -25,7 +28,46 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.otel_metrics import OTelCheckpointMetrics
 from dcp_otel.tracing.tracker import SpanRecorder
+
+
+class BoundedFlush:
+    """``provider.force_flush`` on a daemon thread, waited for until a deadline.
+
+    A daemon thread: if the exporter hangs past the deadline it must not keep
+    the interpreter alive either.
+    """
+
+    def __init__(self, provider: object, what: str, deadline: float) -> None:
+        self.provider = provider
+        self._what = what
+        self._deadline = deadline
+        self._outcome: list[bool] = []
+        self._force_flush = getattr(provider, "force_flush", None)
+        self._thread: threading.Thread | None = None
+        if self._force_flush is not None:
+            self._thread = threading.Thread(target=self._run, name="dcp-otel-flush", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        assert self._force_flush is not None
+        try:
+            millis = max(0, int((self._deadline - time.monotonic()) * 1000))
+            self._outcome.append(bool(self._force_flush(millis)))
+        except Exception:  # noqa: BLE001 - a broken exporter must not break the caller
+            report("flush_error", "dcp_otel: the %s provider failed to flush", self._what, exc_info=True)
+            self._outcome.append(False)
+
+    def wait(self) -> bool | None:
+        """True/False: the flush's answer; ``None``: still running at the deadline (the exporter is stuck)."""
+        if self._thread is None:
+            return True
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        if self._thread.is_alive():
+            report("flush_timeout", "dcp_otel: the %s exporter did not finish flushing in time", self._what)
+            return None
+        return self._outcome[0]
 
 
 def flush_spans(
@@ -36,56 +78,64 @@ def flush_spans(
     ``provider`` defaults to the one the recorder's spans go to (else the
     global one). Never raises and never waits longer than ``timeout_s``.
     """
+    return flush_all(recorder, None, timeout_s, provider)
+
+
+def flush_all(
+    recorder: SpanRecorder | None,
+    otel_metrics: OTelCheckpointMetrics | None,
+    timeout_s: float,
+    provider: trace.TracerProvider | None = None,
+) -> bool:
+    """:func:`flush_spans`, and the meter provider of ``otel_metrics`` flushed alongside, within one deadline."""
+    return _flush(recorder, otel_metrics, timeout_s, provider)[0]
+
+
+def _flush(
+    recorder: SpanRecorder | None,
+    otel_metrics: OTelCheckpointMetrics | None,
+    timeout_s: float,
+    provider: trace.TracerProvider | None = None,
+) -> tuple[bool, list[object]]:
+    """The outcome, and the providers that did not flush everything (stuck, failed, or left no time)."""
     deadline = time.monotonic() + timeout_s
-    done = recorder.wait_for_uploads(timeout_s) if recorder is not None else True
+    uploads_done = recorder.wait_for_uploads(timeout_s) if recorder is not None else True
     if provider is None:
         provider = recorder.provider() if recorder is not None else trace.get_tracer_provider()
-    force_flush = getattr(provider, "force_flush", None)
-    if force_flush is None:
-        return done
-    remaining = max(0.0, deadline - time.monotonic())
-    outcome: list[bool] = []
-
-    def run() -> None:
-        try:
-            outcome.append(bool(force_flush(int(remaining * 1000))))
-        except Exception:  # noqa: BLE001 - a broken exporter must not break the caller
-            report("flush_error", "dcp_otel: the tracer provider failed to flush", exc_info=True)
-            outcome.append(False)
-
-    # A daemon thread: if the exporter hangs past the deadline it must not keep
-    # the interpreter alive either.
-    worker = threading.Thread(target=run, name="dcp-otel-flush", daemon=True)
-    worker.start()
-    worker.join(remaining)
-    if worker.is_alive():
-        report("flush_timeout", "dcp_otel: the span exporter did not finish flushing within %.1f s", timeout_s)
-        return False
-    return done and outcome[0]
+    flushes = [BoundedFlush(provider, "span", deadline)]
+    if otel_metrics is not None:  # side by side: a stuck span exporter leaves the metrics their time
+        flushes.append(BoundedFlush(otel_metrics.provider(), "metric", deadline))
+    failed = [flush.provider for flush in flushes if not flush.wait()]
+    if not uploads_done and provider not in failed:
+        failed.insert(0, provider)  # an upload still running: its span is not there to export
+    return not failed, failed
 
 
 class ExitFlush:
     """The ``atexit`` hook of one instrumentation; a no-op in forked children."""
 
-    def __init__(self, recorder: SpanRecorder, timeout_s: float) -> None:
+    def __init__(self, recorder: SpanRecorder, timeout_s: float, otel_metrics: OTelCheckpointMetrics | None = None) -> None:
         self._recorder = recorder
         self._timeout_s = timeout_s
+        self._otel_metrics = otel_metrics
         self._pid = os.getpid()
 
     def __call__(self) -> None:
         # A forked child inherits atexit hooks, but the spans are the parent's.
         if os.getpid() != self._pid or self._timeout_s <= 0:
             return
-        if flush_spans(self._recorder, self._timeout_s):
-            return
-        # The exporter is stuck. The SDK's own exit hook would now shut the provider down and
-        # wait for that exporter again (30 s per batch processor, plus the exporter's retries):
-        # exit would not be bounded by our timeout. So the shutdown runs in a daemon thread,
-        # which exports what it still can while the interpreter exits, and the SDK's hook goes.
-        shutdown = getattr(self._recorder.provider(), "shutdown", None)
-        if callable(shutdown):
-            atexit.unregister(shutdown)  # the SDK registers the provider's bound shutdown
-            threading.Thread(target=_shutdown_quietly, args=(shutdown,), name="dcp-otel-shutdown", daemon=True).start()
+        _, failed = _flush(self._recorder, self._otel_metrics, self._timeout_s)
+        for provider in failed:
+            # This exporter is stuck or failing. The SDK's own exit hook would now shut the provider down and
+            # wait for that exporter again (30 s per batch processor or metric reader, plus the
+            # exporter's retries): exit would not be bounded by our timeout. So the shutdown runs in
+            # a daemon thread, which exports what it still can while the interpreter exits, and the
+            # SDK's hook goes.
+            shutdown = getattr(provider, "shutdown", None)
+            if callable(shutdown):
+                atexit.unregister(shutdown)  # the SDK registers the provider's bound shutdown
+                threading.Thread(target=_shutdown_quietly, args=(shutdown,), name="dcp-otel-shutdown",
+                                 daemon=True).start()  # fmt: skip
 
 
 def _shutdown_quietly(shutdown: Callable[[], object]) -> None:

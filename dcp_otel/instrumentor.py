@@ -22,11 +22,13 @@ from typing import Any
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from prometheus_client import REGISTRY
 
+from dcp_otel import semconv
 from dcp_otel.config import InstrumentOptions, differing_options
 from dcp_otel.export_queue import QueueFullWatch
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
 from dcp_otel.flushing import ExitFlush
-from dcp_otel.metrics import CheckpointMetrics, MetricsSink
+from dcp_otel.metrics import CheckpointMetrics, FanOut, MetricsSink
+from dcp_otel.otel_metrics import OTelCheckpointMetrics
 from dcp_otel.package import _instruments
 from dcp_otel.torch_hooks import Installed, install
 from dcp_otel.tracing.drain import DrainOnCollect
@@ -50,6 +52,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     _recorder: SpanRecorder | None = None
     _installed: Installed | None = None
     _metrics: CheckpointMetrics | None = None
+    _otel_metrics: OTelCheckpointMetrics | None = None
     _endpoint: MetricsEndpoint | None = None
     _exit_flush: ExitFlush | None = None
     _queue_watch: QueueFullWatch | None = None
@@ -79,34 +82,42 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     def _instrument(self, **kwargs: Any) -> None:
         # Internal: the async save daemon relays its metrics to its rank instead.
-        sink: MetricsSink | None = kwargs.pop("_metrics_sink", None)
+        relay: MetricsSink | None = kwargs.pop("_metrics_sink", None)
         options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
-        # Registered before our metrics, so collected first: a scrape (or get_sample_value)
-        # lets the builder record what is queued before our metrics are read.
-        drain = DrainOnCollect()
         registry = options.registry if options.registry is not None else REGISTRY
-        if sink is None:
+        metrics = otel = drain = None
+        if relay is None and semconv.SINK_PROMETHEUS in options.metrics:
+            # Registered before our metrics, so collected first: a scrape (or get_sample_value)
+            # lets the builder record what is queued before our metrics are read.
+            drain = DrainOnCollect()
             registry.register(drain)
-        try:
-            metrics = CheckpointMetrics(options.registry) if sink is None else None  # raises if already registered
-        except BaseException:
-            registry.unregister(drain)
-            raise
+            try:
+                metrics = CheckpointMetrics(options.registry)  # raises if already registered
+            except BaseException:
+                registry.unregister(drain)
+                raise
         if options.metrics_port is not None:
             try:  # before anything is attached: a bad address fails here, leaving nothing behind
                 self._endpoint = start_metrics_server(options.metrics_port, registry=options.registry)
             except BaseException:
-                if metrics is not None:
+                if metrics is not None and drain is not None:
                     metrics.unregister()
                     registry.unregister(drain)
                 raise
-        self._metrics = metrics
-        self._recorder = SpanRecorder(options, metrics if sink is None else sink)
-        drain.builder = self._recorder.builder
-        self._drain = drain
-        self._installed = install(self._recorder, options, metrics)
+        if relay is None and semconv.SINK_OPENTELEMETRY in options.metrics:
+            otel = OTelCheckpointMetrics(options.meter_provider)
+        sinks: list[MetricsSink] = [s for s in (metrics, otel) if s is not None]
+        sink = relay if relay is not None else (FanOut(sinks) if len(sinks) > 1 else (sinks[0] if sinks else None))
+        self._metrics, self._otel_metrics, self._drain = metrics, otel, drain
+        self._recorder = SpanRecorder(options, sink)
+        if drain is not None:
+            drain.builder = self._recorder.builder
+        if otel is not None:
+            otel.builder = self._recorder.builder
+        # The async save daemon's metrics go to this rank's sinks (never back into a relay).
+        self._installed = install(self._recorder, options, sink if relay is None else None)
         self._queue_watch = QueueFullWatch()
-        self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s)
+        self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s, otel)
         atexit.register(self._exit_flush)
 
     def _uninstrument(self, **kwargs: Any) -> None:
@@ -128,9 +139,12 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             if self._drain is not None:
                 self._metrics.registry.unregister(self._drain)
             self._metrics.unregister()
+        if self._otel_metrics is not None:
+            self._otel_metrics.close()
         self._installed = None
         self._recorder = None
         self._metrics = None
+        self._otel_metrics = None
         self._endpoint = None
         self._exit_flush = None
         self._queue_watch = None
@@ -145,6 +159,11 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     def installed(self) -> Installed | None:
         """What is attached to torch (``None`` when not instrumented)."""
         return self._installed
+
+    @property
+    def otel_metrics(self) -> OTelCheckpointMetrics | None:
+        """The OpenTelemetry side of the checkpoint metrics (``None`` when it is off or not instrumented)."""
+        return self._otel_metrics
 
     @property
     def metrics_endpoint(self) -> MetricsEndpoint | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol
 
 from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -30,7 +30,6 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from dcp_otel import _selftelemetry, semconv
 
 Exemplar = dict[str, str]
-_M = TypeVar("_M", Counter, Gauge, Histogram)
 #: Step and operation label values are DCP function names (bounded by torch's
 #: code); anything else is folded into "other" so no label takes free text.
 _NAME = re.compile(r"^_?[a-z][a-z_]{0,47}$")
@@ -55,10 +54,31 @@ def exemplar_for_context(ctx: trace.SpanContext, rank: str | None = None) -> Exe
     process, whose sampled flag says whether its trace is recorded)."""
     if not ctx.is_valid or not ctx.trace_flags.sampled:
         return None
-    exemplar = {semconv.EXEMPLAR_TRACE_ID: format(ctx.trace_id, "032x")}
+    exemplar = {semconv.EXEMPLAR_TRACE_ID: format(ctx.trace_id, "032x"), semconv.EXEMPLAR_SPAN_ID: format(ctx.span_id, "016x")}
     if rank is not None:
         exemplar[semconv.EXEMPLAR_RANK] = rank
     return exemplar
+
+
+def prometheus_collector(spec: semconv.MetricSpec, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+    """The prometheus-client metric for ``spec``, registered in ``registry``.
+
+    Raises:
+        ValueError: a metric of that name is already registered there.
+    """
+    name, doc, labels = spec.prometheus, spec.description, list(spec.labels)
+    if spec.kind == semconv.KIND_HISTOGRAM:
+        return Histogram(name, doc, labels, buckets=spec.buckets or Histogram.DEFAULT_BUCKETS, registry=registry)
+    if spec.kind == semconv.KIND_COUNTER:
+        return Counter(name, doc, labels, registry=registry)
+    mode: Any = spec.multiprocess_mode or "all"  # one of prometheus-client's modes, checked by Gauge
+    return Gauge(name, doc, labels, registry=registry, multiprocess_mode=mode)
+
+
+def process_rank() -> str:
+    """This process's rank, as torchrun and dcp-otel-run set it (``"0"`` elsewhere): telemetry problems belong to a process."""
+    rank_env = os.environ.get("RANK", "").strip()
+    return rank_env if rank_env.isdigit() else "0"
 
 
 def bounded_name(name: str) -> str:
@@ -104,72 +124,32 @@ class CheckpointMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else REGISTRY
-        r, buckets = self.registry, semconv.DURATION_BUCKETS
-        op, status, step, rank, phase = (
-            semconv.LABEL_OPERATION,
-            semconv.LABEL_STATUS,
-            semconv.LABEL_STEP,
-            semconv.LABEL_RANK,
-            semconv.LABEL_PHASE,
-        )
         self._collectors: list[Counter | Gauge | Histogram] = []
         # (operation, step, rank) -> its histogram series; bounded by DCP's step names.
         self._step_children: dict[tuple[str, str, str], Any] = {}
         try:
-            self.operation_duration = self._add(
-                Histogram(semconv.METRIC_OPERATION_DURATION, "Duration of a checkpoint operation on one rank.",
-                          [op, status, rank], buckets=buckets, registry=r)  # fmt: skip
-            )
-            self.step_duration = self._add(
-                Histogram(semconv.METRIC_STEP_DURATION, "Duration of one step of a checkpoint operation.",
-                          [op, step, rank], buckets=buckets, registry=r)  # fmt: skip
-            )
-            self.operations = self._add(
-                Counter(semconv.METRIC_OPERATIONS, "Checkpoint operations finished, by status.",
-                        [op, status, rank], registry=r)  # fmt: skip
-            )
-            self.written_bytes = self._add(
-                Counter(semconv.METRIC_WRITTEN_BYTES, "Bytes this rank wrote to checkpoint storage.", [rank],
-                        registry=r)  # fmt: skip
-            )
-            self.read_bytes = self._add(
-                Counter(semconv.METRIC_READ_BYTES, "Bytes this rank read from checkpoint storage.", [rank],
-                        registry=r)  # fmt: skip
-            )
-            self.async_in_flight = self._add(
-                Gauge(semconv.METRIC_ASYNC_IN_FLIGHT, "Async saves handed off and not yet uploaded.", [rank],
-                      registry=r, multiprocess_mode="livesum")  # fmt: skip
-            )
-            self.async_phase = self._add(
-                Histogram(semconv.METRIC_ASYNC_PHASE_DURATION, "Duration of async save phases: staging and upload.",
-                          [phase, rank], buckets=buckets, registry=r)  # fmt: skip
-            )
-            self.collective_wait = self._add(
-                Histogram(semconv.METRIC_COLLECTIVE_WAIT,
-                          "Part of an operation not covered by this rank's own steps: waiting for other ranks.",
-                          [op, rank], buckets=buckets, registry=r)  # fmt: skip
-            )
-            self.last_success = self._add(
-                Gauge(semconv.METRIC_LAST_SUCCESS, "Unix time of the last successful operation.", [op, rank],
-                      registry=r, multiprocess_mode="max")  # fmt: skip
-            )
-            self.telemetry_problems = self._add(
-                Counter(semconv.METRIC_TELEMETRY_PROBLEMS,
-                        "Telemetry dcp-otel dropped or failed to record (what dcp_otel.diagnostics() counts).",
-                        [semconv.LABEL_REASON, rank], registry=r)  # fmt: skip
-            )
+            new = self._add
+            self.operation_duration: Histogram = new(semconv.OPERATION_DURATION)
+            self.step_duration: Histogram = new(semconv.STEP_DURATION)
+            self.operations: Counter = new(semconv.OPERATION_COUNT)
+            self.written_bytes: Counter = new(semconv.WRITTEN_BYTES)
+            self.read_bytes: Counter = new(semconv.READ_BYTES)
+            self.async_in_flight: Gauge = new(semconv.ASYNC_IN_FLIGHT)
+            self.async_phase: Histogram = new(semconv.ASYNC_PHASE_DURATION)
+            self.collective_wait: Histogram = new(semconv.COLLECTIVE_WAIT)
+            self.last_success: Gauge = new(semconv.LAST_SUCCESS)
+            self.telemetry_problems: Counter = new(semconv.TELEMETRY_PROBLEMS)
         except ValueError:
             self.unregister()
             raise
-        # This process's rank, as torchrun and dcp-otel-run set it: problems belong to a process.
-        rank_env = os.environ.get("RANK", "").strip()
-        self._rank = rank_env if rank_env.isdigit() else "0"
+        self._rank = process_rank()
         _selftelemetry.add_listener(self._problem)
 
     def _problem(self, reason: str) -> None:
         self.telemetry_problems.labels(bounded_name(reason), self._rank).inc()
 
-    def _add(self, collector: _M) -> _M:
+    def _add(self, spec: semconv.MetricSpec) -> Any:
+        collector = prometheus_collector(spec, self.registry)
         self._collectors.append(collector)
         return collector
 
@@ -231,3 +211,65 @@ class CheckpointMetrics:
     def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
         self.async_in_flight.labels(rank).dec()
         self.async_phase_done(semconv.PHASE_UPLOAD, rank, duration_s, exemplar)
+
+
+class ForwardingSink:
+    """A ``MetricsSink`` that hands every fact, by method name, to :meth:`_forward`.
+
+    The sinks that stand in for others subclass it: :class:`FanOut` (several
+    sinks) and :class:`~dcp_otel.metrics_relay.MetricsRelay` (the async save
+    daemon's pipe to its rank).
+    """
+
+    def _forward(self, name: str, *args: Any) -> None:
+        raise NotImplementedError
+
+    def operation_done(
+        self,
+        operation: str,
+        rank: str,
+        ok: bool,
+        duration_s: float,
+        wait_s: float,
+        end_unix_s: float,
+        exemplar: Exemplar | None,
+    ) -> None:
+        self._forward("operation_done", operation, rank, ok, duration_s, wait_s, end_unix_s, exemplar)
+
+    def step_done(self, operation: str, step: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self._forward("step_done", operation, step, rank, duration_s, exemplar)
+
+    def bytes_written(self, rank: str, amount: int) -> None:
+        self._forward("bytes_written", rank, amount)
+
+    def bytes_read(self, rank: str, amount: int) -> None:
+        self._forward("bytes_read", rank, amount)
+
+    def async_handed_off(self, rank: str) -> None:
+        self._forward("async_handed_off", rank)
+
+    def async_phase_done(self, phase: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self._forward("async_phase_done", phase, rank, duration_s, exemplar)
+
+    def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
+        self._forward("async_upload_done", rank, duration_s, exemplar)
+
+
+class FanOut(ForwardingSink):
+    """Several sinks fed the same facts (Prometheus and OpenTelemetry): one failing never starves the other.
+
+    Usage::
+
+        sink = FanOut([CheckpointMetrics(), OTelCheckpointMetrics()])
+    """
+
+    def __init__(self, sinks: list[MetricsSink]) -> None:
+        self.sinks = tuple(sinks)
+
+    def _forward(self, name: str, *args: Any) -> None:
+        for sink in self.sinks:
+            try:
+                getattr(sink, name)(*args)
+            except Exception:  # noqa: BLE001 - the next sink still gets the fact
+                _selftelemetry.report("metrics_error", "dcp_otel failed to record a checkpoint metric (%s in %s)",
+                                      name, type(sink).__name__, exc_info=True)  # fmt: skip

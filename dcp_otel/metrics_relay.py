@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_otel._selftelemetry import report
-from dcp_otel.metrics import Exemplar, MetricsSink
+from dcp_otel.metrics import ForwardingSink, MetricsSink
 
 #: The observations a daemon can make (the operation itself belongs to the rank).
 RELAYED = frozenset(
@@ -44,7 +44,7 @@ MAX_QUEUED = 4096
 MAX_DRAINED = 4096
 
 
-class MetricsRelay:
+class MetricsRelay(ForwardingSink):
     """The daemon's stand-in for :class:`~dcp_otel.metrics.CheckpointMetrics`: same methods, queued."""
 
     def __init__(self, writer: Connection | None) -> None:
@@ -54,42 +54,12 @@ class MetricsRelay:
         if writer is not None:
             os.set_blocking(writer.fileno(), False)
 
-    def _put(self, name: str, *args: Any) -> None:
+    def _forward(self, name: str, *args: Any) -> None:
         with self._lock:
             if len(self._queue) >= MAX_QUEUED:
                 self._queue.pop(0)
                 report("relay_dropped", "dropped a checkpoint metric of the async save process: too many queued")
             self._queue.append([name, *args])
-
-    def operation_done(
-        self,
-        operation: str,
-        rank: str,
-        ok: bool,
-        duration_s: float,
-        wait_s: float,
-        end_unix_s: float,
-        exemplar: Exemplar | None,
-    ) -> None:
-        self._put("operation_done", operation, rank, ok, duration_s, wait_s, end_unix_s, exemplar)
-
-    def step_done(self, operation: str, step: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
-        self._put("step_done", operation, step, rank, duration_s, exemplar)
-
-    def bytes_written(self, rank: str, amount: int) -> None:
-        self._put("bytes_written", rank, amount)
-
-    def bytes_read(self, rank: str, amount: int) -> None:
-        self._put("bytes_read", rank, amount)
-
-    def async_handed_off(self, rank: str) -> None:
-        self._put("async_handed_off", rank)
-
-    def async_phase_done(self, phase: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
-        self._put("async_phase_done", phase, rank, duration_s, exemplar)
-
-    def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
-        self._put("async_upload_done", rank, duration_s, exemplar)
 
     def send(self) -> None:
         """Ship everything queued to the rank; never blocks, never raises."""

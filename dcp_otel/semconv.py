@@ -15,6 +15,7 @@ Usage::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
 #: Instrumentation scope name given to the tracer.
@@ -119,24 +120,148 @@ def span_name(func_name: str) -> str:
     """The span name for a DCP function: ``span_name("save") == "dcp.save"``."""
     return SPAN_PREFIX + func_name
 
-# --- Prometheus metrics (prometheus-client; names are the public contract) --
-METRIC_OPERATION_DURATION: Final = "dcp_operation_duration_seconds"  # histogram: operation, status, rank
-METRIC_STEP_DURATION: Final = "dcp_step_duration_seconds"  # histogram: operation, step, rank
-METRIC_OPERATIONS: Final = "dcp_operations"  # counter (exposed as dcp_operations_total): operation, status, rank
-METRIC_WRITTEN_BYTES: Final = "dcp_written_bytes"  # counter (..._total): rank
-METRIC_READ_BYTES: Final = "dcp_read_bytes"  # counter (..._total): rank
-METRIC_ASYNC_IN_FLIGHT: Final = "dcp_async_saves_in_flight"  # gauge: rank
-METRIC_ASYNC_PHASE_DURATION: Final = "dcp_async_phase_duration_seconds"  # histogram: phase, rank
-METRIC_COLLECTIVE_WAIT: Final = "dcp_collective_wait_seconds"  # histogram: operation, rank
-METRIC_LAST_SUCCESS: Final = "dcp_last_success_timestamp_seconds"  # gauge: operation, rank
-#: What dcp_otel.diagnostics() counts (dropped spans, malformed records...): reason, rank.
-METRIC_TELEMETRY_PROBLEMS: Final = "dcp_otel_telemetry_problems"  # counter (..._total): reason, rank
-
+# --- metrics: one catalogue for prometheus-client and the OpenTelemetry metrics API --
 LABEL_OPERATION: Final = "operation"
 LABEL_STATUS: Final = "status"
 LABEL_STEP: Final = "step"
 LABEL_RANK: Final = "rank"
 LABEL_PHASE: Final = "phase"
+LABEL_GROUP: Final = "group"
+LABEL_NAME: Final = "name"
+LABEL_REASON: Final = "reason"
+
+#: What kind of instrument a metric is, in both APIs.
+KIND_HISTOGRAM: Final = "histogram"
+KIND_COUNTER: Final = "counter"
+KIND_UPDOWN: Final = "updowncounter"  # a prometheus_client Gauge moved by inc/dec
+KIND_GAUGE: Final = "gauge"  # a value that is set
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric, as both metrics APIs name it.
+
+    ``prometheus`` is the prometheus-client name (a counter's without
+    ``_total``); ``otel`` plus ``unit`` is the OpenTelemetry instrument, named
+    so that the specification's OTLP-to-Prometheus translation (the
+    ``opentelemetry-exporter-prometheus`` exporter, the Collector's Prometheus
+    exporters, Prometheus's own OTLP receiver) gives back exactly ``prometheus``:
+    dots become underscores, the unit is appended as a suffix (``s`` ->
+    ``_seconds``, ``By`` -> ``_bytes``, ``{...}`` annotations add nothing) and
+    monotonic counters get ``_total``. ``tests/test_otel_metrics.py`` proves it
+    for every entry. Attribute keys are the Prometheus label names, so labels
+    stay the same too.
+    """
+
+    prometheus: str
+    otel: str
+    unit: str
+    kind: str
+    labels: tuple[str, ...]
+    description: str
+    buckets: tuple[float, ...] | None = None
+    #: How prometheus-client combines a gauge across processes in multiprocess mode.
+    multiprocess_mode: str = ""
+
+
+#: Checkpoint reality spans planning (milliseconds) to writing at scale (hours).
+#: Twelve bounds keep one rank's exposition small (each bound is a series).
+DURATION_BUCKETS: Final = (0.005, 0.025, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 7200.0)
+
+OPERATION_DURATION: Final = MetricSpec(
+    "dcp_operation_duration_seconds", "dcp.operation.duration", "s", KIND_HISTOGRAM,
+    (LABEL_OPERATION, LABEL_STATUS, LABEL_RANK), "Duration of a checkpoint operation on one rank.", DURATION_BUCKETS,
+)  # fmt: skip
+STEP_DURATION: Final = MetricSpec(
+    "dcp_step_duration_seconds", "dcp.step.duration", "s", KIND_HISTOGRAM, (LABEL_OPERATION, LABEL_STEP, LABEL_RANK),
+    "Duration of one step of a checkpoint operation.", DURATION_BUCKETS,
+)  # fmt: skip
+OPERATION_COUNT: Final = MetricSpec(
+    "dcp_operations", "dcp.operations", "{operation}", KIND_COUNTER, (LABEL_OPERATION, LABEL_STATUS, LABEL_RANK),
+    "Checkpoint operations finished, by status.",
+)  # fmt: skip
+WRITTEN_BYTES: Final = MetricSpec(
+    "dcp_written_bytes", "dcp.written", "By", KIND_COUNTER, (LABEL_RANK,),
+    "Bytes this rank wrote to checkpoint storage.",
+)  # fmt: skip
+READ_BYTES: Final = MetricSpec(
+    "dcp_read_bytes", "dcp.read", "By", KIND_COUNTER, (LABEL_RANK,), "Bytes this rank read from checkpoint storage."
+)  # fmt: skip
+ASYNC_IN_FLIGHT: Final = MetricSpec(
+    "dcp_async_saves_in_flight", "dcp.async_saves_in_flight", "{save}", KIND_UPDOWN, (LABEL_RANK,),
+    "Async saves handed off and not yet uploaded.", multiprocess_mode="livesum",
+)  # fmt: skip
+ASYNC_PHASE_DURATION: Final = MetricSpec(
+    "dcp_async_phase_duration_seconds", "dcp.async_phase.duration", "s", KIND_HISTOGRAM, (LABEL_PHASE, LABEL_RANK),
+    "Duration of async save phases: staging and upload.", DURATION_BUCKETS,
+)  # fmt: skip
+COLLECTIVE_WAIT: Final = MetricSpec(
+    "dcp_collective_wait_seconds", "dcp.collective_wait", "s", KIND_HISTOGRAM, (LABEL_OPERATION, LABEL_RANK),
+    "Part of an operation not covered by this rank's own steps: waiting for other ranks.", DURATION_BUCKETS,
+)  # fmt: skip
+LAST_SUCCESS: Final = MetricSpec(
+    "dcp_last_success_timestamp_seconds", "dcp.last_success_timestamp", "s", KIND_GAUGE, (LABEL_OPERATION, LABEL_RANK),
+    "Unix time of the last successful operation.", multiprocess_mode="max",
+)  # fmt: skip
+#: What dcp_otel.diagnostics() counts (dropped spans, malformed records...), per reason and rank.
+TELEMETRY_PROBLEMS: Final = MetricSpec(
+    "dcp_otel_telemetry_problems", "dcp_otel.telemetry_problems", "{problem}", KIND_COUNTER, (LABEL_REASON, LABEL_RANK),
+    "Telemetry dcp-otel dropped or failed to record (what dcp_otel.diagnostics() counts).",
+)  # fmt: skip
+CHECKPOINT_METRICS: Final = (
+    OPERATION_DURATION, STEP_DURATION, OPERATION_COUNT, WRITTEN_BYTES, READ_BYTES, ASYNC_IN_FLIGHT, ASYNC_PHASE_DURATION,
+    COLLECTIVE_WAIT, LAST_SUCCESS, TELEMETRY_PROBLEMS,
+)  # fmt: skip
+
+# --- torchelastic metrics (OTelMetricHandler) --------------------------------
+ELASTIC_DURATION: Final = MetricSpec(
+    "torchelastic_duration_seconds", "torchelastic.duration", "s", KIND_HISTOGRAM, (LABEL_GROUP, LABEL_NAME),
+    "Duration of a torchelastic phase (@prof).", DURATION_BUCKETS,
+)  # fmt: skip
+ELASTIC_CALLS: Final = MetricSpec(
+    "torchelastic_calls", "torchelastic.calls", "{call}", KIND_COUNTER, (LABEL_GROUP, LABEL_NAME, LABEL_STATUS),
+    "torchelastic calls by outcome (@prof).",
+)  # fmt: skip
+ELASTIC_EVENTS: Final = MetricSpec(
+    "torchelastic_events", "torchelastic.events", "1", KIND_COUNTER, (LABEL_GROUP, LABEL_NAME),
+    "Other torchelastic metrics, summed.",
+)  # fmt: skip
+ELASTIC_LAST_VALUE: Final = MetricSpec(
+    "torchelastic_last_value", "torchelastic.last_value", "1", KIND_GAUGE, (LABEL_GROUP, LABEL_NAME),
+    "Last value of other torchelastic metrics.", multiprocess_mode="mostrecent",
+)  # fmt: skip
+ELASTIC_DROPPED: Final = MetricSpec(
+    "torchelastic_dropped_metrics", "torchelastic.dropped_metrics", "{metric}", KIND_COUNTER, (LABEL_REASON,),
+    "torchelastic metrics dropped or not counted.",
+)  # fmt: skip
+ELASTIC_METRICS: Final = (ELASTIC_DURATION, ELASTIC_CALLS, ELASTIC_EVENTS, ELASTIC_LAST_VALUE, ELASTIC_DROPPED)
+
+#: The prometheus-client names, for code that only needs a name (dashboards, rules, tests).
+METRIC_OPERATION_DURATION: Final = OPERATION_DURATION.prometheus
+METRIC_STEP_DURATION: Final = STEP_DURATION.prometheus
+METRIC_OPERATIONS: Final = OPERATION_COUNT.prometheus  # exposed as dcp_operations_total
+METRIC_WRITTEN_BYTES: Final = WRITTEN_BYTES.prometheus  # dcp_written_bytes_total
+METRIC_READ_BYTES: Final = READ_BYTES.prometheus  # dcp_read_bytes_total
+METRIC_ASYNC_IN_FLIGHT: Final = ASYNC_IN_FLIGHT.prometheus
+METRIC_ASYNC_PHASE_DURATION: Final = ASYNC_PHASE_DURATION.prometheus
+METRIC_COLLECTIVE_WAIT: Final = COLLECTIVE_WAIT.prometheus
+METRIC_LAST_SUCCESS: Final = LAST_SUCCESS.prometheus
+METRIC_TELEMETRY_PROBLEMS: Final = TELEMETRY_PROBLEMS.prometheus  # dcp_otel_telemetry_problems_total
+METRIC_ELASTIC_DURATION: Final = ELASTIC_DURATION.prometheus
+METRIC_ELASTIC_CALLS: Final = ELASTIC_CALLS.prometheus  # torchelastic_calls_total
+METRIC_ELASTIC_EVENTS: Final = ELASTIC_EVENTS.prometheus  # torchelastic_events_total
+METRIC_ELASTIC_LAST_VALUE: Final = ELASTIC_LAST_VALUE.prometheus
+METRIC_ELASTIC_DROPPED: Final = ELASTIC_DROPPED.prometheus  # torchelastic_dropped_metrics_total
+
+#: Where checkpoint and torchelastic metrics are recorded (DCP_OTEL_METRICS, comma-separated; "none" for neither).
+SINK_PROMETHEUS: Final = "prometheus"  # prometheus-client: a scrape endpoint, multiprocess files
+SINK_OPENTELEMETRY: Final = "opentelemetry"  # the OpenTelemetry metrics API: whatever the MeterProvider exports
+METRIC_SINKS: Final = (SINK_PROMETHEUS, SINK_OPENTELEMETRY)
+ENV_METRICS: Final = "DCP_OTEL_METRICS"
+#: An observable instrument that never reports a value: the SDK calls it at the start of
+#: every collection, which lets the builder record what is queued first (see dcp_otel.otel_metrics).
+OTEL_COLLECTION_BARRIER: Final = "dcp_otel.collection_barrier"
+
 STATUS_SUCCESS: Final = "success"
 STATUS_FAILURE: Final = "failure"
 PHASE_STAGING: Final = "staging"
@@ -144,10 +269,8 @@ PHASE_UPLOAD: Final = "upload"
 #: Exemplar labels on every histogram observation made inside a traced operation.
 EXEMPLAR_TRACE_ID: Final = "trace_id"
 EXEMPLAR_RANK: Final = "rank"
-
-#: Checkpoint reality spans planning (milliseconds) to writing at scale (hours).
-#: Twelve bounds keep one rank's exposition small (each bound is a series).
-DURATION_BUCKETS: Final = (0.005, 0.025, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 7200.0)
+#: The operation span (OTel exemplars carry it; Prometheus exemplars too, so Grafana can open the span).
+EXEMPLAR_SPAN_ID: Final = "span_id"
 
 #: Span attributes carrying the same byte counts as the counters.
 ATTR_WRITTEN_BYTES: Final = "dcp.written_bytes"  # int, on the operation span
@@ -162,15 +285,7 @@ ENV_FINAL_SCRAPE_TIMEOUT_S: Final = "DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S"
 DEFAULT_METRICS_PORT: Final = 9710
 DEFAULT_METRICS_ADDR: Final = "0.0.0.0"  # noqa: S104 - Prometheus scrapes from elsewhere; configurable
 
-# --- torchelastic metrics (OTelMetricHandler) --------------------------------
-METRIC_ELASTIC_DURATION: Final = "torchelastic_duration_seconds"  # histogram: group, name
-METRIC_ELASTIC_CALLS: Final = "torchelastic_calls"  # counter (..._total): group, name, status
-METRIC_ELASTIC_EVENTS: Final = "torchelastic_events"  # counter (..._total): group, name
-METRIC_ELASTIC_LAST_VALUE: Final = "torchelastic_last_value"  # gauge: group, name
-METRIC_ELASTIC_DROPPED: Final = "torchelastic_dropped_metrics"  # counter (..._total): reason
-LABEL_GROUP: Final = "group"
-LABEL_NAME: Final = "name"
-LABEL_REASON: Final = "reason"
+# --- torchelastic spans (OTelMetricHandler) --------------------------------
 #: (group, name) pairs past the handler's series cap are folded into this one.
 OVERFLOW: Final = "_overflow"
 SPAN_ELASTIC_PREFIX: Final = "torchelastic."  # span "torchelastic.<name>" per <name>.duration.ms

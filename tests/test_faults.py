@@ -44,7 +44,9 @@ def endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def test_a_dead_or_hung_otlp_endpoint_costs_neither_the_saves_nor_memory_nor_the_exit(endpoint: str) -> None:
-    env = rank_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, DCP_OTEL_FLUSH_TIMEOUT_S=str(FLUSH_TIMEOUT_S))
+    """Spans and metrics both go to the endpoint; the metric reader tries to push every 100 ms."""
+    env = rank_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, DCP_OTEL_FLUSH_TIMEOUT_S=str(FLUSH_TIMEOUT_S),
+                   OTEL_METRIC_EXPORT_INTERVAL="100")  # fmt: skip
     run = subprocess.run([sys.executable, str(WORKERS / "otlp_fault.py"), str(SAVES)], capture_output=True,
                          text=True, timeout=300, env=env, cwd=REPO)  # fmt: skip
     exited = time.time()

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint.logger as dcp_logger_module
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 import torch.distributed.checkpoint.utils as dcp_utils
+from opentelemetry.sdk.trace import TracerProvider
 
 import dcp_otel
 from dcp_otel import DCPInstrumentor, semconv
@@ -117,8 +118,8 @@ def test_a_second_instrument_asking_for_other_options_says_which_stay_in_force(p
     [("tracer_provider", "x", "tracer_provider must be an opentelemetry TracerProvider, got str"),
      ("tracer_provider", object(), "got object"),
      ("registry", "x", "registry must be a prometheus_client CollectorRegistry, got str"),
-     # no OpenTelemetry metrics path yet: any meter_provider is refused, naming the valid options
-     ("meter_provider", "x", "unknown dcp_otel option(s) ['meter_provider']; valid options are")],
+     ("meter_provider", "x", "meter_provider must be an opentelemetry MeterProvider, got str"),
+     ("meter_provider", TracerProvider(), "got TracerProvider")],
 )
 def test_a_provider_or_registry_of_the_wrong_type_is_a_clear_error(option: str, value: object, expected: str) -> None:
     with pytest.raises(ValueError, match=re.escape(expected)):

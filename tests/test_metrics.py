@@ -120,7 +120,7 @@ def test_async_save_phases_and_in_flight_gauge(traced, tmp_path: Path) -> None:
     assert sample(r, "dcp_written_bytes_total", rank="0") == data_bytes(tmp_path / "c")
 
 
-def test_histogram_exemplars_carry_the_spans_trace_id_in_openmetrics(traced, tmp_path: Path) -> None:
+def test_histogram_exemplars_carry_the_spans_trace_and_span_ids_in_openmetrics(traced, tmp_path: Path) -> None:
     dcp.save(state(), checkpoint_id=str(tmp_path / "c"))
 
     (save,) = named(traced.spans(), "dcp.save")
@@ -136,7 +136,7 @@ def test_histogram_exemplars_carry_the_spans_trace_id_in_openmetrics(traced, tmp
             "dcp_collective_wait_seconds_bucket"} <= names  # fmt: skip
     for _, _, exemplar in exemplars:
         assert re.fullmatch(r"[0-9a-f]{32}", exemplar.labels["trace_id"])
-        assert exemplar.labels == {"trace_id": save.trace_id, "rank": "0"}
+        assert exemplar.labels == {"trace_id": save.trace_id, "span_id": save.span_id, "rank": "0"}
     assert "# {" not in generate_latest(traced.registry).decode()  # the classic format carries none
 
 

@@ -1,7 +1,8 @@
 """Saves while the OTLP endpoint is down or hung, then exits (run by tests/test_faults.py).
 
-The SDK is configured as users do, from OTEL_* variables (OTLP/HTTP, batch
-processor). Prints one JSON line: saves done, their median time, resident
+The SDK is configured as users do, from OTEL_* variables: spans through a
+batch processor, and the checkpoint metrics pushed by a periodic metric reader
+(OTLP/HTTP both). Prints one JSON line: saves done, their median time, resident
 memory after a warm-up and at the end, dcp-otel's diagnostics, and the time it
 finished (the test measures how long the exit then takes).
 """
@@ -18,7 +19,10 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -31,7 +35,8 @@ def main(saves: int) -> None:
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint, timeout from OTEL_*
     trace.set_tracer_provider(provider)
-    dcp_otel.instrument()
+    meters = MeterProvider([PeriodicExportingMetricReader(OTLPMetricExporter())])  # interval from OTEL_*
+    dcp_otel.instrument(meter_provider=meters)
     state = {"w": torch.ones(64)}
     times = []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
@@ -44,7 +49,8 @@ def main(saves: int) -> None:
     print(json.dumps({"saves": saves, "median_s": statistics.median(times), "rss_warm_kib": warm,
                       "rss_end_kib": rss_kib(), "diagnostics": dcp_otel.diagnostics(),
                       "done_at": time.time()}), flush=True)  # fmt: skip
-    # Now exit, as a training script does: the exit flush is dcp-otel's, bounded by DCP_OTEL_FLUSH_TIMEOUT_S.
+    # Now exit, as a training script does: the exit flush (spans and metrics) is dcp-otel's,
+    # bounded by DCP_OTEL_FLUSH_TIMEOUT_S.
 
 
 if __name__ == "__main__":
