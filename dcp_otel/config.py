@@ -84,9 +84,11 @@ class InstrumentOptions:
         metrics: where checkpoint metrics are recorded: ``"prometheus"``
             (prometheus-client: the scrape endpoint, multiprocess files),
             ``"opentelemetry"`` (the metrics API: OTLP push, or whatever the
-            meter provider exports), both (the default, also written
-            ``"prometheus,opentelemetry"``) or ``"none"``; a string or a
-            sequence. ``$DCP_OTEL_METRICS`` when not given.
+            meter provider exports), both (``"prometheus,opentelemetry"``)
+            or ``"none"``; a string or a sequence. Not given:
+            ``$DCP_OTEL_METRICS``, else Prometheus, plus OpenTelemetry when
+            ``meter_provider`` is given or ``$OTEL_METRICS_EXPORTER`` names an
+            exporter (see :func:`default_metric_sinks`).
     """
 
     tracer_provider: TracerProvider | None = None
@@ -101,7 +103,7 @@ class InstrumentOptions:
     span_budget: int = 2000
     max_queued_operations: int = 4096
     meter_provider: MeterProvider | None = None
-    metrics: tuple[str, ...] = semconv.METRIC_SINKS
+    metrics: tuple[str, ...] = (semconv.SINK_PROMETHEUS,)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", metric_sinks(self.metrics))
@@ -152,7 +154,7 @@ class InstrumentOptions:
                 values["detail"] = env.lower()
             else:
                 logger.warning("ignoring %s=%r: expected one of %s", semconv.ENV_DETAIL, env, list(DETAIL_MODES))
-        values["metrics"] = metric_sinks_from_env(values.get("metrics"))
+        values["metrics"] = metric_sinks_from_env(values.get("metrics"), values.get("meter_provider"))
         for name, env_name, low, high in _INT_ENV:
             if name == "metrics_port" and not is_rank_process():
                 # The checkpoint daemon, a DataLoader worker or torchrun itself
@@ -244,8 +246,9 @@ def metric_sinks(value: object) -> tuple[str, ...]:
     return tuple(sink for sink in semconv.METRIC_SINKS if sink in names)
 
 
-def metric_sinks_from_env(value: object | None) -> tuple[str, ...]:
-    """``value`` checked (raises ``ValueError``), else ``$DCP_OTEL_METRICS`` (a bad one warns), else both sinks."""
+def metric_sinks_from_env(value: object | None, meter_provider: object | None = None) -> tuple[str, ...]:
+    """Where metrics go: ``value`` checked (raises ``ValueError``), else ``$DCP_OTEL_METRICS`` (a bad
+    one warns), else :func:`default_metric_sinks`."""
     if value is not None:
         return metric_sinks(value)
     env = os.environ.get(semconv.ENV_METRICS, "").strip()
@@ -254,7 +257,22 @@ def metric_sinks_from_env(value: object | None) -> tuple[str, ...]:
             return metric_sinks(env)
         except ValueError as exc:
             logger.warning("ignoring %s=%r: %s", semconv.ENV_METRICS, env, exc)
-    return semconv.METRIC_SINKS
+    return default_metric_sinks(meter_provider)
+
+
+def default_metric_sinks(meter_provider: object | None = None) -> tuple[str, ...]:
+    """Prometheus always; OpenTelemetry too when the user asked for OpenTelemetry metrics.
+
+    That is: a ``meter_provider`` was given, or ``$OTEL_METRICS_EXPORTER`` is
+    set to an exporter. Not merely because ``opentelemetry-instrument`` made a
+    provider: the distro defaults to an OTLP metric exporter, and a job that
+    is scraped and never asked for a push must not start sending a second copy
+    of every checkpoint metric to its Collector.
+    """
+    exporter = os.environ.get(semconv.ENV_OTEL_METRICS_EXPORTER, "").strip().lower()
+    if meter_provider is not None or exporter not in ("", "none"):
+        return semconv.METRIC_SINKS
+    return (semconv.SINK_PROMETHEUS,)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

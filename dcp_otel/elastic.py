@@ -14,10 +14,11 @@ and a null handler. This one maps them, as a contract:
 * anything else -> ``torchelastic_events_total{group, name}`` incremented by
   its value, and ``torchelastic_last_value{group, name}`` set to it.
 
-Each metric is recorded in prometheus-client and as an OpenTelemetry
-instrument of the same catalogue (``torchelastic.duration`` in seconds, and so
-on; see :data:`dcp_otel.semconv.ELASTIC_METRICS`), unless ``metrics`` (or
-``$DCP_OTEL_METRICS``) turns one side off.
+Each metric is recorded in prometheus-client and, when OpenTelemetry metrics
+are asked for (a ``meter_provider``, ``$OTEL_METRICS_EXPORTER``, or
+``metrics``/``$DCP_OTEL_METRICS``), as an OpenTelemetry instrument of the same
+catalogue (``torchelastic.duration`` in seconds, and so on; see
+:data:`dcp_otel.semconv.ELASTIC_METRICS`).
 
 Custom rules run first: callables given ``(group, name, value, timestamp)``
 that return ``True`` when they handled the metric.
@@ -82,9 +83,10 @@ class OTelMetricHandler(MetricHandler):
             into ``_overflow``.
         meter_provider: where the OpenTelemetry side of the metrics goes
             (default: the global one, which ``opentelemetry-instrument`` sets).
-        metrics: ``"prometheus"``, ``"opentelemetry"``, both (the default)
-            or ``"none"``, as for :func:`dcp_otel.instrument`; default
-            ``$DCP_OTEL_METRICS``.
+        metrics: ``"prometheus"``, ``"opentelemetry"``, both or ``"none"``,
+            with the same default as :func:`dcp_otel.instrument`
+            (``$DCP_OTEL_METRICS``, else Prometheus, plus OpenTelemetry when
+            ``meter_provider`` is given or ``$OTEL_METRICS_EXPORTER`` is set).
 
     Raises:
         ValueError: ``max_series`` is not a positive integer, a rule is not
@@ -108,7 +110,7 @@ class OTelMetricHandler(MetricHandler):
             raise ValueError("every rule must be callable(group, name, value, timestamp) -> bool")
         if meter_provider is not None and not isinstance(meter_provider, MeterProvider):
             raise ValueError(f"meter_provider must be an opentelemetry MeterProvider, got {type(meter_provider).__name__}")
-        sinks = metric_sinks_from_env(metrics)
+        sinks = metric_sinks_from_env(metrics, meter_provider)
         self._metrics = (_ElasticMetrics.for_registry(registry if registry is not None else REGISTRY)
                          if semconv.SINK_PROMETHEUS in sinks else None)  # fmt: skip
         self._otel = OTelElasticInstruments.for_provider(meter_provider) if semconv.SINK_OPENTELEMETRY in sinks else None

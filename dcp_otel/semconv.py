@@ -258,6 +258,8 @@ SINK_PROMETHEUS: Final = "prometheus"  # prometheus-client: a scrape endpoint, m
 SINK_OPENTELEMETRY: Final = "opentelemetry"  # the OpenTelemetry metrics API: whatever the MeterProvider exports
 METRIC_SINKS: Final = (SINK_PROMETHEUS, SINK_OPENTELEMETRY)
 ENV_METRICS: Final = "DCP_OTEL_METRICS"
+#: The OpenTelemetry SDK's variable: when it names an exporter, the OpenTelemetry sink is on by default.
+ENV_OTEL_METRICS_EXPORTER: Final = "OTEL_METRICS_EXPORTER"
 #: An observable instrument that never reports a value: the SDK calls it at the start of
 #: every collection, which lets the builder record what is queued first (see dcp_otel.otel_metrics).
 OTEL_COLLECTION_BARRIER: Final = "dcp_otel.collection_barrier"

@@ -178,6 +178,31 @@ def test_each_side_can_be_turned_off(tmp_path: Path, sinks: str, monkeypatch: py
     assert (semconv.ELASTIC_EVENTS.otel in in_otel) == ("opentelemetry" in want)
 
 
+@pytest.mark.parametrize(
+    ("meter_provider", "exporter", "expected"),
+    [(False, None, ("prometheus",)), (False, "none", ("prometheus",)), (True, None, semconv.METRIC_SINKS),
+     (False, "otlp", semconv.METRIC_SINKS), (False, "console", semconv.METRIC_SINKS)],
+)
+def test_the_opentelemetry_side_is_on_when_opentelemetry_metrics_are_asked_for(
+    monkeypatch: pytest.MonkeyPatch, meter_provider: bool, exporter: str | None, expected: tuple[str, ...]
+) -> None:
+    """A scraped job under ``opentelemetry-instrument`` (whose distro defaults to an OTLP metric
+    exporter) must not start pushing a second copy of its metrics unless it asks to."""
+    monkeypatch.delenv(semconv.ENV_METRICS, raising=False)
+    if exporter is None:
+        monkeypatch.delenv(semconv.ENV_OTEL_METRICS_EXPORTER, raising=False)
+    else:
+        monkeypatch.setenv(semconv.ENV_OTEL_METRICS_EXPORTER, exporter)
+    options = {"meter_provider": NoOpMeterProvider()} if meter_provider else {}
+    dcp_otel.instrument(registry=CollectorRegistry(), **options)
+    try:
+        instrumentor = dcp_otel.DCPInstrumentor()
+        assert instrumentor.recorder is not None and instrumentor.recorder.options.metrics == expected
+        assert (instrumentor.otel_metrics is not None) == ("opentelemetry" in expected)
+    finally:
+        dcp_otel.uninstrument()
+
+
 def test_bad_metric_options_fail_at_configuration_and_a_bad_variable_warns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -199,7 +224,7 @@ def test_bad_metric_options_fail_at_configuration_and_a_bad_variable_warns(
         dcp_otel.instrument(registry=CollectorRegistry(), meter_provider=NoOpMeterProvider())
     try:
         recorder = dcp_otel.DCPInstrumentor().recorder
-        assert recorder is not None and recorder.options.metrics == semconv.METRIC_SINKS  # the default
+        assert recorder is not None and recorder.options.metrics == semconv.METRIC_SINKS  # the default (a provider)
     finally:
         dcp_otel.uninstrument()
     assert f"ignoring {semconv.ENV_METRICS}='prometheus,statsd'" in caplog.text
