@@ -239,11 +239,11 @@ def metric_sinks(value: object) -> tuple[str, ...]:
         raise ValueError(f"metrics must be a string or a sequence of strings, got {value!r}")
     if names == ["none"]:
         names = []
-    unknown = sorted(set(names) - set(semconv.METRIC_SINKS))
+    unknown = sorted(set(names) - set(semconv.ALL_METRIC_SINKS))
     if unknown:
         raise ValueError(f"unknown metrics sink(s) {unknown}: expected a combination of "
-                         f"{list(semconv.METRIC_SINKS)}, or 'none'")  # fmt: skip
-    return tuple(sink for sink in semconv.METRIC_SINKS if sink in names)
+                         f"{list(semconv.ALL_METRIC_SINKS)}, or 'none'")  # fmt: skip
+    return tuple(sink for sink in semconv.ALL_METRIC_SINKS if sink in names)
 
 
 def metric_sinks_from_env(value: object | None, meter_provider: object | None = None) -> tuple[str, ...]:
@@ -271,7 +271,7 @@ def default_metric_sinks(meter_provider: object | None = None) -> tuple[str, ...
     """
     exporter = os.environ.get(semconv.ENV_OTEL_METRICS_EXPORTER, "").strip().lower()
     if meter_provider is not None or exporter not in ("", "none"):
-        return semconv.METRIC_SINKS
+        return semconv.ALL_METRIC_SINKS
     return (semconv.SINK_PROMETHEUS,)
 
 

@@ -256,7 +256,7 @@ METRIC_ELASTIC_DROPPED: Final = ELASTIC_DROPPED.prometheus  # torchelastic_dropp
 #: Where checkpoint and torchelastic metrics are recorded (DCP_OTEL_METRICS, comma-separated; "none" for neither).
 SINK_PROMETHEUS: Final = "prometheus"  # prometheus-client: a scrape endpoint, multiprocess files
 SINK_OPENTELEMETRY: Final = "opentelemetry"  # the OpenTelemetry metrics API: whatever the MeterProvider exports
-METRIC_SINKS: Final = (SINK_PROMETHEUS, SINK_OPENTELEMETRY)
+ALL_METRIC_SINKS: Final = (SINK_PROMETHEUS, SINK_OPENTELEMETRY)
 ENV_METRICS: Final = "DCP_OTEL_METRICS"
 #: The OpenTelemetry SDK's variable: when it names an exporter, the OpenTelemetry sink is on by default.
 ENV_OTEL_METRICS_EXPORTER: Final = "OTEL_METRICS_EXPORTER"

@@ -53,8 +53,8 @@ def family(name: str) -> str:
 
 
 def exported_families() -> set[str]:
-    """Every family semconv defines for Prometheus."""
-    return {v for k, v in vars(semconv).items() if k.startswith("METRIC_")}
+    """Every family semconv's catalogue defines for Prometheus."""
+    return {spec.prometheus for spec in semconv.CHECKPOINT_METRICS + semconv.ELASTIC_METRICS}
 
 
 def expressions() -> dict[str, list[str]]:

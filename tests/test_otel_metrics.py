@@ -180,8 +180,8 @@ def test_each_side_can_be_turned_off(tmp_path: Path, sinks: str, monkeypatch: py
 
 @pytest.mark.parametrize(
     ("meter_provider", "exporter", "expected"),
-    [(False, None, ("prometheus",)), (False, "none", ("prometheus",)), (True, None, semconv.METRIC_SINKS),
-     (False, "otlp", semconv.METRIC_SINKS), (False, "console", semconv.METRIC_SINKS)],
+    [(False, None, ("prometheus",)), (False, "none", ("prometheus",)), (True, None, semconv.ALL_METRIC_SINKS),
+     (False, "otlp", semconv.ALL_METRIC_SINKS), (False, "console", semconv.ALL_METRIC_SINKS)],
 )
 def test_the_opentelemetry_side_is_on_when_opentelemetry_metrics_are_asked_for(
     monkeypatch: pytest.MonkeyPatch, meter_provider: bool, exporter: str | None, expected: tuple[str, ...]
@@ -224,7 +224,7 @@ def test_bad_metric_options_fail_at_configuration_and_a_bad_variable_warns(
         dcp_otel.instrument(registry=CollectorRegistry(), meter_provider=NoOpMeterProvider())
     try:
         recorder = dcp_otel.DCPInstrumentor().recorder
-        assert recorder is not None and recorder.options.metrics == semconv.METRIC_SINKS  # the default (a provider)
+        assert recorder is not None and recorder.options.metrics == semconv.ALL_METRIC_SINKS  # the default (a provider)
     finally:
         dcp_otel.uninstrument()
     assert f"ignoring {semconv.ENV_METRICS}='prometheus,statsd'" in caplog.text
