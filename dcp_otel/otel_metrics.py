@@ -115,16 +115,17 @@ class OTelCheckpointMetrics:
         self.telemetry_problems = create_instrument(m, semconv.TELEMETRY_PROBLEMS)
         #: Set by the instrumentor: collections wait (bounded) for what it has queued.
         self.builder: SpanBuilder | None = None
-        # Registered once per meter, never unregistered (the API has no way to); it holds
-        # this object weakly, so an uninstrumented one is not kept alive by the provider.
-        self._barrier = m.create_observable_gauge(semconv.OTEL_COLLECTION_BARRIER, [_barrier_for(self)], "1",
-                                                  "Never reports a value: lets dcp-otel record queued metrics "
-                                                  "before each collection.")  # fmt: skip
+        # The SDK keeps the first registration of a name in a meter and ignores the callbacks of
+        # later ones (a second instrument() with the same provider), and the API cannot
+        # unregister: so one module-level callback serves every active sink.
+        m.create_observable_gauge(semconv.OTEL_COLLECTION_BARRIER, [_collection_barrier], "1",
+                                  "Never reports a value: lets dcp-otel record queued metrics before each "
+                                  "collection.")  # fmt: skip
         self._context = ExemplarContexts()
         # (operation, step, rank) -> its attributes, built once per series.
         self._step_attributes: dict[tuple[str, str, str], dict[str, str]] = {}
         self._rank = process_rank()
-        self._active = True
+        _ACTIVE.add(self)
         _selftelemetry.add_listener(self._problem)
 
     def provider(self) -> MeterProvider:
@@ -134,7 +135,7 @@ class OTelCheckpointMetrics:
     def close(self) -> None:
         """Stop recording problems and draining (on uninstrument); the instruments stay with the provider."""
         _selftelemetry.remove_listener(self._problem)
-        self._active = False
+        _ACTIVE.discard(self)
         self.builder = None
 
     def collecting(self) -> None:
@@ -198,20 +199,19 @@ class OTelCheckpointMetrics:
         self.async_phase_done(semconv.PHASE_UPLOAD, rank, duration_s, exemplar)
 
 
-def _barrier_for(sink: OTelCheckpointMetrics) -> Any:
-    ref = weakref.ref(sink)
+#: The sinks of the instrumentations in force (one, unless several providers were used in turn).
+_ACTIVE: weakref.WeakSet[OTelCheckpointMetrics] = weakref.WeakSet()
 
-    def barrier(options: CallbackOptions) -> Iterable[Observation]:
-        target = ref()
-        if target is not None and target._active:
-            try:
-                target.collecting()
-            except Exception:  # noqa: BLE001 - a collection must go on
-                _selftelemetry.report("metrics_error", "dcp_otel failed to record queued metrics before a collection",
-                                      exc_info=True)  # fmt: skip
-        return ()
 
-    return barrier
+def _collection_barrier(options: CallbackOptions) -> Iterable[Observation]:
+    """Called by the SDK at the start of every collection: record what the builders have queued."""
+    for sink in list(_ACTIVE):
+        try:
+            sink.collecting()
+        except Exception:  # noqa: BLE001 - a collection must go on
+            _selftelemetry.report("metrics_error", "dcp_otel failed to record queued metrics before a collection",
+                                  exc_info=True)  # fmt: skip
+    return ()
 
 
 class OTelElasticInstruments:

@@ -118,19 +118,36 @@ def points(reader: InMemoryMetricReader, name: str) -> list[Any]:
     ]
 
 
+@pytest.mark.parametrize("instrumented", ["once", "again"])
 def test_a_collection_right_after_a_save_sees_it_with_an_exemplar_of_the_operation_span(
-    tmp_path: Path, meter_and_spans: tuple[MeterProvider, InMemoryMetricReader, TracerProvider]
+    tmp_path: Path, meter_and_spans: tuple[MeterProvider, InMemoryMetricReader, TracerProvider], instrumented: str
 ) -> None:
+    """Also after uninstrument() and instrument() again into the same provider (whose SDK keeps
+    the instruments, and the collection callbacks, of the first time)."""
     meters, reader, tracer = meter_and_spans
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     spans = InMemorySpanExporter()
     tracer.add_span_processor(SimpleSpanProcessor(spans))
+    if instrumented == "again":
+        dcp_otel.instrument(tracer_provider=tracer, registry=CollectorRegistry(), meter_provider=meters)
+        dcp_otel.uninstrument()
     dcp_otel.instrument(tracer_provider=tracer, registry=CollectorRegistry(), meter_provider=meters)
     dcp.save(state(), checkpoint_id=str(tmp_path / "c"))
     # No flush: the SDK's collection itself waits for the builder (the collection barrier).
+    recorder = dcp_otel.DCPInstrumentor().recorder
+    assert recorder is not None
+    drained: list[bool] = []
+    drain = recorder.builder.drain
+
+    def watched(timeout_s: float, metrics_only: bool = False) -> bool:
+        drained.append(metrics_only)
+        return drain(timeout_s, metrics_only)
+
+    recorder.builder.drain = watched  # type: ignore[method-assign]
     (duration,) = points(reader, semconv.OPERATION_DURATION.otel)
+    assert drained == [True]  # the collection asked this instrumentation's builder for its metrics first
     assert duration.count == 1 and dict(duration.attributes) == {"operation": "save", "status": "success", "rank": "0"}
     assert list(duration.explicit_bounds) == list(semconv.DURATION_BUCKETS)
     tracer.force_flush()  # the spans are built after the metrics
