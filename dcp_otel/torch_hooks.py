@@ -25,11 +25,13 @@ from typing import Any
 
 import wrapt
 
+from dcp_otel import state_dict_calls
 from dcp_otel.async_context import AsyncContextCarrier
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.handler import DCPLoggerTap
 from dcp_otel.metrics import MetricsSink
 from dcp_otel.process_async import DAEMON_CLASS, DAEMON_ENTRY, PROCESS_MODULE, ProcessBridge, replace_daemon_entry
+from dcp_otel.state_dict_calls import logged_call, public_call
 from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
@@ -55,6 +57,8 @@ class Hooks:
     recorder: SpanRecorder
     carrier: AsyncContextCarrier
     bridge: ProcessBridge
+    #: Hands a DCP record to the recorder as the tap does (without logging it); a no-op without a tap.
+    feed: Callable[[dict[str, Any]], None]
 
 
 def _wrap_exception_wrapper(hooks: Hooks) -> Callable[..., Any]:
@@ -88,6 +92,10 @@ def _gather_object_wrapper(hooks: Hooks) -> Callable[..., Any]:
         return wrapped(*args, **kwargs)
 
     return wrapper
+
+
+def _state_dict_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:
+    return lambda hooks: logged_call(hooks.feed, call)
 
 
 _NO_STORAGE_CLASS = "no storage class on spans when DCP infers it from checkpoint_id"
@@ -142,6 +150,11 @@ PATCHES: tuple[Patch, ...] = (
           lambda hooks: hooks.bridge.daemon_started),  # fmt: skip
     Patch(PROCESS_MODULE, "_AsyncCheckpointProcess._send", _NO_PROCESS_TRACE, lambda hooks: hooks.bridge.send),
     Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.save", _NO_DAEMON_METRICS, lambda hooks: hooks.bridge.save),
+    # The state-dict API (get_state_dict, set_state_dict, ...), which torch does not log: checked against 2.13.
+    Patch(state_dict_calls.MODULE, state_dict_calls.PUBLIC_CONTEXT, "no dcp.get_state_dict, dcp.set_state_dict, ... spans",
+          lambda hooks: public_call(hooks.feed)),  # fmt: skip
+    *(Patch(state_dict_calls.MODULE, worker, f"no dcp.{worker} span", _state_dict_wrapper(worker))
+      for worker in state_dict_calls.WORKERS),  # fmt: skip
 )
 
 
@@ -173,6 +186,10 @@ class Installed:
             if current is self.tap:  # only ours: not what someone set since
                 setattr(self.logger_module, LOGGER_ATTR, original)
         self.tap = self.logger_module = None
+
+
+def _no_feed(record: dict[str, Any]) -> None:
+    pass
 
 
 def find_dcp_logger() -> tuple[Any, logging.Logger] | None:
@@ -213,7 +230,6 @@ def install(
     """
     carrier = AsyncContextCarrier(recorder)
     bridge = ProcessBridge(recorder, options or InstrumentOptions(), metrics)
-    hooks = Hooks(recorder, carrier, bridge)
     installed = Installed(carrier=carrier, bridge=bridge)
     found = find_dcp_logger()
     if found is None:
@@ -222,6 +238,7 @@ def install(
         module, dcp_logger = found
         installed.tap, installed.logger_module = DCPLoggerTap(dcp_logger, recorder), module
         setattr(module, LOGGER_ATTR, installed.tap)
+    hooks = Hooks(recorder, carrier, bridge, installed.tap.feed if installed.tap is not None else _no_feed)
     for patch in PATCHES:
         target = _resolve(patch)
         if target is None:

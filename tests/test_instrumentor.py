@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint._async_process_executor as process_executor
 import torch.distributed.checkpoint._async_thread_executor as thread_executor
 import torch.distributed.checkpoint.logger as dcp_logger_module
+import torch.distributed.checkpoint.state_dict as dcp_state_dict
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 import torch.distributed.checkpoint.utils as dcp_utils
@@ -44,6 +45,9 @@ def originals() -> dict[str, object]:
         "daemon_init": process._AsyncCheckpointProcess.__dict__["__init__"],
         "daemon_send": process._AsyncCheckpointProcess.__dict__["_send"],
         "daemon_save": process._AsyncCheckpointProcess.__dict__["save"],
+        **{f"state_dict.{name}": dcp_state_dict.__dict__[name]
+           for name in ("_gc_context", "_get_model_state_dict", "_get_optim_state_dict", "_load_model_state_dict",
+                        "_load_optim_state_dict")},  # fmt: skip
     }
 
 

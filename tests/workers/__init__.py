@@ -7,7 +7,14 @@ Ranks started by :func:`tests.ranks.run_ranks` share one command line, read by
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
+from typing import IO, Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 
 def rank_parser() -> argparse.ArgumentParser:
@@ -25,3 +32,27 @@ def rss_kib() -> int:
     """This process's resident memory, in KiB (Linux)."""
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def file_provider(out: Path, rank: int, service: str) -> tuple[TracerProvider, IO[str]]:
+    """A tracer provider writing this rank's spans to ``out/spans-<rank>.jsonl`` (``tests.spans_io`` reads them)."""
+    spans_file = open(os.path.join(out, f"spans-{rank}.jsonl"), "w")  # noqa: SIM115 - closed by finish_rank
+    provider = TracerProvider(resource=Resource.create({"service.name": service, "test.rank": rank}))
+    provider.add_span_processor(
+        BatchSpanProcessor(ConsoleSpanExporter(out=spans_file, formatter=lambda s: s.to_json(indent=None) + "\n"))
+    )
+    return provider, spans_file
+
+
+def finish_rank(provider: TracerProvider, spans_file: IO[str], out: Path, rank: int, result: dict[str, Any]) -> None:
+    """Uninstrument, write every span, leave the process group, and write ``out/result-<rank>.json``."""
+    import torch.distributed as dist
+
+    import dcp_otel
+
+    dcp_otel.uninstrument()
+    provider.shutdown()
+    spans_file.close()
+    dist.destroy_process_group()
+    with open(os.path.join(out, f"result-{rank}.json"), "w") as fh:
+        json.dump(result, fh)

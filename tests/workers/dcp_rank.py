@@ -13,19 +13,15 @@ uninstrumented and once instrumented, recording the exception the caller got.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 import dcp_otel
-from tests.workers import rank_parser
+from tests.workers import file_provider, finish_rank, rank_parser
 
 
 class FailingWriter(dcp.FileSystemWriter):
@@ -66,11 +62,7 @@ def main() -> None:
     warnings.simplefilter("ignore")
     rank = args.rank
 
-    spans_file = open(os.path.join(args.out, f"spans-{rank}.jsonl"), "w")  # noqa: SIM115 - closed at shutdown
-    provider = TracerProvider(resource=Resource.create({"service.name": "dcp-otel-test", "test.rank": rank}))
-    provider.add_span_processor(
-        BatchSpanProcessor(ConsoleSpanExporter(out=spans_file, formatter=lambda s: s.to_json(indent=None) + "\n"))
-    )
+    provider, spans_file = file_provider(args.out, rank, "dcp-otel-test")
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=args.world)
     result: dict = {}
 
@@ -96,12 +88,7 @@ def main() -> None:
     result["diagnostics"] = dcp_otel.diagnostics()
     recorder = dcp_otel.DCPInstrumentor().recorder
     result["stack_depth"] = recorder.stack_depth() if recorder else -1
-    dcp_otel.uninstrument()
-    provider.shutdown()
-    spans_file.close()
-    dist.destroy_process_group()
-    with open(os.path.join(args.out, f"result-{rank}.json"), "w") as fh:
-        json.dump(result, fh)
+    finish_rank(provider, spans_file, args.out, rank, result)
 
 
 if __name__ == "__main__":

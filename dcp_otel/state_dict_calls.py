@@ -1,0 +1,159 @@
+"""torch's state-dict API (``get_state_dict``, ``set_state_dict`` and their variants) as DCP calls.
+
+``torch.distributed.checkpoint.state_dict`` converts sharded models and
+optimizers (FSDP, DTensor) to and from the dicts DCP saves and loads, and is
+often the slowest part of a checkpoint, but torch does not log it through
+``_dcp_method_logger``. This module gives it the same start, end and exception
+records torch gives a DCP call, fed to dcp-otel's recorder (and not to torch's
+logger: its output stays as it was):
+
+* each public function (``get_model_state_dict``, ``get_optimizer_state_dict``,
+  ``get_state_dict``, ``set_model_state_dict``, ``set_optimizer_state_dict``,
+  ``set_state_dict``) is a call ``dcp.<function>``, from entering to leaving
+  the ``_gc_context`` each of them runs in (all of the function);
+* inside it, torch's workers ``_get_model_state_dict``, ``_get_optim_state_dict``,
+  ``_load_model_state_dict`` and ``_load_optim_state_dict`` are calls of their
+  own, so ``get_state_dict`` shows its model and optimizer halves.
+
+torch's module-level helpers are wrapped rather than the public functions
+because a training script usually imports those by name before it
+instruments (``from torch.distributed.checkpoint.state_dict import
+get_state_dict``), and its copy would never see a wrapper; the public
+functions look the helpers up in their module on every call. Which public
+function entered ``_gc_context`` is read from the calling frame.
+
+Called inside a save or a load (a ``Stateful``'s ``state_dict()``, as
+torchtitan does), a call is a step of that checkpoint's trace, on the step
+histogram. Called on its own, it is an operation of its own: one trace across
+the ranks making the same call, with the operation metrics under its name,
+linked to the span current when it was called.
+
+Usage (what :func:`dcp_otel.torch_hooks.install` does)::
+
+    wrapt.wrap_function_wrapper(state_dict_module, "_gc_context", public_call(tap.feed))
+    wrapt.wrap_function_wrapper(state_dict_module, "_get_model_state_dict",
+                                logged_call(tap.feed, "_get_model_state_dict"))
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Final
+from uuid import uuid4
+
+from dcp_otel._selftelemetry import report
+
+MODULE: Final = "torch.distributed.checkpoint.state_dict"
+#: The context manager every public function runs in.
+PUBLIC_CONTEXT: Final = "_gc_context"
+PUBLIC: Final = frozenset({"get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
+                           "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"})  # fmt: skip
+#: torch's workers, each a DCP call under its own name.
+WORKERS: Final = ("_get_model_state_dict", "_get_optim_state_dict", "_load_model_state_dict", "_load_optim_state_dict")
+#: How far up from our wrapper the public function's frame may be (wrapt's pure-Python fallback adds one).
+_MAX_FRAMES = 4
+
+Feed = Callable[[dict[str, Any]], None]
+
+
+def _base_record(func_name: str) -> dict[str, Any]:
+    """What torch's ``_dcp_method_logger`` puts in every record of a call: its name, the process
+    group's ranks (when distributed), no checkpoint id, and a fresh call id."""
+    from torch.distributed.c10d_logger import _get_msg_dict
+
+    record: dict[str, Any] = {"checkpoint_id": None, "uuid": str(uuid4().int)}
+    record.update(_get_msg_dict(func_name))
+    return record
+
+
+def _start(feed: Feed, func_name: str) -> dict[str, Any] | None:
+    """Feed a call's start record; the record to end it with (``None``, counted, if that failed)."""
+    try:
+        record = _base_record(func_name)
+        feed({**record, "event": "start", "time": time.time_ns(), "log_exceptions": True})
+        return record
+    except Exception:  # noqa: BLE001 - telemetry never breaks the call
+        report("recorder_error", "dcp_otel failed to record a state-dict call", exc_info=True)
+        return None
+
+
+def _end(feed: Feed, record: dict[str, Any], error: BaseException | None) -> None:
+    """Feed a call's end, or its exception (call it while that exception is being handled)."""
+    try:
+        if error is None:
+            feed({**record, "event": "end", "time": time.time_ns()})
+        else:
+            feed({**record, "event": "exception", "error": f"{error}", "time": time.time_ns()})
+    except Exception:  # noqa: BLE001
+        report("recorder_error", "dcp_otel failed to record a state-dict call", exc_info=True)
+
+
+def _public_caller() -> str | None:
+    """The public state-dict function that is entering ``_gc_context``, if one is."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name in PUBLIC and frame.f_globals.get("__name__") == MODULE:
+            return code.co_name
+        frame = frame.f_back
+    return None
+
+
+class _LoggedContext:
+    """torch's ``_gc_context`` manager, its span around it."""
+
+    def __init__(self, inner: Any, feed: Feed, func_name: str) -> None:
+        self._inner, self._feed, self._func_name = inner, feed, func_name
+        self._record: dict[str, Any] | None = None
+
+    def __enter__(self) -> Any:
+        self._record = _start(self._feed, self._func_name)
+        return self._inner.__enter__()
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> Any:
+        try:
+            return self._inner.__exit__(kind, error, tb)
+        finally:
+            if self._record is not None:
+                _end(self._feed, self._record, error)
+
+
+def public_call(feed: Feed) -> Callable[..., Any]:
+    """A ``wrapt`` wrapper of ``_gc_context``: the public function entering it becomes a DCP call."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        inner = wrapped(*args, **kwargs)
+        try:
+            func_name = _public_caller()
+        except Exception:  # noqa: BLE001
+            func_name = None
+        return inner if func_name is None else _LoggedContext(inner, feed, func_name)
+
+    return wrapper
+
+
+def logged_call(feed: Feed, func_name: str) -> Callable[..., Any]:
+    """A ``wrapt`` wrapper feeding ``func_name``'s start, end or exception records to ``feed``.
+
+    Whatever the telemetry does, the wrapped call runs exactly once, with its
+    own result or exception.
+    """
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        record = _start(feed, func_name)
+        if record is None:
+            return wrapped(*args, **kwargs)
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException as error:
+            _end(feed, record, error)  # inside the except block, as torch logs it
+            raise
+        _end(feed, record, None)
+        return result
+
+    return wrapper
