@@ -25,14 +25,14 @@ from typing import Any
 
 import wrapt
 
-from dcp_otel import state_dict_calls
+from dcp_otel import unlogged_calls
 from dcp_otel.async_context import AsyncContextCarrier
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.handler import DCPLoggerTap
 from dcp_otel.metrics import MetricsSink
 from dcp_otel.process_async import DAEMON_CLASS, DAEMON_ENTRY, PROCESS_MODULE, ProcessBridge, replace_daemon_entry
-from dcp_otel.state_dict_calls import logged_call, public_call
 from dcp_otel.tracing.tracker import SpanRecorder
+from dcp_otel.unlogged_calls import consolidated, logged_call, public_call
 
 logger = logging.getLogger("dcp_otel")
 
@@ -98,6 +98,10 @@ def _state_dict_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:
     return lambda hooks: logged_call(hooks.feed, call)
 
 
+def _consolidation_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:
+    return lambda hooks: logged_call(hooks.feed, call, consolidated(hooks.recorder.on_gathered))
+
+
 _NO_STORAGE_CLASS = "no storage class on spans when DCP infers it from checkpoint_id"
 _NO_PROCESS_TRACE = "the save in the async save process is not part of the checkpoint's trace"
 _NO_DAEMON = "the async save process is not traced"
@@ -151,10 +155,16 @@ PATCHES: tuple[Patch, ...] = (
     Patch(PROCESS_MODULE, "_AsyncCheckpointProcess._send", _NO_PROCESS_TRACE, lambda hooks: hooks.bridge.send),
     Patch(PROCESS_MODULE, "_AsyncCheckpointProcess.save", _NO_DAEMON_METRICS, lambda hooks: hooks.bridge.save),
     # The state-dict API (get_state_dict, set_state_dict, ...), which torch does not log: checked against 2.13.
-    Patch(state_dict_calls.MODULE, state_dict_calls.PUBLIC_CONTEXT, "no dcp.get_state_dict, dcp.set_state_dict, ... spans",
+    Patch(unlogged_calls.MODULE, unlogged_calls.PUBLIC_CONTEXT, "no dcp.get_state_dict, dcp.set_state_dict, ... spans",
           lambda hooks: public_call(hooks.feed)),  # fmt: skip
-    *(Patch(state_dict_calls.MODULE, worker, f"no dcp.{worker} span", _state_dict_wrapper(worker))
-      for worker in state_dict_calls.WORKERS),  # fmt: skip
+    *(Patch(unlogged_calls.MODULE, worker, f"no dcp.{worker} span", _state_dict_wrapper(worker))
+      for worker in unlogged_calls.WORKERS),  # fmt: skip
+    # Safetensors consolidation (HuggingFaceStorageWriter, or called directly): checked against 2.13.
+    # hf_storage imports the first function into its own namespace: both places are wrapped.
+    *(Patch(module, name, f"no dcp.{name} span", _consolidation_wrapper(name))
+      for module, name in ((unlogged_calls.HF_STORAGE_MODULE, unlogged_calls.CONSOLIDATE[0]),
+                           (unlogged_calls.CONSOLIDATE_MODULE, unlogged_calls.CONSOLIDATE[0]),
+                           (unlogged_calls.CONSOLIDATE_MODULE, unlogged_calls.CONSOLIDATE[1]))),  # fmt: skip
 )
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint._async_process_executor as process_executor
 import torch.distributed.checkpoint._async_thread_executor as thread_executor
+import torch.distributed.checkpoint._consolidate_hf_safetensors as dcp_consolidate
+import torch.distributed.checkpoint.hf_storage as dcp_hf_storage
 import torch.distributed.checkpoint.logger as dcp_logger_module
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
@@ -48,6 +50,9 @@ def originals() -> dict[str, object]:
         **{f"state_dict.{name}": dcp_state_dict.__dict__[name]
            for name in ("_gc_context", "_get_model_state_dict", "_get_optim_state_dict", "_load_model_state_dict",
                         "_load_optim_state_dict")},  # fmt: skip
+        "hf_consolidate": dcp_hf_storage.__dict__["consolidate_safetensors_files"],
+        "consolidate": dcp_consolidate.__dict__["consolidate_safetensors_files"],
+        "consolidate_on_every_rank": dcp_consolidate.__dict__["consolidate_safetensors_files_on_every_rank"],
     }
 
 

@@ -28,6 +28,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -51,6 +52,7 @@ from dcp_otel.tracing.records import (
     Call,
     Operation,
 )
+from dcp_otel.unlogged_calls import ConsolidatedOutput
 
 _STAGE_STEP = "stage_state_dict"  # async_save's staging, when the stager is synchronous
 _IO_STEPS = frozenset({"write_data", "read_data"})
@@ -298,6 +300,9 @@ def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:
     """
     op_call = next((call for call in op.calls if call.kind == KIND_OPERATION), None)
     for call, obj in op.gathered:
+        if isinstance(obj, ConsolidatedOutput):  # on its own span only: it rewrites what write_data wrote
+            call.extra = {**(call.extra or {}), semconv.ATTR_WRITTEN_BYTES: obj.size_in_bytes()}
+            continue
         written = written_bytes(obj)
         if written is not None:
             key, amount = semconv.ATTR_WRITTEN_BYTES, written
@@ -326,13 +331,24 @@ def written_bytes(obj: object) -> int | None:
 
 
 def planned_read_bytes(obj: object, storage: object | None) -> int | None:
-    """Bytes a local ``LoadPlan`` will read, from the reader's ``storage_data`` (offsets and lengths)."""
+    """Bytes a local ``LoadPlan`` will read, from the reader's ``storage_data``.
+
+    A file-system reader's entries have the ``length`` of each stored item, which
+    it reads whole. A safetensors reader's (``HuggingFaceStorageReader``) have a
+    dtype instead, and it reads just the slice each item asks for: its elements
+    times the dtype's size.
+    """
     storage_data = getattr(storage, "storage_data", None)
     if not isinstance(obj, LoadPlan) or not isinstance(storage_data, dict):
         return None
     total = 0
     for item in obj.items:
-        length = getattr(storage_data.get(item.storage_index), "length", None)
+        info = storage_data.get(item.storage_index)
+        length = getattr(info, "length", None)
         if isinstance(length, int):
             total += length
+            continue
+        itemsize = getattr(getattr(info, "dtype", None), "itemsize", None)
+        if isinstance(itemsize, int):
+            total += math.prod(item.lengths) * itemsize
     return total

@@ -1,11 +1,15 @@
-"""torch's state-dict API (``get_state_dict``, ``set_state_dict`` and their variants) as DCP calls.
+"""DCP functions torch does not log, made DCP calls: the state-dict API and safetensors consolidation.
 
-``torch.distributed.checkpoint.state_dict`` converts sharded models and
+torch logs a DCP function's start, end and exception through
+``_dcp_method_logger``; for the functions below it does not, so dcp-otel gives
+them the same records itself, fed to its recorder (and not to torch's logger:
+its output stays as it was). They then become spans, steps and metrics exactly
+like DCP's own calls.
+
+**The state-dict API.** ``torch.distributed.checkpoint.state_dict`` converts sharded models and
 optimizers (FSDP, DTensor) to and from the dicts DCP saves and loads, and is
 often the slowest part of a checkpoint, but torch does not log it through
-``_dcp_method_logger``. This module gives it the same start, end and exception
-records torch gives a DCP call, fed to dcp-otel's recorder (and not to torch's
-logger: its output stays as it was):
+``_dcp_method_logger``:
 
 * each public function (``get_model_state_dict``, ``get_optimizer_state_dict``,
   ``get_state_dict``, ``set_model_state_dict``, ``set_optimizer_state_dict``,
@@ -28,15 +32,28 @@ histogram. Called on its own, it is an operation of its own: one trace across
 the ranks making the same call, with the operation metrics under its name,
 linked to the span current when it was called.
 
+**Consolidating safetensors.** ``HuggingFaceStorageWriter`` saves each rank's
+shards, then (``enable_consolidation=True``) merges them into the files Hugging
+Face loads, in ``finish``; users also call ``consolidate_safetensors_files``
+(or ``..._on_every_rank``) themselves. Each call is ``dcp.<function>``, a step
+of the save's ``finish_checkpoint`` or an operation of its own, with the bytes
+of the files it wrote (``dcp.written_bytes``, summed by the builder from the
+output folder, off the caller's thread). Those bytes stay off the written-bytes
+counter: that counts what DCP's ``write_data`` wrote, and a consolidation
+rewrites the same tensors.
+
 Usage (what :func:`dcp_otel.torch_hooks.install` does)::
 
     wrapt.wrap_function_wrapper(state_dict_module, "_gc_context", public_call(tap.feed))
     wrapt.wrap_function_wrapper(state_dict_module, "_get_model_state_dict",
                                 logged_call(tap.feed, "_get_model_state_dict"))
+    wrapt.wrap_function_wrapper(hf_storage, "consolidate_safetensors_files",
+                                logged_call(tap.feed, "consolidate_safetensors_files", consolidated(recorder)))
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -53,6 +70,12 @@ PUBLIC: Final = frozenset({"get_model_state_dict", "get_optimizer_state_dict", "
                            "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"})  # fmt: skip
 #: torch's workers, each a DCP call under its own name.
 WORKERS: Final = ("_get_model_state_dict", "_get_optim_state_dict", "_load_model_state_dict", "_load_optim_state_dict")
+#: Consolidation: where its functions live (hf_storage imports one of them by name), and their names.
+CONSOLIDATE_MODULE: Final = "torch.distributed.checkpoint._consolidate_hf_safetensors"
+HF_STORAGE_MODULE: Final = "torch.distributed.checkpoint.hf_storage"
+CONSOLIDATE: Final = ("consolidate_safetensors_files", "consolidate_safetensors_files_on_every_rank")
+#: The output files a consolidation writes.
+SAFETENSORS_SUFFIX: Final = ".safetensors"
 #: How far up from our wrapper the public function's frame may be (wrapt's pure-Python fallback adds one).
 _MAX_FRAMES = 4
 
@@ -137,11 +160,16 @@ def public_call(feed: Feed) -> Callable[..., Any]:
     return wrapper
 
 
-def logged_call(feed: Feed, func_name: str) -> Callable[..., Any]:
+#: Called after the wrapped call returned, before its end record: ``after(args, kwargs)``.
+After = Callable[[tuple[Any, ...], dict[str, Any]], None]
+
+
+def logged_call(feed: Feed, func_name: str, after: After | None = None) -> Callable[..., Any]:
     """A ``wrapt`` wrapper feeding ``func_name``'s start, end or exception records to ``feed``.
 
-    Whatever the telemetry does, the wrapped call runs exactly once, with its
-    own result or exception.
+    ``after`` runs once the call returned, while it is still the innermost
+    open call (to tell the recorder what it produced). Whatever the telemetry
+    does, the wrapped call runs exactly once, with its own result or exception.
     """
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -153,7 +181,40 @@ def logged_call(feed: Feed, func_name: str) -> Callable[..., Any]:
         except BaseException as error:
             _end(feed, record, error)  # inside the except block, as torch logs it
             raise
+        if after is not None:
+            try:
+                after(args, kwargs)
+            except Exception:  # noqa: BLE001
+                report("recorder_error", "dcp_otel failed to record what %s produced", func_name, exc_info=True)
         _end(feed, record, None)
         return result
 
     return wrapper
+
+
+class ConsolidatedOutput:
+    """The safetensors files a consolidation wrote into ``folder``; the builder sums their sizes."""
+
+    __slots__ = ("folder",)
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def size_in_bytes(self) -> int:
+        """The bytes of the ``*.safetensors`` files in the folder now (0 for a folder that is gone)."""
+        try:
+            with os.scandir(self.folder) as entries:
+                return sum(e.stat().st_size for e in entries if e.name.endswith(SAFETENSORS_SUFFIX) and e.is_file())
+        except OSError:
+            return 0
+
+
+def consolidated(on_gathered: Callable[[object], None]) -> After:
+    """What a consolidation call produced: its output folder (``output_dir``), for the builder to size."""
+
+    def after(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        folder = kwargs.get("output_dir", args[1] if len(args) > 1 else None)
+        if isinstance(folder, (str, os.PathLike)):
+            on_gathered(ConsolidatedOutput(os.fspath(folder)))
+
+    return after
