@@ -3,20 +3,22 @@
 #   - .venv with torch==2.13.0 (the CPU build; a bare "torch" could pull a multi-GB
 #     CUDA build), numpy (torch's object collectives need it) and dcp-otel itself;
 #   - with --prometheus / --browser, Prometheus and promtool / Chromium and its driver (Debian).
-# Re-running is cheap: packages are reinstalled only when pyproject.toml changes.
+# Re-running is cheap: packages are reinstalled only when pyproject.toml (or the checkout) changes.
+# VENV and TORCH_VERSION choose another environment: scripts/test.sh makes a cached one with
+# torch 2.14.1, the other tested release (a CUDA build, about 5.5 GB, run on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-VENV=.venv
-TORCH_VERSION=2.13.0
+VENV=${VENV:-.venv}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV" >&2
     "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.dcp-otel-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch==$TORCH_VERSION"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch==$TORCH_VERSION $(pwd)"  # editable: this checkout
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing packages into $VENV" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy 2>&1 \

@@ -64,6 +64,16 @@ def dcp_logger() -> object:  # what torch's _dcp_method_logger calls: a module g
     return dcp_logger_module.__dict__["_dcp_logger"]
 
 
+def test_this_torch_has_every_attachment_point(provider) -> None:
+    """Run on every tested torch release (2.13.0, and 2.14.1 by scripts/test.sh): nothing is missing."""
+    dcp_otel.instrument(tracer_provider=provider[0])
+    try:
+        installed = DCPInstrumentor().installed
+        assert installed is not None and installed.missing == [], torch.__version__
+    finally:
+        dcp_otel.uninstrument()
+
+
 def test_every_patch_point_is_covered_by_the_identity_check() -> None:
     from dcp_otel.torch_hooks import PATCHES
 
