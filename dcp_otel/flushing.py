@@ -6,9 +6,10 @@ flushes. :func:`flush_spans` and :func:`flush_all` run each provider's flush in
 a helper thread and wait at most ``timeout_s`` for it; :class:`ExitFlush` does
 that once at interpreter exit, after the in-flight async uploads' spans have
 ended, so a training script that never calls :func:`dcp_otel.flush` still
-exports its last checkpoint's spans and pushes its last metrics (the OTLP
-metric reader would otherwise wait for its next period, which never comes);
-and if an exporter is stuck, the process still exits within ``timeout_s``.
+exports its last checkpoint's spans and pushes its last metrics, the builder's
+queue recorded first; and if an exporter is stuck, the process still exits
+within ``timeout_s`` (the SDK's own exit hooks would wait for it again, up to
+30 s per processor or metric reader, plus the exporter's retries).
 
 Usage::
 
