@@ -48,7 +48,7 @@ Usage (what :func:`dcp_otel.torch_hooks.install` does)::
     wrapt.wrap_function_wrapper(state_dict_module, "_get_model_state_dict",
                                 logged_call(tap.feed, "_get_model_state_dict"))
     wrapt.wrap_function_wrapper(hf_storage, "consolidate_safetensors_files",
-                                logged_call(tap.feed, "consolidate_safetensors_files", consolidated(recorder)))
+                                logged_call(tap.feed, "consolidate_safetensors_files", consolidated(recorder.on_gathered)))
 """
 
 from __future__ import annotations
