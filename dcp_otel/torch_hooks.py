@@ -99,7 +99,8 @@ def _gather_object_wrapper(hooks: Hooks) -> Callable[..., Any]:
 
 
 def _state_dict_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:
-    return lambda hooks: logged_call(hooks.feed, call)
+    # torch's workers run inside the public function that _gc_context makes a call of.
+    return lambda hooks: logged_call(hooks.feed, call, starts_operations=False)
 
 
 def _consolidation_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:

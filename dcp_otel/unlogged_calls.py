@@ -57,9 +57,9 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from random import getrandbits as _getrandbits
 from types import FrameType
 from typing import Any, Final
-from uuid import uuid4
 
 from dcp_otel._selftelemetry import report
 
@@ -82,20 +82,29 @@ _MAX_FRAMES = 4
 Feed = Callable[[dict[str, Any]], None]
 
 
-def _base_record(func_name: str) -> dict[str, Any]:
-    """What torch's ``_dcp_method_logger`` puts in every record of a call: its name, the process
-    group's ranks (when distributed), no checkpoint id, and a fresh call id."""
-    from torch.distributed.c10d_logger import _get_msg_dict
+def _base_record(func_name: str, with_ranks: bool) -> dict[str, Any]:
+    """What torch's ``_dcp_method_logger`` puts in every record of a call: its name, no checkpoint id,
+    a call id unique in this process and, ``with_ranks``, the process group's ranks (when distributed).
 
-    record: dict[str, Any] = {"checkpoint_id": None, "uuid": str(uuid4().int)}
-    record.update(_get_msg_dict(func_name))
+    Only a call that may start an operation needs the ranks (they place it in the job); a
+    worker always runs inside its public function, so it skips their lookups. The call id is
+    a random 64-bit number rather than torch's ``uuid4``, which reads the OS's entropy on
+    every call.
+    """
+    record: dict[str, Any] = {"checkpoint_id": None, "uuid": str(_getrandbits(64))}
+    if with_ranks:
+        from torch.distributed.c10d_logger import _get_msg_dict
+
+        record.update(_get_msg_dict(func_name))
+    else:
+        record["func_name"] = func_name
     return record
 
 
-def _start(feed: Feed, func_name: str) -> dict[str, Any] | None:
+def _start(feed: Feed, func_name: str, with_ranks: bool = False) -> dict[str, Any] | None:
     """Feed a call's start record; the record to end it with (``None``, counted, if that failed)."""
     try:
-        record = _base_record(func_name)
+        record = _base_record(func_name, with_ranks)
         feed({**record, "event": "start", "time": time.time_ns(), "log_exceptions": True})
         return record
     except Exception:  # noqa: BLE001 - telemetry never breaks the call
@@ -135,7 +144,7 @@ class _LoggedContext:
         self._record: dict[str, Any] | None = None
 
     def __enter__(self) -> Any:
-        self._record = _start(self._feed, self._func_name)
+        self._record = _start(self._feed, self._func_name, with_ranks=True)
         return self._inner.__enter__()
 
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> Any:
@@ -164,16 +173,19 @@ def public_call(feed: Feed) -> Callable[..., Any]:
 After = Callable[[tuple[Any, ...], dict[str, Any]], None]
 
 
-def logged_call(feed: Feed, func_name: str, after: After | None = None) -> Callable[..., Any]:
+def logged_call(
+    feed: Feed, func_name: str, after: After | None = None, *, starts_operations: bool = True
+) -> Callable[..., Any]:
     """A ``wrapt`` wrapper feeding ``func_name``'s start, end or exception records to ``feed``.
 
-    ``after`` runs once the call returned, while it is still the innermost
+    ``starts_operations=False`` for a function only ever called inside another
+    DCP call (its records then skip the ranks). ``after`` runs once the call returned, while it is still the innermost
     open call (to tell the recorder what it produced). Whatever the telemetry
     does, the wrapped call runs exactly once, with its own result or exception.
     """
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        record = _start(feed, func_name)
+        record = _start(feed, func_name, with_ranks=starts_operations)
         if record is None:
             return wrapped(*args, **kwargs)
         try:
