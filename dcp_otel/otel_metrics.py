@@ -217,16 +217,24 @@ def _collection_barrier(options: CallbackOptions) -> Iterable[Observation]:
 class OTelElasticInstruments:
     """torchelastic's metrics (:data:`dcp_otel.semconv.ELASTIC_METRICS`) in one provider, shared by its handlers."""
 
-    _by_provider: dict[int, tuple[Any, OTelElasticInstruments]] = {}
+    # Weakly keyed: a provider the job dropped is not kept alive by the handlers it once served
+    # (its instruments do not refer back to it). ``None`` (the global provider) has a slot of its own.
+    _by_provider: weakref.WeakKeyDictionary[MeterProvider, OTelElasticInstruments] = weakref.WeakKeyDictionary()
+    _global: OTelElasticInstruments | None = None
     _lock = threading.Lock()
 
     @classmethod
     def for_provider(cls, provider: MeterProvider | None) -> OTelElasticInstruments:
+        """The instruments of ``provider`` (``None``: the global one), made once per provider."""
         with cls._lock:
-            held = cls._by_provider.get(id(provider))
-            if held is None or held[0] is not provider:
-                held = cls._by_provider[id(provider)] = (provider, cls(provider))
-            return held[1]
+            if provider is None:
+                if cls._global is None:
+                    cls._global = cls(None)
+                return cls._global
+            held = cls._by_provider.get(provider)
+            if held is None:
+                held = cls._by_provider[provider] = cls(provider)
+            return held
 
     def __init__(self, provider: MeterProvider | None) -> None:
         m = meter(provider)

@@ -9,11 +9,13 @@ exemplars of the checkpoint's trace, and the rank and run on the resource.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
 import subprocess
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -285,6 +287,18 @@ def test_after_uninstrument_nothing_more_is_recorded(
     (count,) = [p for p in points(reader, semconv.OPERATION_COUNT.otel) if p.attributes["status"] == "success"]
     assert count.value == 1
     assert not points(reader, semconv.TELEMETRY_PROBLEMS.otel)
+
+
+def test_handlers_share_a_providers_instruments_and_never_keep_a_dropped_provider_alive() -> None:
+    meters = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)  # no atexit reference
+    first = OTelMetricHandler(registry=CollectorRegistry(), meter_provider=meters, metrics="opentelemetry")
+    second = OTelMetricHandler(registry=CollectorRegistry(), meter_provider=meters, metrics="opentelemetry")
+    assert first._otel is second._otel is not None  # one set of instruments per provider
+    gone = weakref.ref(meters)
+    meters.shutdown()
+    del meters, first, second
+    gc.collect()
+    assert gone() is None
 
 
 # --- two real ranks, no code, metrics pushed over OTLP -------------------------------------
