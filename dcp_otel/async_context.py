@@ -14,7 +14,8 @@ background ``save`` would start a trace of its own. Two small wrappers fix it:
 The process-based executor (``AsyncCheckpointerType.PROCESS``) has the same
 two steps, ``execute_save`` and ``_execute_save_impl``, wrapped the same way;
 from its executor thread :mod:`dcp_otel.process_async` carries the context on
-into the daemon process.
+into the daemon process. So does the ``_experimental`` ``CheckpointProcess``
+(``write`` and ``_write``; see :mod:`dcp_otel.checkpointer`).
 
 The hand-over is keyed by the identity of the staged object, which the executor
 keeps alive until ``save_wrapper`` runs; entries are removed when used, or when
@@ -101,4 +102,8 @@ class AsyncContextCarrier:
 
 
 def _staged_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return args[0] if args else kwargs.get("staging_future_or_state_dict")
+    """The staged state dict (or its future): DCP's executors name it ``staging_future_or_state_dict``,
+    the ``_experimental`` ``CheckpointProcess`` ``state_dict``."""
+    if args:
+        return args[0]
+    return kwargs.get("staging_future_or_state_dict", kwargs.get("state_dict"))

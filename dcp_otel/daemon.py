@@ -60,6 +60,8 @@ def daemon_main(pg_init_info: Any, parent_conn: Any) -> None:
     entry = _torch_entry()
     bootstrap = getattr(pg_init_info, BOOTSTRAP_ATTR, None)
     session = DaemonSession.start(bootstrap) if isinstance(bootstrap, DaemonBootstrap) else None
+    if session is not None:
+        session.wrap_saves()
     try:
         entry(pg_init_info, parent_conn)
     finally:
@@ -80,7 +82,12 @@ _METRICS_DRAIN_S = 1.0
 
 
 class DaemonSession:
-    """Tracing set up in one daemon, undone when torch's entry point returns."""
+    """Tracing set up in one checkpoint process, undone when torch's entry point returns.
+
+    Serves torch's async save daemon (above) and the ``_experimental``
+    checkpointer's checkpoint process (:mod:`dcp_otel.checkpoint_process`):
+    each request from the rank runs between :meth:`begin` and :meth:`end`.
+    """
 
     def __init__(self, bootstrap: DaemonBootstrap, provider: trace.TracerProvider, owned: bool) -> None:
         self._bootstrap = bootstrap
@@ -100,7 +107,7 @@ class DaemonSession:
             session._install()
             return session
         except Exception:  # noqa: BLE001 - the checkpoint goes on untraced
-            report("daemon_setup_error", "dcp_otel could not trace the async save process", exc_info=True)
+            report("daemon_setup_error", "dcp_otel could not trace a checkpoint process", exc_info=True)
             return None
 
     def _install(self) -> None:
@@ -118,25 +125,45 @@ class DaemonSession:
             span_budget=b.span_budget,
             _metrics_sink=self._relay,
         )
-        self._owner = daemon_class()
-        wrapt.wrap_function_wrapper(self._owner, "_execute_save", self.execute_save)
+
+    def wrap_saves(self) -> None:
+        """Run each of torch's daemon's save requests in its rank's context (:meth:`execute_save`)."""
+        try:
+            self._owner = daemon_class()
+            wrapt.wrap_function_wrapper(self._owner, "_execute_save", self.execute_save)
+        except Exception:  # noqa: BLE001
+            report("daemon_setup_error", "dcp_otel could not trace the async save process's saves", exc_info=True)
 
     def execute_save(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Around ``_AsyncCheckpointProcess._execute_save``: one save request, in the rank's context."""
-        recorder = self._instrumentor.recorder
-        carried = getattr(kwargs.get("checkpoint_request_id"), CARRIER_ATTR, None)
-        ctx = recorder.starter.adopt(carried) if recorder is not None and carried is not None else None
-        token = context_api.attach(ctx) if ctx is not None else None
+        token = self.begin(getattr(kwargs.get("checkpoint_request_id"), CARRIER_ATTR, None))
         try:
             return wrapped(*args, **kwargs)
         finally:
+            self.end(token)
+
+    def begin(self, carried: object) -> object | None:
+        """A request from the rank starts: continue the operation it carries (``None``: none); a token for :meth:`end`."""
+        recorder = self._instrumentor.recorder
+        ctx = recorder.starter.adopt(carried) if recorder is not None and carried is not None else None
+        return context_api.attach(ctx) if ctx is not None else None
+
+    def end(self, token: object | None) -> None:
+        """The request is done, before the rank is answered: its metrics go to the rank, its spans to a flush.
+
+        Never raises (it runs on the way to answering the rank).
+        """
+        try:
             if token is not None:
-                context_api.detach(token)
-            if recorder is not None:  # the builder records the save's metrics into the relay: before any span
+                context_api.detach(token)  # type: ignore[arg-type]
+            recorder = self._instrumentor.recorder
+            if recorder is not None:  # the builder records the request's metrics into the relay: before any span
                 recorder.drain(_METRICS_DRAIN_S, metrics_only=True)
             self._relay.send()
             if self._bootstrap.flush_timeout_s > 0:
                 self._flusher.request()  # torch answers the rank now, whatever the exporter does
+        except Exception:  # noqa: BLE001
+            report("daemon_setup_error", "dcp_otel failed to end a request in a checkpoint process", exc_info=True)
 
     def _flush(self) -> None:
         if self._bootstrap.flush_timeout_s > 0:  # 0: dcp-otel starts no flush
@@ -155,7 +182,7 @@ class DaemonSession:
             if self._owned and isinstance(self._provider, SDKTracerProvider):
                 self._provider.shutdown()
         except Exception:  # noqa: BLE001
-            report("daemon_setup_error", "dcp_otel failed to shut down tracing in the async save process", exc_info=True)
+            report("daemon_setup_error", "dcp_otel failed to shut down tracing in a checkpoint process", exc_info=True)
 
 
 class BackgroundFlush:
@@ -182,7 +209,7 @@ class BackgroundFlush:
             try:
                 self._flush()
             except Exception:  # noqa: BLE001
-                report("daemon_setup_error", "dcp_otel failed to flush the async save process's spans", exc_info=True)
+                report("daemon_setup_error", "dcp_otel failed to flush a checkpoint process's spans", exc_info=True)
 
 
 def _daemon_provider(bootstrap: DaemonBootstrap) -> tuple[trace.TracerProvider, bool]:
@@ -196,7 +223,7 @@ def _daemon_provider(bootstrap: DaemonBootstrap) -> tuple[trace.TracerProvider, 
                 return provider, False
             report("daemon_setup_error", "%s returned %s, not a TracerProvider", bootstrap.process_setup, type(provider))
         except Exception:  # noqa: BLE001
-            report("daemon_setup_error", "dcp_otel: %s failed in the async save process", bootstrap.process_setup,
+            report("daemon_setup_error", "dcp_otel: %s failed in a checkpoint process", bootstrap.process_setup,
                    exc_info=True)  # fmt: skip
     current = trace.get_tracer_provider()
     if isinstance(current, SDKTracerProvider):
@@ -219,14 +246,14 @@ def _provider_from_environment(bootstrap: DaemonBootstrap) -> SDKTracerProvider:
     if not names:
         report(
             "daemon_no_exporter",
-            "the async save process has no span exporter: set OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_ENDPOINT, "
+            "this checkpoint process (async save) has no span exporter: set OTEL_TRACES_EXPORTER / OTEL_EXPORTER_OTLP_ENDPOINT, "
             "or DCP_OTEL_PROCESS_SETUP=module:function when the exporter is configured in code",
         )
         return provider
     try:
         exporters, _, _ = _import_exporters(names, [], [])
     except Exception:  # noqa: BLE001 - e.g. an exporter package that is not installed
-        report("daemon_no_exporter", "the async save process cannot load span exporter(s) %s", names, exc_info=True)
+        report("daemon_no_exporter", "this checkpoint process cannot load span exporter(s) %s", names, exc_info=True)
         return provider
     for exporter_class in exporters.values():
         provider.add_span_processor(BatchSpanProcessor(exporter_class()))

@@ -141,22 +141,25 @@ class ProcessBridge:
         daemon exits, and the read end joins the ones drained after each save.
         """
         info = kwargs.get("pg_init_info", args[0] if args else None)
-        bootstrap = getattr(info, BOOTSTRAP_ATTR, None)
-        writer = bootstrap.relay if isinstance(bootstrap, DaemonBootstrap) else None
         started = False
         try:
             result = wrapped(*args, **kwargs)
             started = True
             return result
         finally:
-            with self._lock:
-                pipe = self._pending.pop(id(writer), None) if writer is not None else None
-                if pipe is not None and started:
-                    self._readers.append(pipe[0])
-            if pipe is not None:
-                pipe[1].close()
-                if not started:
-                    pipe[0].close()
+            self.started(getattr(info, BOOTSTRAP_ATTR, None), started)
+
+    def started(self, bootstrap: object, ok: bool) -> None:
+        """A process was started (``ok``), or failed to start, with ``bootstrap``: see :meth:`daemon_started`."""
+        writer = bootstrap.relay if isinstance(bootstrap, DaemonBootstrap) else None
+        with self._lock:
+            pipe = self._pending.pop(id(writer), None) if writer is not None else None
+            if pipe is not None and ok:
+                self._readers.append(pipe[0])
+        if pipe is not None:
+            pipe[1].close()
+            if not ok:
+                pipe[0].close()
 
     def save(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Around ``_AsyncCheckpointProcess.save``: apply the daemons' metrics once it answered."""
@@ -186,27 +189,39 @@ def daemon_class() -> Any:
 
 
 def replace_daemon_entry() -> Callable[[], None] | None:
-    """Make :func:`dcp_otel.daemon.daemon_main` the daemon's entry point.
-
-    Not a ``wrapt`` wrapper: torch pickles the entry point by name into the
-    spawned process, so it must be a plain module-level function. Returns the
-    function that restores torch's, or ``None`` if this torch has no such entry
-    point.
-    """
+    """Make :func:`dcp_otel.daemon.daemon_main` the daemon's entry point; see :func:`replace_entry`."""
     from dcp_otel import daemon
 
     try:
         owner = daemon_class()
     except Exception:  # noqa: BLE001 - any import failure means "not this torch"
         return None
-    original = vars(owner).get(DAEMON_ENTRY)
+
+    def remember(original: Callable[..., None]) -> None:
+        daemon.TORCH_ENTRY = original
+
+    return replace_entry(owner, DAEMON_ENTRY, daemon.daemon_main, remember)
+
+
+def replace_entry(
+    owner: type, name: str, replacement: Callable[..., None], remember: Callable[[Callable[..., None]], None]
+) -> Callable[[], None] | None:
+    """Make ``replacement`` the static method ``owner.name`` that torch spawns a process with.
+
+    Not a ``wrapt`` wrapper: torch pickles the entry point by name into the
+    spawned process, so it must be a plain module-level function. ``remember``
+    is given torch's own function (which ``replacement`` then runs). Returns the
+    function that restores torch's, or ``None`` if this torch has no such entry
+    point.
+    """
+    original = vars(owner).get(name)
     if not isinstance(original, staticmethod):
         return None
-    if original.__func__ is not daemon.daemon_main:
-        daemon.TORCH_ENTRY = original.__func__
-    setattr(owner, DAEMON_ENTRY, staticmethod(daemon.daemon_main))
+    if original.__func__ is not replacement:
+        remember(original.__func__)
+    setattr(owner, name, staticmethod(replacement))
 
     def restore() -> None:
-        setattr(owner, DAEMON_ENTRY, original)
+        setattr(owner, name, original)
 
     return restore

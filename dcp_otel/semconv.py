@@ -86,8 +86,33 @@ LINK_CALLER: Final = "caller"  # from a DCP span to the span active when DCP was
 LINK_CHECKPOINT: Final = "checkpoint"  # from the caller's span to the DCP span
 
 # --- DCP function names we treat specially ---------------------------------
+#: torch's ``_experimental`` checkpointer (``SyncCheckpointer``, ``AsyncCheckpointer``): its calls,
+#: which torch does not log, recorded by dcp-otel under these names (see dcp_otel.checkpointer).
+CHECKPOINTER_SAVE: Final = "checkpointer_save"
+CHECKPOINTER_ASYNC_SAVE: Final = "checkpointer_async_save"
+CHECKPOINTER_LOAD: Final = "checkpointer_load"
+CHECKPOINTER_STAGE: Final = "stage_checkpoint"  # DefaultStager.stage
+#: CheckpointProcess.write: handing the staged state dict to the checkpoint process (waits for it to start).
+CHECKPOINTER_HAND_OFF: Final = "hand_off_checkpoint"
+CHECKPOINTER_WRITE: Final = "write_checkpoint"  # CheckpointWriter.write: the rank's file, then the barrier
+CHECKPOINTER_READ: Final = "read_checkpoint"  # CheckpointReader.read
+CHECKPOINTER_BARRIER: Final = "barrier"  # DistBarrier / TCPStoreBarrier.execute_barrier: waiting for the others
 #: Operations a user calls; one of these with no enclosing DCP span starts a trace.
-OPERATIONS: Final = frozenset({"save", "async_save", "load"})
+OPERATIONS: Final = frozenset({"save", "async_save", "load", CHECKPOINTER_SAVE, CHECKPOINTER_ASYNC_SAVE,
+                               CHECKPOINTER_LOAD})  # fmt: skip
+#: Operations that save a checkpoint (what "the last successful save" means).
+SAVE_OPERATIONS: Final = frozenset({"save", "async_save", CHECKPOINTER_SAVE, CHECKPOINTER_ASYNC_SAVE})
+#: Operations that load one (their bytes are read bytes).
+LOAD_OPERATIONS: Final = frozenset({"load", CHECKPOINTER_LOAD})
+#: Operations whose checkpoint is durable only when their upload (``dcp.async_upload``) ends.
+ASYNC_OPERATIONS: Final = frozenset({"async_save", CHECKPOINTER_ASYNC_SAVE})
+#: Steps that move a checkpoint's bytes, to or from storage.
+IO_STEPS: Final = frozenset({"write_data", "read_data", CHECKPOINTER_WRITE, CHECKPOINTER_READ})
+#: Steps that stage a state dict for an async save, on the caller's side.
+STAGING_STEPS: Final = frozenset({"stage_state_dict", CHECKPOINTER_STAGE})
+#: The checkpointer's steps (each runs on one rank; a failure in one is that rank's own).
+CHECKPOINTER_STEPS: Final = frozenset({CHECKPOINTER_STAGE, CHECKPOINTER_HAND_OFF, CHECKPOINTER_WRITE, CHECKPOINTER_READ,
+                                       CHECKPOINTER_BARRIER})  # fmt: skip
 #: Steps that run inside ``_DistWrapper`` collectives, whose exceptions torch
 #: catches (``_wrap_exception``) without logging them.
 COLLECTIVE_STEPS: Final = frozenset(

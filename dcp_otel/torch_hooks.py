@@ -29,7 +29,7 @@ from typing import Any
 
 import wrapt
 
-from dcp_otel import unlogged_calls
+from dcp_otel import checkpointer, unlogged_calls
 from dcp_otel.async_context import AsyncContextCarrier
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.handler import DCPLoggerTap
@@ -170,6 +170,8 @@ PATCHES: tuple[Patch, ...] = (
       for module, name in ((unlogged_calls.HF_STORAGE_MODULE, unlogged_calls.CONSOLIDATE[0]),
                            (unlogged_calls.CONSOLIDATE_MODULE, unlogged_calls.CONSOLIDATE[0]),
                            (unlogged_calls.CONSOLIDATE_MODULE, unlogged_calls.CONSOLIDATE[1]))),  # fmt: skip
+    # torch's _experimental checkpointer (SyncCheckpointer, AsyncCheckpointer and its checkpoint process).
+    *(Patch(module, name, lost, wrapper) for module, name, lost, wrapper in checkpointer.POINTS),
 )
 
 
@@ -182,7 +184,7 @@ class Installed:
     carrier: AsyncContextCarrier | None = None
     bridge: ProcessBridge | None = None
     wrapped: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, attribute, original)
-    restore_daemon_entry: Callable[[], None] | None = None
+    restore_entries: list[Callable[[], None]] = field(default_factory=list)  # of spawned processes
     missing: list[str] = field(default_factory=list)
 
     def remove(self) -> None:
@@ -191,9 +193,9 @@ class Installed:
             # function behind, which the class would then bind as a method.
             setattr(owner, attr, original)
         self.wrapped.clear()
-        if self.restore_daemon_entry is not None:
-            self.restore_daemon_entry()
-            self.restore_daemon_entry = None
+        for restore in reversed(self.restore_entries):
+            restore()
+        self.restore_entries.clear()
         if self.bridge is not None:
             self.bridge.close()
         if self.tap is not None:
@@ -263,9 +265,17 @@ def install(
         original = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
         wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(hooks))
         installed.wrapped.append((owner, attr, original))
-    installed.restore_daemon_entry = replace_daemon_entry()
-    if installed.restore_daemon_entry is None:
-        installed.missing.append(f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})")
+    entries = (
+        (replace_daemon_entry, f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})"),
+        (checkpointer.replace_process_entry, f"{checkpointer.PROCESS_MODULE}.{checkpointer.PROCESS_CLASS}."
+                                             f"{checkpointer.PROCESS_ENTRY} (the checkpoint process is not traced)"),
+    )  # fmt: skip
+    for replace, missing in entries:
+        restore = replace()
+        if restore is None:
+            installed.missing.append(missing)
+        else:
+            installed.restore_entries.append(restore)
     if installed.missing:
         logger.warning(
             "dcp_otel: this torch's DCP internals differ from what dcp_otel expects; instrumenting "

@@ -82,16 +82,18 @@ _MAX_FRAMES = 4
 Feed = Callable[[dict[str, Any]], None]
 
 
-def _base_record(func_name: str, with_ranks: bool) -> dict[str, Any]:
-    """What torch's ``_dcp_method_logger`` puts in every record of a call: its name, no checkpoint id,
-    a call id unique in this process and, ``with_ranks``, the process group's ranks (when distributed).
+def _base_record(func_name: str, with_ranks: bool, checkpoint_id: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """What torch's ``_dcp_method_logger`` puts in every record of a call: its name, its checkpoint id
+    (``None`` for most), a call id unique in this process and, ``with_ranks``, the process group's ranks
+    (when distributed).
 
     Only a call that may start an operation needs the ranks (they place it in the job); a
     worker always runs inside its public function, so it skips their lookups. The call id is
     a random 64-bit number rather than torch's ``uuid4``, which reads the OS's entropy on
     every call.
     """
-    record: dict[str, Any] = {"checkpoint_id": None, "uuid": str(_getrandbits(64))}
+    record: dict[str, Any] = {"checkpoint_id": None if checkpoint_id is None else os.fspath(checkpoint_id),
+                              "uuid": str(_getrandbits(64))}  # fmt: skip
     if with_ranks:
         from torch.distributed.c10d_logger import _get_msg_dict
 
@@ -101,10 +103,12 @@ def _base_record(func_name: str, with_ranks: bool) -> dict[str, Any]:
     return record
 
 
-def _start(feed: Feed, func_name: str, with_ranks: bool = False) -> dict[str, Any] | None:
+def _start(
+    feed: Feed, func_name: str, with_ranks: bool = False, checkpoint_id: str | os.PathLike[str] | None = None
+) -> dict[str, Any] | None:
     """Feed a call's start record; the record to end it with (``None``, counted, if that failed)."""
     try:
-        record = _base_record(func_name, with_ranks)
+        record = _base_record(func_name, with_ranks, checkpoint_id)
         feed({**record, "event": "start", "time": time.time_ns(), "log_exceptions": True})
         return record
     except Exception:  # noqa: BLE001 - telemetry never breaks the call
@@ -169,23 +173,33 @@ def public_call(feed: Feed) -> Callable[..., Any]:
     return wrapper
 
 
-#: Called after the wrapped call returned, before its end record: ``after(args, kwargs)``.
-After = Callable[[tuple[Any, ...], dict[str, Any]], None]
+#: Called after the wrapped call returned, before its end record: ``after(instance, args, kwargs)``.
+After = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
+#: The checkpoint id (a path) a call was given: ``checkpoint_id(args, kwargs)``.
+CheckpointIdOf = Callable[[tuple[Any, ...], dict[str, Any]], object]
 
 
 def logged_call(
-    feed: Feed, func_name: str, after: After | None = None, *, starts_operations: bool = True
-) -> Callable[..., Any]:
+    feed: Feed, func_name: str, after: After | None = None, *, starts_operations: bool = True,
+    checkpoint_id: CheckpointIdOf | None = None,
+) -> Callable[..., Any]:  # fmt: skip
     """A ``wrapt`` wrapper feeding ``func_name``'s start, end or exception records to ``feed``.
 
     ``starts_operations=False`` for a function only ever called inside another
-    DCP call (its records then skip the ranks). ``after`` runs once the call returned, while it is still the innermost
-    open call (to tell the recorder what it produced). Whatever the telemetry
-    does, the wrapped call runs exactly once, with its own result or exception.
+    DCP call (its records then skip the ranks). ``checkpoint_id`` reads the
+    checkpoint id from the call's arguments, as torch logs one: every rank
+    saving the same checkpoint then derives the same trace. ``after`` runs once
+    the call returned, while it is still the innermost open call (to tell the
+    recorder what it produced). Whatever the telemetry does, the wrapped call
+    runs exactly once, with its own result or exception.
     """
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        record = _start(feed, func_name, with_ranks=starts_operations)
+        try:
+            ckpt = checkpoint_id(args, kwargs) if checkpoint_id is not None else None
+        except Exception:  # noqa: BLE001 - arguments torch will reject itself
+            ckpt = None
+        record = _start(feed, func_name, starts_operations, ckpt if isinstance(ckpt, (str, os.PathLike)) else None)
         if record is None:
             return wrapped(*args, **kwargs)
         try:
@@ -195,7 +209,7 @@ def logged_call(
             raise
         if after is not None:
             try:
-                after(args, kwargs)
+                after(instance, args, kwargs)
             except Exception:  # noqa: BLE001
                 report("recorder_error", "dcp_otel failed to record what %s produced", func_name, exc_info=True)
         _end(feed, record, None)
@@ -221,10 +235,30 @@ class ConsolidatedOutput:
             return 0
 
 
+class CheckpointFile:
+    """One rank's checkpoint file, written or read whole by a call; the builder counts its size.
+
+    ``torch.distributed.checkpoint._experimental`` writes each rank's state dict
+    to one file (``checkpoint_<rank>.pt``) and reads it back whole.
+    """
+
+    __slots__ = ("path", "written")
+
+    def __init__(self, path: str, written: bool) -> None:
+        self.path, self.written = path, written
+
+    def size_in_bytes(self) -> int:
+        """The file's size now (0 for a file that is gone)."""
+        try:
+            return os.stat(self.path).st_size
+        except OSError:
+            return 0
+
+
 def consolidated(on_gathered: Callable[[object], None]) -> After:
     """What a consolidation call produced: its output folder (``output_dir``), for the builder to size."""
 
-    def after(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def after(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         folder = kwargs.get("output_dir", args[1] if len(args) > 1 else None)
         if isinstance(folder, (str, os.PathLike)):
             on_gathered(ConsolidatedOutput(os.fspath(folder)))

@@ -16,6 +16,12 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint._async_process_executor as process_executor
 import torch.distributed.checkpoint._async_thread_executor as thread_executor
 import torch.distributed.checkpoint._consolidate_hf_safetensors as dcp_consolidate
+import torch.distributed.checkpoint._experimental.barriers as exp_barriers
+import torch.distributed.checkpoint._experimental.checkpoint_process as exp_process
+import torch.distributed.checkpoint._experimental.checkpoint_reader as exp_reader
+import torch.distributed.checkpoint._experimental.checkpoint_writer as exp_writer
+import torch.distributed.checkpoint._experimental.checkpointer as exp_checkpointer
+import torch.distributed.checkpoint._experimental.staging as exp_staging
 import torch.distributed.checkpoint.hf_storage as dcp_hf_storage
 import torch.distributed.checkpoint.logger as dcp_logger_module
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
@@ -53,11 +59,21 @@ def originals() -> dict[str, object]:
         "hf_consolidate": dcp_hf_storage.__dict__["consolidate_safetensors_files"],
         "consolidate": dcp_consolidate.__dict__["consolidate_safetensors_files"],
         "consolidate_on_every_rank": dcp_consolidate.__dict__["consolidate_safetensors_files_on_every_rank"],
-    }
+        **{f"checkpointer.{cls.__name__}.{name}": cls.__dict__[name]
+           for cls in (exp_checkpointer.SyncCheckpointer, exp_checkpointer.AsyncCheckpointer) for name in ("save", "load")},
+        "stager.stage": exp_staging.DefaultStager.__dict__["stage"],
+        "writer.write": exp_writer.CheckpointWriter.__dict__["write"],
+        "reader.read": exp_reader.CheckpointReader.__dict__["read"],
+        "dist_barrier": exp_barriers.DistBarrier.__dict__["execute_barrier"],
+        "tcp_store_barrier": exp_barriers.TCPStoreBarrier.__dict__["execute_barrier"],
+        **{f"checkpoint_process.{name}": exp_process.CheckpointProcess.__dict__[name]
+           for name in ("__init__", "_create_subprocess", "write", "_write", "_send")},
+    }  # fmt: skip
 
 
-def daemon_entry() -> object:  # replaced, not wrapped: torch pickles it by name into the daemon
-    return process_executor._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"]
+def daemon_entry() -> tuple[object, object]:  # replaced, not wrapped: torch pickles them by name into the process
+    return (process_executor._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"],
+            exp_process.CheckpointProcess.__dict__["_subprocess"])  # fmt: skip
 
 
 def dcp_logger() -> object:  # what torch's _dcp_method_logger calls: a module global the tap replaces
@@ -89,11 +105,11 @@ def test_uninstrument_restores_every_original_object(provider) -> None:
     dcp_otel.uninstrument()
 
     assert all(during[name] is not before[name] for name in before)  # really patched
-    assert entry_during is not entry_before
+    assert all(during is not before for during, before in zip(entry_during, entry_before, strict=True))
     assert isinstance(logger_during, DCPLoggerTap) and logger_during.logger is logger_before
     after = originals()
     assert all(after[name] is before[name] for name in before), after
-    assert daemon_entry() is entry_before
+    assert all(after is before for after, before in zip(daemon_entry(), entry_before, strict=True))
     assert dcp_logger() is logger_before and logger_before.handlers == handlers_before  # type: ignore[attr-defined]
 
 

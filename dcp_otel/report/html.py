@@ -121,7 +121,7 @@ document.body.setAttribute("data-rendered", String(data.checkpoints.length));
 
 def _kind(name: str) -> str:
     step = name.removeprefix(semconv.SPAN_PREFIX)
-    if step in {"write_data", "read_data"}:
+    if step in semconv.IO_STEPS:
         return "io"
     if name in (semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING):
         return "upload"
@@ -163,7 +163,7 @@ _ASYNC_HEADERS = (
 
 def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
     e = html.escape
-    is_async = ckpt.operation == "async_save"
+    is_async = ckpt.operation in semconv.ASYNC_OPERATIONS
     rows = []
     shown = ranks_worth_showing(ckpt)
     for r in (r for r in ckpt.ranks if r.rank in shown):

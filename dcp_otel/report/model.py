@@ -38,9 +38,13 @@ from dcp_otel.otlp_file import FileSpan
 _NOT_STEPS: Final = frozenset({semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING})
 _OPERATION_SPANS: Final = frozenset(semconv.span_name(op) for op in semconv.OPERATIONS)
 #: Steps that move the bytes: where their throughput is measured.
-_IO_STEP: Final = {"write_data": semconv.ATTR_WRITTEN_BYTES, "read_data": semconv.ATTR_READ_BYTES}
-#: The caller-side step of an async save that copies the state dict for the upload.
-_STAGING: Final = "stage_state_dict"
+_IO_STEP: Final = semconv.IO_STEPS
+#: The checkpointer's wait for the other ranks (a step inside its write).
+_BARRIER: Final = semconv.span_name(semconv.CHECKPOINTER_BARRIER)
+#: Where the upload side of an async save runs its steps: DCP's background save, the checkpoint process's write.
+_UPLOAD_PARENTS: Final = _OPERATION_SPANS | {semconv.SPAN_ASYNC_UPLOAD}
+#: Steps whose error is a rank's own failure (not one it learnt from the others).
+_RAISING_STEPS: Final = semconv.COLLECTIVE_STEPS | semconv.CHECKPOINTER_STEPS
 #: A skew below this is noise, not a straggler.
 STRAGGLER_SKEW: Final = 1.5
 
@@ -169,13 +173,13 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         parent = by_id.get(span.parent_id)
         return span.name == op_name and (parent is None or parent.name == semconv.SPAN_CHECKPOINT)
 
-    bytes_key = _IO_STEP["read_data" if operation == "load" else "write_data"]
+    is_async = operation in semconv.ASYNC_OPERATIONS
+    bytes_key = semconv.ATTR_READ_BYTES if operation in semconv.LOAD_OPERATIONS else semconv.ATTR_WRITTEN_BYTES
+    raised: list[tuple[int, FileSpan]] = []  # (rank, the step that raised) of every rank
     ranks: list[RankResult] = []
     steps: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     failed: set[int] = set()
     first_error: str | None = None  # what the first rank to fail said
-    root_cause: str | None = None  # what the step that raised said (not torch's CheckpointException)
-    cause_detail: str | None = None  # ... in full
     for op_span in sorted((s for s in spans if is_operation_span(s)), key=lambda s: _rank_of(s) or 0):
         rank = _rank_of(op_span)
         if rank is None:
@@ -184,40 +188,53 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         own_steps = [s for s in subtree if s.name not in _NOT_STEPS and s.name not in _OPERATION_SPANS]
         # Busy: in steps run right under the rank's operation span; the rest of it is waiting for
         # the other ranks. An async save's background save (under its upload) is the upload's side.
-        direct = sum(s.duration_s for s in children[op_span.span_id] if s.name not in _NOT_STEPS)
-        upload_busy = sum(s.duration_s for s in own_steps
-                          if s.parent_id != op_span.span_id and by_id[s.parent_id].name in _OPERATION_SPANS)  # fmt: skip
+        # The checkpointer's barrier is a step, inside the write: waiting all the same.
+        barriers = [s for s in own_steps if s.name == _BARRIER]
+        in_upload = {s.span_id for s in barriers if _under(s, semconv.SPAN_ASYNC_UPLOAD, by_id, op_span)}
+        caller_wait = sum(s.duration_s for s in barriers if s.span_id not in in_upload)
+        direct = sum(s.duration_s for s in children[op_span.span_id] if s.name not in _NOT_STEPS) - caller_wait
+        upload_busy = sum(s.duration_s for s in own_steps if s.parent_id != op_span.span_id
+                          and by_id[s.parent_id].name in _UPLOAD_PARENTS)  # fmt: skip
+        upload_busy -= sum(s.duration_s for s in barriers if s.span_id in in_upload)
+        io_barriers = sum(s.duration_s for s in barriers
+                          if by_id[s.parent_id].name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)  # fmt: skip
         result = RankResult(
             rank=rank,
             duration_s=op_span.duration_s,
-            busy_s=min(direct, op_span.duration_s),
+            busy_s=max(0.0, min(direct, op_span.duration_s)),
             wait_s=max(0.0, op_span.duration_s - direct),
-            upload_busy_s=upload_busy,
-            staging_s=sum(s.duration_s for s in children[op_span.span_id] if s.name == semconv.span_name(_STAGING)),
-            # On the operation span; for an async save, on its background save.
-            bytes=max(int(s.attributes.get(bytes_key) or 0) for s in subtree if s.name in _OPERATION_SPANS),
-            io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
+            upload_busy_s=max(0.0, upload_busy),
+            staging_s=sum(s.duration_s for s in children[op_span.span_id]
+                          if s.name.removeprefix(semconv.SPAN_PREFIX) in semconv.STAGING_STEPS),  # fmt: skip
+            # On the operation span; for an async save, on its background save or the checkpoint process's write.
+            bytes=max((int(s.attributes.get(bytes_key) or 0) for s in subtree
+                       if s.name in _OPERATION_SPANS or s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
+                      default=0),  # fmt: skip
+            io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)
+            - io_barriers,
         )
         if op_span.attributes.get(semconv.ATTR_DETAIL) == semconv.DETAIL_SUMMARY:
-            _from_summary(result, op_span, steps, operation == "async_save")  # no step spans (detail="auto")
+            _from_summary(result, op_span, steps, is_async)  # no step spans (detail="auto")
         for step in own_steps:
             steps[step.name.removeprefix(semconv.SPAN_PREFIX)][rank] += step.duration_s
         uploads = [s for s in subtree if s.name == semconv.SPAN_ASYNC_UPLOAD]
-        if operation == "async_save":
+        if is_async:
             result.upload = "unfinished" if not uploads else "failed" if uploads[0].error else "completed"
             result.upload_s = uploads[0].duration_s if uploads else 0.0
         errors = sorted((s for s in subtree if s.error), key=lambda s: s.end_ns)
         if errors:
             result.error = errors[0].status_message or f"{errors[0].name} failed"
             first_error = first_error or result.error
-        raising = [s for s in errors if s.name.removeprefix(semconv.SPAN_PREFIX) in semconv.COLLECTIVE_STEPS]
+        raising = [s for s in errors if s.name.removeprefix(semconv.SPAN_PREFIX) in _RAISING_STEPS]
         if raising:
             failed.add(rank)
-            if root_cause is None:
-                root_cause = raising[0].status_message or None
-                cause_detail = raising[0].exception or root_cause
+            raised.append((rank, raising[0]))
         failed.update(int(r) for r in op_span.attributes.get(semconv.ATTR_FAILED_RANKS, []) or [])
         ranks.append(result)
+    # The root cause: the step that raised first (a barrier fails only after the rank it waits for did).
+    first = min(raised, key=lambda pair: (pair[1].end_ns, pair[0]), default=None)
+    root_cause = (first[1].status_message or None) if first is not None else None
+    cause_detail = (first[1].exception or root_cause) if first is not None else None
     return Checkpoint(
         trace_id=trace_id,
         operation=operation,
@@ -254,10 +271,20 @@ def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[i
             total += float(value)
             if name in _IO_STEP:
                 result.io_s += float(value)
-            if name == _STAGING:
+            if name in semconv.STAGING_STEPS:
                 result.staging_s += float(value)
     if is_async:
         result.upload_busy_s = max(0.0, total - result.busy_s)
+
+
+def _under(span: FileSpan, name: str, by_id: dict[str, FileSpan], stop: FileSpan) -> bool:
+    """Whether ``span`` has an ancestor called ``name`` below ``stop``."""
+    parent = by_id.get(span.parent_id)
+    while parent is not None and parent is not stop:
+        if parent.name == name:
+            return True
+        parent = by_id.get(parent.parent_id)
+    return False
 
 
 def _subtree(root: FileSpan, children: dict[str, list[FileSpan]]) -> list[FileSpan]:

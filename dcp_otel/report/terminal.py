@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import textwrap
 
+from dcp_otel import semconv
 from dcp_otel.report import DETAIL_LIMIT
 from dcp_otel.report.model import Checkpoint, RankResult
 from dcp_otel.report.summary import FAILURES_SHOWN, Summary, sparkline, summarize, worst_first
@@ -50,7 +51,7 @@ def render_one(ckpt: Checkpoint) -> str:
     status = "FAILED" if ckpt.error else "ok"
     lines = [f"{ckpt.operation} {ckpt.checkpoint_id or '(no id)'}  {ckpt.duration_s:.3f} s  {status}  "
              f"trace {ckpt.trace_id}"]  # fmt: skip
-    is_async = ckpt.operation == "async_save"
+    is_async = ckpt.operation in semconv.ASYNC_OPERATIONS
     rows: list[tuple[str, ...]] = [_ASYNC_COLUMNS if is_async else _COLUMNS]
     shown = ranks_worth_showing(ckpt)
     rows += [_row(r, r.rank == ckpt.straggler, is_async) for r in ckpt.ranks if r.rank in shown]
@@ -67,7 +68,7 @@ def render_one(ckpt: Checkpoint) -> str:
         lines += _table(steps)
     if ckpt.straggler is not None:
         lines.append(f"  straggler: rank {ckpt.straggler}, busy {ckpt.straggler_skew:.1f}x the median rank"
-                     + (" (caller and upload)" if ckpt.operation == "async_save" else ""))
+                     + (" (caller and upload)" if ckpt.operation in semconv.ASYNC_OPERATIONS else ""))
     worst = max(ckpt.steps, key=lambda s: (s.skew, s.median_s), default=None)
     if worst is not None and len(worst.by_rank) > 1:
         lines.append(f"  most skewed step: {worst.name} on rank {worst.slowest_rank}: "

@@ -52,10 +52,8 @@ from dcp_otel.tracing.records import (
     Call,
     Operation,
 )
-from dcp_otel.unlogged_calls import ConsolidatedOutput
+from dcp_otel.unlogged_calls import CheckpointFile, ConsolidatedOutput
 
-_STAGE_STEP = "stage_state_dict"  # async_save's staging, when the stager is synchronous
-_IO_STEPS = frozenset({"write_data", "read_data"})
 #: The attributes a summary-only operation span keeps of its operation's.
 _SUMMARY_ONLY_KEEP = (semconv.ATTR_OPERATION, semconv.ATTR_RANK)
 
@@ -284,7 +282,7 @@ def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool =
             continue
         duration_s = call.duration_s
         metrics.step_done(op.name, call.func_name, rank, duration_s, exemplar)
-        if call.func_name == _STAGE_STEP:
+        if call.func_name in semconv.STAGING_STEPS:
             metrics.async_phase_done(semconv.PHASE_STAGING, rank, duration_s, exemplar)
     if not late and any(call.kind == KIND_OPERATION for call in calls):
         metrics.operation_done(op.name, rank, op.failed is None, (op.end_ns - op.start_ns) / 1e9, op.wait_s,
@@ -303,13 +301,13 @@ def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:
         if isinstance(obj, ConsolidatedOutput):  # on its own span only: it rewrites what write_data wrote
             call.extra = {**(call.extra or {}), semconv.ATTR_WRITTEN_BYTES: obj.size_in_bytes()}
             continue
-        written = written_bytes(obj)
+        written = obj.size_in_bytes() if isinstance(obj, CheckpointFile) and obj.written else written_bytes(obj)
         if written is not None:
             key, amount = semconv.ATTR_WRITTEN_BYTES, written
             if metrics is not None:
                 metrics.bytes_written(op.rank_label, written)
         else:
-            read = planned_read_bytes(obj, op.storage)
+            read = obj.size_in_bytes() if isinstance(obj, CheckpointFile) else planned_read_bytes(obj, op.storage)
             if read is None:
                 continue
             key, amount = semconv.ATTR_READ_BYTES, read
@@ -318,7 +316,9 @@ def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:
         for target in (call, op_call):
             if target is not None:
                 target.extra = {**(target.extra or {}), key: amount}
-        io_s = sum(c.duration_s for c in op.calls if c.kind == KIND_STEP and c.func_name in _IO_STEPS)
+        # In the steps that move the bytes, less their own child calls (the checkpointer's barrier).
+        io_s = sum(c.duration_s - c.children_ns / 1e9 for c in op.calls
+                   if c.kind == KIND_STEP and c.func_name in semconv.IO_STEPS)  # fmt: skip
         if op_call is not None and io_s > 0:
             op_call.extra = {**(op_call.extra or {}), semconv.ATTR_THROUGHPUT: amount / io_s}
 

@@ -49,12 +49,12 @@ from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
 from dcp_otel.tracing.records import KIND_OPERATION, MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
 from dcp_otel.tracing.uploads import InFlight
-from dcp_otel.unlogged_calls import ConsolidatedOutput
+from dcp_otel.unlogged_calls import CheckpointFile, ConsolidatedOutput
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
 _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
-#: What carries byte counts: write results, local read plans, a consolidation's output folder.
-_GATHERED_TYPES = (list, LoadPlan, ConsolidatedOutput)
+#: What carries byte counts: write results, local read plans, a consolidation's output folder, a checkpointer's file.
+_GATHERED_TYPES = (list, LoadPlan, ConsolidatedOutput, CheckpointFile)
 _getrandbits = random.getrandbits
 _detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
 
