@@ -25,9 +25,10 @@ Rules = dict[str, Any]
 OPERATIONS_TOTAL = sc.METRIC_OPERATIONS + "_total"
 WRITTEN_TOTAL = sc.METRIC_WRITTEN_BYTES + "_total"
 READ_TOTAL = sc.METRIC_READ_BYTES + "_total"
-SAVES = f'{sc.LABEL_OPERATION}=~"save|async_save"'
+#: Every operation that saves a checkpoint: DCP's save and async_save, and the _experimental checkpointer's.
+SAVES = f'{sc.LABEL_OPERATION}=~"{"|".join(sorted(sc.SAVE_OPERATIONS))}"'
 #: The steps that move the bytes: where a slow disk or link shows.
-IO_STEPS = f'{sc.LABEL_STEP}=~"write_data|read_data"'
+IO_STEPS = f'{sc.LABEL_STEP}=~"{"|".join(sorted(sc.IO_STEPS))}"'
 
 
 def recent_operation_mean(cfg: MixinConfig) -> str:
