@@ -95,6 +95,8 @@ def test_a_sync_save_is_one_trace_across_ranks_with_the_write_and_the_barrier_wa
         assert writes[rank].attributes[semconv.ATTR_WRITTEN_BYTES] == size
         assert ops[rank].attributes[semconv.ATTR_WRITTEN_BYTES] == size
         assert not any(s.error for s in (ops[rank], writes[rank], barriers[rank]))
+        # Waiting at the barrier is waiting for the others, on the span and on the histogram.
+        assert ops[rank].attributes[semconv.ATTR_WAIT_SECONDS] >= barriers[rank].duration_s
     assert run.results[0]["sync_save"] == {"returned": "NoneType"} and run.results[0]["sync_load_equal"]
 
 
@@ -177,6 +179,10 @@ def test_metrics_count_both_sides_of_every_checkpoint_on_the_rank(run: Run) -> N
         assert failed_async == rank  # rank 1's second async save failed
         staging = run.sample(rank, "dcp_async_phase_duration_seconds_count", phase=semconv.PHASE_STAGING)
         assert staging is not None and staging >= 2
+        waits = run.sample(rank, "dcp_collective_wait_seconds_sum", operation=semconv.CHECKPOINTER_SAVE)
+        barriers = run.sample(rank, "dcp_step_duration_seconds_sum", operation=semconv.CHECKPOINTER_SAVE,
+                              step=semconv.CHECKPOINTER_BARRIER)  # fmt: skip
+        assert waits is not None and barriers is not None and waits >= barriers > 0
         assert run.results[rank]["diagnostics"] == {"open_spans": 0}
 
 

@@ -90,7 +90,7 @@ class DetailPolicy:
 
     def decide(self, op: Operation, steps: list[Call], op_call: Call | None) -> tuple[bool, str]:
         """(whether this rank exports its step spans, why)."""
-        busy_s = _busy_s(op_call, steps)
+        busy_s = _busy_s(op, op_call, steps)
         history = self._busy.setdefault(op.name, deque(maxlen=HISTORY))
         median = statistics.median(history) if len(history) >= MIN_HISTORY else None
         history.append(busy_s)
@@ -123,9 +123,9 @@ class DetailPolicy:
         return ranks.index(op.rank) < max(1, self.span_budget // max(1, steps_per_rank))
 
 
-def _busy_s(op_call: Call | None, steps: list[Call]) -> float:
-    if op_call is not None:
-        return max(0, op_call.children_ns) / 1e9
+def _busy_s(op: Operation, op_call: Call | None, steps: list[Call]) -> float:
+    if op_call is not None:  # what it did not spend waiting for the other ranks
+        return max(0.0, op_call.duration_s - op.wait_s)
     return sum(call.duration_s for call in steps)
 
 

@@ -56,6 +56,9 @@ _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
 #: What carries byte counts: write results, local read plans, a consolidation's output folder, a checkpointer's file.
 _GATHERED_TYPES = (list, LoadPlan, ConsolidatedOutput, CheckpointFile)
 _getrandbits = random.getrandbits
+#: Operations that wait for the other ranks in a step (the checkpointer's barrier), not between steps.
+_WITH_BARRIERS = frozenset({semconv.CHECKPOINTER_SAVE})  # (the async write, with its barrier, is in its process)
+_BARRIER = semconv.CHECKPOINTER_BARRIER
 _detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
 
 
@@ -424,6 +427,9 @@ class SpanRecorder:
         op.calls.append(call)
         if call.kind == KIND_OPERATION:
             op.start_ns = call.start_ns
-            op.wait_s = (end_ns - call.start_ns - call.children_ns) / 1e9
+            waited_ns = end_ns - call.start_ns - call.children_ns
+            if op.name in _WITH_BARRIERS:  # the checkpointer waits for the others in a step of its own
+                waited_ns += sum(c.end_ns - c.start_ns for c in op.calls if c.func_name == _BARRIER)
+            op.wait_s = waited_ns / 1e9
         if call.owns_part and op.part_done(end_ns, call.failure.description if call.failure is not None else None):
             self.builder.submit(op)
