@@ -35,7 +35,9 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
 
@@ -51,12 +53,36 @@ class ScrapeWatch:
     """A collector that yields nothing and counts scrapes, so a process can wait for one.
 
     It counts every collection of the registry it is in: the endpoint's scrapes,
-    and any other reader of that registry (say, a push to a gateway).
+    and any other reader of that registry (say, a push to a gateway). A scrape
+    is collected before its response is sent, so the endpoint's app is wrapped
+    too (:meth:`serving`): a wait is over only once no response is still being
+    written, or a process exiting right after the collection would cut its
+    last scrape short (Prometheus then gets nothing).
     """
 
     def __init__(self) -> None:
         self._scraped = threading.Condition()
         self._count = 0
+        self._responding = 0  # responses being computed or written
+
+    def serving(self, app: Callable[..., Any]) -> Callable[..., Any]:
+        """``app`` (the endpoint's WSGI app), each response counted until the server has written it."""
+
+        def counted(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            with self._scraped:
+                self._responding += 1
+            try:
+                return _Written(app(environ, start_response), self._written)
+            except BaseException:
+                self._written()
+                raise
+
+        return counted
+
+    def _written(self) -> None:
+        with self._scraped:
+            self._responding -= 1
+            self._scraped.notify_all()
 
     def describe(self) -> list[object]:
         return []  # registering must not count as a scrape
@@ -73,9 +99,27 @@ class ScrapeWatch:
             return self._count
 
     def wait_past(self, seen: int, timeout_s: float) -> bool:
-        """Wait until there were more than ``seen`` scrapes; ``False`` after ``timeout_s``."""
+        """Wait until there were more than ``seen`` scrapes, all of them answered; ``False`` after ``timeout_s``."""
         with self._scraped:
-            return self._scraped.wait_for(lambda: self._count > seen, timeout=timeout_s)
+            return self._scraped.wait_for(lambda: self._count > seen and not self._responding, timeout=timeout_s)
+
+
+class _Written:
+    """A WSGI response whose ``close`` (called by the server once it has sent the body) calls ``done``."""
+
+    def __init__(self, body: Iterable[bytes], done: Callable[[], None]) -> None:
+        self._body, self._done = body, done
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._done()
 
 
 @dataclass
@@ -286,6 +330,9 @@ def start_metrics_server(
                bind, wanted, exc)  # fmt: skip
         server, thread = start_http_server(0, bind, target)
     endpoint = MetricsEndpoint(bind, int(server.server_address[1]), wanted, server, thread)
+    app = server.get_app()
+    if app is not None:
+        server.set_app(endpoint._watch.serving(app))
     target.register(endpoint._watch)  # type: ignore[arg-type]
     endpoint._registry = target
     endpoint.target_file = announce(configured_dir(file_sd_dir), role, bind, endpoint.port)

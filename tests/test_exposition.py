@@ -279,10 +279,13 @@ def test_an_unwritable_discovery_folder_is_counted_and_never_breaks_serving(
         endpoint.close()
 
 
-def test_at_exit_a_process_waits_for_one_last_scrape_so_its_last_values_are_not_lost(tmp_path: Path) -> None:
+@pytest.mark.parametrize("series", [0, 100_000], ids=["small", "slow-to-write"])
+def test_at_exit_a_process_waits_for_one_last_scrape_so_its_last_values_are_not_lost(tmp_path: Path, series: int) -> None:
+    """The process waits until the last scrape is answered, not just collected: with 100,000 more
+    series it takes a while to write, and exiting as soon as it was collected cut it short."""
     env = {**os.environ, semconv.ENV_FINAL_SCRAPE_TIMEOUT_S: "120", semconv.ENV_FILE_SD_DIR: str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.workers.final_scrape"],
+        [sys.executable, "-m", "tests.workers.final_scrape", str(series)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
     )  # fmt: skip
     try:
@@ -292,7 +295,9 @@ def test_at_exit_a_process_waits_for_one_last_scrape_so_its_last_values_are_not_
                 break
         else:
             pytest.fail("the process never waited for a last scrape")
-        assert "last_checkpoint_total 1.0" in scrape(url)  # the value recorded after the last regular scrape
+        text = scrape(url)
+        assert "last_checkpoint_total 1.0" in text  # the value recorded after the last regular scrape
+        assert text.count("many_series{") == series
         assert proc.wait(timeout=60) == 0  # and then it exits at once, not after 120 s
         assert list(tmp_path.iterdir()) == []  # its discovery file withdrawn
     finally:
