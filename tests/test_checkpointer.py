@@ -22,6 +22,7 @@ import pytest
 
 from dcp_otel import semconv
 from dcp_otel.otlp_file import FileSpan, read_spans
+from dcp_otel.report import build
 from dcp_otel.report.model import Checkpoint, checkpoints
 from tests.ports import free_port_range
 from tests.ranks import REPO, WORKERS, Job, rank_env, run_ranks
@@ -195,6 +196,13 @@ def test_the_report_reads_the_checkpointer_like_dcp(run: Run) -> None:
     sync = run.report("sync", semconv.CHECKPOINTER_SAVE)
     for rank in sync.ranks:
         assert rank.bytes == run.file_size("sync", rank.rank) and rank.throughput_bps
+    # What `dcp-otel report` prints, from the same files: the run, its failures and their causes.
+    whole = build(sorted((run.job.out / "traces").glob("*.jsonl")))
+    text = whole.text(limit=None)
+    assert "6 checkpoint operations (2 checkpointer_save, 2 checkpointer_load, 2 checkpointer_async_save)" in text
+    assert "2 failed" in text and "commit hook failed on rank 1" in text and "Is a directory" in text
+    assert "hand_off_checkpoint" in text and "barrier" in text
+    assert "checkpointer_async_save" in whole.html()
 
 
 def test_observability_changes_no_return_value_or_exception(tmp_path: Path) -> None:
