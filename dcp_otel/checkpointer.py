@@ -11,7 +11,8 @@ the same trace model, metrics and report as ``dcp.save``:
   ``AsyncCheckpointer.save`` is ``dcp.checkpointer_async_save``, and either's
   ``load`` is ``dcp.checkpointer_load``; the checkpoint id is the ``path``, so
   every rank saving it derives the same trace;
-* **steps**: ``DefaultStager.stage`` (``dcp.stage_checkpoint``, on the staging
+* **steps**: ``AsyncCheckpointer.save``'s wait for the previous checkpoint's write
+  (``dcp.wait_previous_checkpoint``), ``DefaultStager.stage`` (``dcp.stage_checkpoint``, on the staging
   histogram), ``CheckpointProcess.write`` (``dcp.hand_off_checkpoint``: before
   the first write, waiting for the checkpoint process to start), ``CheckpointWriter.write`` (``dcp.write_checkpoint``, with the
   bytes of the rank's file), ``CheckpointReader.read``
@@ -43,6 +44,8 @@ import copy
 import importlib
 import os
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from dcp_otel import semconv
@@ -80,6 +83,30 @@ def _path(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
 def operation(name: str) -> Callable[[Hooks], Wrapper]:
     """A checkpointer's ``save`` or ``load``: an operation whose checkpoint id is its path."""
     return lambda hooks: logged_call(hooks.feed, name, checkpoint_id=_path)
+
+
+def async_save(hooks: Hooks) -> Wrapper:
+    """``AsyncCheckpointer.save``: an operation, whose wait for the previous checkpoint's write is a step.
+
+    torch's ``save`` first waits for the previous write (``result()``), so a slow
+    upload holds up the next checkpoint, and the training loop with it. When that
+    write is still running, the wait happens here, as ``dcp.wait_previous_checkpoint``,
+    with ``futures.wait`` (which never raises): torch's own ``result()`` then
+    returns or raises at once, exactly as it would have.
+    """
+    operation_call = logged_call(hooks.feed, semconv.CHECKPOINTER_ASYNC_SAVE, checkpoint_id=_path)
+    waited = logged_call(hooks.feed, semconv.CHECKPOINTER_WAIT_PREVIOUS, starts_operations=False)
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def save(*args: Any, **kwargs: Any) -> Any:
+            previous = getattr(instance, "_write_future", None)
+            if isinstance(previous, Future) and not previous.done():
+                waited(futures.wait, None, ([previous],), {})
+            return wrapped(*args, **kwargs)
+
+        return operation_call(save, instance, args, kwargs)
+
+    return wrapper
 
 
 def step(name: str, after: Callable[[Hooks], After] | None = None) -> Callable[[Hooks], Wrapper]:
@@ -217,8 +244,7 @@ POINTS: tuple[tuple[str, str, str, Callable[[Hooks], Wrapper]], ...] = (
      operation(semconv.CHECKPOINTER_SAVE)),
     (CHECKPOINTER_MODULE, "SyncCheckpointer.load", f"no dcp.{semconv.CHECKPOINTER_LOAD} span",
      operation(semconv.CHECKPOINTER_LOAD)),
-    (CHECKPOINTER_MODULE, "AsyncCheckpointer.save", f"no dcp.{semconv.CHECKPOINTER_ASYNC_SAVE} span",
-     operation(semconv.CHECKPOINTER_ASYNC_SAVE)),
+    (CHECKPOINTER_MODULE, "AsyncCheckpointer.save", f"no dcp.{semconv.CHECKPOINTER_ASYNC_SAVE} span", async_save),
     (CHECKPOINTER_MODULE, "AsyncCheckpointer.load", f"no dcp.{semconv.CHECKPOINTER_LOAD} span",
      operation(semconv.CHECKPOINTER_LOAD)),
     (STAGING_MODULE, "DefaultStager.stage", f"no dcp.{semconv.CHECKPOINTER_STAGE} span",

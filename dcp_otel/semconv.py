@@ -97,6 +97,8 @@ CHECKPOINTER_HAND_OFF: Final = "hand_off_checkpoint"
 CHECKPOINTER_WRITE: Final = "write_checkpoint"  # CheckpointWriter.write: the rank's file, then the barrier
 CHECKPOINTER_READ: Final = "read_checkpoint"  # CheckpointReader.read
 CHECKPOINTER_BARRIER: Final = "barrier"  # DistBarrier / TCPStoreBarrier.execute_barrier: waiting for the others
+#: AsyncCheckpointer.save waiting for the previous checkpoint's write to finish before it stages the next.
+CHECKPOINTER_WAIT_PREVIOUS: Final = "wait_previous_checkpoint"
 #: Operations a user calls; one of these with no enclosing DCP span starts a trace.
 OPERATIONS: Final = frozenset({"save", "async_save", "load", CHECKPOINTER_SAVE, CHECKPOINTER_ASYNC_SAVE,
                                CHECKPOINTER_LOAD})  # fmt: skip
@@ -112,7 +114,9 @@ IO_STEPS: Final = frozenset({"write_data", "read_data", CHECKPOINTER_WRITE, CHEC
 STAGING_STEPS: Final = frozenset({"stage_state_dict", CHECKPOINTER_STAGE})
 #: The checkpointer's steps (each runs on one rank; a failure in one is that rank's own).
 CHECKPOINTER_STEPS: Final = frozenset({CHECKPOINTER_STAGE, CHECKPOINTER_HAND_OFF, CHECKPOINTER_WRITE, CHECKPOINTER_READ,
-                                       CHECKPOINTER_BARRIER})  # fmt: skip
+                                       CHECKPOINTER_BARRIER, CHECKPOINTER_WAIT_PREVIOUS})  # fmt: skip
+#: Steps that are waiting, not the rank's own work: for the other ranks, or for the previous checkpoint.
+WAIT_STEPS: Final = frozenset({CHECKPOINTER_BARRIER, CHECKPOINTER_WAIT_PREVIOUS})
 #: Steps that run inside ``_DistWrapper`` collectives, whose exceptions torch
 #: catches (``_wrap_exception``) without logging them.
 COLLECTIVE_STEPS: Final = frozenset(

@@ -124,6 +124,25 @@ def test_an_async_save_is_one_trace_with_the_checkpoint_process_write_under_the_
         assert run.results[rank]["async_written"] == {"returned": "NoneType"} and run.results[rank]["async_load_equal"]
 
 
+def test_a_save_waiting_for_the_previous_checkpoints_write_shows_the_wait(run: Run) -> None:
+    first, second = (run.trace_of(f, semconv.CHECKPOINTER_ASYNC_SAVE) for f in ("async-a", "async-b"))
+    first_uploads = per_rank(first, semconv.SPAN_ASYNC_UPLOAD)
+    ops, waits = per_rank(second, "dcp.checkpointer_async_save"), per_rank(second, "dcp.wait_previous_checkpoint")
+    exercised = 0
+    for rank in range(WORLD):
+        assert run.results[rank]["back_to_back"] == [{"returned": "NoneType"}] * 2
+        if first_uploads[rank].end_ns <= ops[rank].start_ns:  # the first write was done already: no wait
+            assert rank not in waits
+            continue
+        exercised += 1
+        assert run.parent(waits[rank]) is ops[rank]
+        # It ends when the first checkpoint's write does, before the second one stages anything.
+        stage = per_rank(second, "dcp.stage_checkpoint")[rank]
+        assert waits[rank].end_ns <= stage.start_ns and waits[rank].duration_s > 0
+        assert ops[rank].attributes[semconv.ATTR_WAIT_SECONDS] >= waits[rank].duration_s
+    assert exercised  # a write takes milliseconds; the second save starts microseconds after the first returns
+
+
 def test_loads_read_each_rank_file_whole(run: Run) -> None:
     for folder in ("sync", "async"):
         spans = run.trace_of(folder, semconv.CHECKPOINTER_LOAD)
@@ -162,7 +181,8 @@ def test_a_write_failing_on_rank_1_fails_its_write_and_the_barrier_rank_0_waits_
 
 
 def test_metrics_count_both_sides_of_every_checkpoint_on_the_rank(run: Run) -> None:
-    saves = {0: ("sync", "async", "async-fail"), 1: ("sync", "async")}  # rank 1's failed write counts nothing
+    saves = {0: ("sync", "async", "async-a", "async-b", "async-fail"),
+             1: ("sync", "async", "async-a", "async-b")}  # rank 1's failed write counts nothing
     for rank in range(WORLD):
         written = sum(run.file_size(folder, rank) for folder in saves[rank])
         assert run.sample(rank, "dcp_written_bytes_total") == written
@@ -172,14 +192,14 @@ def test_metrics_count_both_sides_of_every_checkpoint_on_the_rank(run: Run) -> N
         for step in (semconv.CHECKPOINTER_WRITE, semconv.CHECKPOINTER_BARRIER):
             count = run.sample(rank, "dcp_step_duration_seconds_count", operation=semconv.CHECKPOINTER_ASYNC_SAVE,
                                step=step)  # fmt: skip
-            assert count == 2, (rank, step)
+            assert count == 4, (rank, step)
         assert run.sample(rank, "dcp_async_saves_in_flight") == 0
         assert run.sample(rank, "dcp_operations_total", operation=semconv.CHECKPOINTER_SAVE, status="failure") == 1
         failed_async = run.sample(rank, "dcp_operations_total", operation=semconv.CHECKPOINTER_ASYNC_SAVE,
                                   status="failure")  # fmt: skip
         assert failed_async == rank  # rank 1's second async save failed
         staging = run.sample(rank, "dcp_async_phase_duration_seconds_count", phase=semconv.PHASE_STAGING)
-        assert staging is not None and staging >= 2
+        assert staging is not None and staging >= 4
         waits = run.sample(rank, "dcp_collective_wait_seconds_sum", operation=semconv.CHECKPOINTER_SAVE)
         barriers = run.sample(rank, "dcp_step_duration_seconds_sum", operation=semconv.CHECKPOINTER_SAVE,
                               step=semconv.CHECKPOINTER_BARRIER)  # fmt: skip
@@ -199,7 +219,7 @@ def test_the_report_reads_the_checkpointer_like_dcp(run: Run) -> None:
     # What `dcp-otel report` prints, from the same files: the run, its failures and their causes.
     whole = build(sorted((run.job.out / "traces").glob("*.jsonl")))
     text = whole.text(limit=None)
-    assert "6 checkpoint operations (2 checkpointer_save, 2 checkpointer_load, 2 checkpointer_async_save)" in text
+    assert "8 checkpoint operations (2 checkpointer_save, 2 checkpointer_load, 4 checkpointer_async_save)" in text
     assert "2 failed" in text and "commit hook failed on rank 1" in text and "Is a directory" in text
     assert "hand_off_checkpoint" in text and "barrier" in text
     assert "checkpointer_async_save" in whole.html()

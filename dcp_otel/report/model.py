@@ -39,8 +39,8 @@ _NOT_STEPS: Final = frozenset({semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOA
 _OPERATION_SPANS: Final = frozenset(semconv.span_name(op) for op in semconv.OPERATIONS)
 #: Steps that move the bytes: where their throughput is measured.
 _IO_STEP: Final = semconv.IO_STEPS
-#: The checkpointer's wait for the other ranks (a step inside its write).
-_BARRIER: Final = semconv.span_name(semconv.CHECKPOINTER_BARRIER)
+#: The checkpointer's waits: for the other ranks (a step inside its write), for the previous checkpoint.
+_WAITS: Final = frozenset(semconv.span_name(step) for step in semconv.WAIT_STEPS)
 #: Where the upload side of an async save runs its steps: DCP's background save, the checkpoint process's write.
 _UPLOAD_PARENTS: Final = _OPERATION_SPANS | {semconv.SPAN_ASYNC_UPLOAD}
 #: Steps whose error is a rank's own failure (not one it learnt from the others).
@@ -188,16 +188,16 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         own_steps = [s for s in subtree if s.name not in _NOT_STEPS and s.name not in _OPERATION_SPANS]
         # Busy: in steps run right under the rank's operation span; the rest of it is waiting for
         # the other ranks. An async save's background save (under its upload) is the upload's side.
-        # The checkpointer's barrier is a step, inside the write: waiting all the same.
-        barriers = [s for s in own_steps if s.name == _BARRIER]
-        in_upload = {s.span_id for s in barriers if _under(s, semconv.SPAN_ASYNC_UPLOAD, by_id, op_span)}
-        caller_wait = sum(s.duration_s for s in barriers if s.span_id not in in_upload)
+        # The checkpointer's waits are steps (the barrier inside the write): waiting all the same.
+        waits = [s for s in own_steps if s.name in _WAITS]
+        in_upload = {s.span_id for s in waits if _under(s, semconv.SPAN_ASYNC_UPLOAD, by_id, op_span)}
+        caller_wait = sum(s.duration_s for s in waits if s.span_id not in in_upload)
         direct = sum(s.duration_s for s in children[op_span.span_id] if s.name not in _NOT_STEPS) - caller_wait
         upload_busy = sum(s.duration_s for s in own_steps if s.parent_id != op_span.span_id
                           and by_id[s.parent_id].name in _UPLOAD_PARENTS)  # fmt: skip
-        upload_busy -= sum(s.duration_s for s in barriers if s.span_id in in_upload)
-        io_barriers = sum(s.duration_s for s in barriers
-                          if by_id[s.parent_id].name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)  # fmt: skip
+        upload_busy -= sum(s.duration_s for s in waits if s.span_id in in_upload)
+        io_waits = sum(s.duration_s for s in waits
+                       if by_id[s.parent_id].name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)  # fmt: skip
         result = RankResult(
             rank=rank,
             duration_s=op_span.duration_s,
@@ -211,7 +211,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
                        if s.name in _OPERATION_SPANS or s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
                       default=0),  # fmt: skip
             io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)
-            - io_barriers,
+            - io_waits,
         )
         if op_span.attributes.get(semconv.ATTR_DETAIL) == semconv.DETAIL_SUMMARY:
             _from_summary(result, op_span, steps, is_async)  # no step spans (detail="auto")

@@ -56,9 +56,9 @@ _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
 #: What carries byte counts: write results, local read plans, a consolidation's output folder, a checkpointer's file.
 _GATHERED_TYPES = (list, LoadPlan, ConsolidatedOutput, CheckpointFile)
 _getrandbits = random.getrandbits
-#: Operations that wait for the other ranks in a step (the checkpointer's barrier), not between steps.
-_WITH_BARRIERS = frozenset({semconv.CHECKPOINTER_SAVE})  # (the async write, with its barrier, is in its process)
-_BARRIER = semconv.CHECKPOINTER_BARRIER
+#: Operations that wait in steps of their own (the checkpointer's barrier, its wait for the previous write).
+_WAITING_IN_STEPS = frozenset({semconv.CHECKPOINTER_SAVE, semconv.CHECKPOINTER_ASYNC_SAVE})
+_WAIT_STEPS = semconv.WAIT_STEPS
 _detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
 
 
@@ -428,8 +428,8 @@ class SpanRecorder:
         if call.kind == KIND_OPERATION:
             op.start_ns = call.start_ns
             waited_ns = end_ns - call.start_ns - call.children_ns
-            if op.name in _WITH_BARRIERS:  # the checkpointer waits for the others in a step of its own
-                waited_ns += sum(c.end_ns - c.start_ns for c in op.calls if c.func_name == _BARRIER)
+            if op.name in _WAITING_IN_STEPS:  # the checkpointer waits in steps of its own
+                waited_ns += sum(c.end_ns - c.start_ns for c in op.calls if c.func_name in _WAIT_STEPS)
             op.wait_s = waited_ns / 1e9
         if call.owns_part and op.part_done(end_ns, call.failure.description if call.failure is not None else None):
             self.builder.submit(op)

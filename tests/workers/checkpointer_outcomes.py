@@ -80,6 +80,8 @@ def scenario(folder: str) -> list[Any]:
     checkpointer = make_async_checkpointer(CheckpointerConfig(staging_config=STAGING), rank_info=rank)
     results.append(outcome(lambda: checkpointer.save(path("async"), state), folder))
     results.append(outcome(lambda: checkpointer.load(path("async"), strict=True), folder))
+    # back to back: the second waits for the first's write
+    results.append(outcome(lambda: [checkpointer.save(path("a1"), state), checkpointer.save(path("a2"), state)], folder))
     results.append(outcome(lambda: checkpointer.save(path("blocked"), state), folder))  # fails in the process
     results.append(outcome(lambda: checkpointer.save(path("after"), state), folder))  # the process is gone
     results.append(outcome(checkpointer.close, folder))

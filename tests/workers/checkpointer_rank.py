@@ -2,8 +2,9 @@
 
 1. ``SyncCheckpointer`` whose writer waits at a ``DistBarrier``: a save, then a load.
 2. ``AsyncCheckpointer`` (asynchronous staging; a checkpoint process whose writer
-   waits at a ``TCPStoreBarrier`` and runs a commit hook): a save, a load, then a
-   save whose commit hook fails on rank 1 after the barrier.
+   waits at a ``TCPStoreBarrier`` and runs a commit hook): a save, a load, two saves
+   back to back (the second waits for the first's write), then a save whose commit
+   hook fails on rank 1 after the barrier.
 3. The ``SyncCheckpointer`` again, with rank 1's file blocked by a folder of the
    same name: rank 1's write fails before the barrier, so rank 0's barrier fails
    when rank 1 leaves the job (or at the process group's timeout).
@@ -128,6 +129,11 @@ def main() -> None:
     result["async_written"] = outcome(futures[1].result)
     loaded = checkpointer.load(os.path.join(ckpt, "async"))
     result["async_load_equal"] = torch.equal(loaded["w"], state["w"])
+    # Back to back: the second save waits for the first one's write (still in the process) first.
+    first = checkpointer.save(os.path.join(ckpt, "async-a"), state)
+    second = checkpointer.save(os.path.join(ckpt, "async-b"), state)
+    assert first is not None and second is not None
+    result["back_to_back"] = [outcome(first[1].result), outcome(second[1].result)]
     failing = checkpointer.save(os.path.join(ckpt, FAILING_SAVE), state)
     assert failing is not None
     result["async_fail_written"] = outcome(failing[1].result)
