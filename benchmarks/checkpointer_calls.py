@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint._experimental import (
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from overhead import DiscardingExporter  # noqa: E402
-from state_dict_calls import traced_vs_plain  # noqa: E402
+from state_dict_calls import medians, print_side_by_side, traced_vs_plain  # noqa: E402
 
 import dcp_otel  # noqa: E402
 
@@ -106,8 +105,7 @@ def measure_async(folder: str, repeats: int, saves: int) -> dict[str, dict[str, 
             if traced:
                 dcp_otel.uninstrument()
     provider.shutdown()
-    names = ("async save (returns)", "async save (durable)")
-    return {name: {kind: statistics.median(times[(name, kind)]) for kind in ("plain", "traced")} for name in names}
+    return medians(times, ("async save (returns)", "async save (durable)"))
 
 
 def main() -> None:
@@ -118,10 +116,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         found = measure_sync(folder, repeats=6 if args.quick else 20, calls=20 if args.quick else 50)
         found.update(measure_async(folder, repeats=2 if args.quick else 4, saves=10 if args.quick else 30))
-    print(f"{'call':<22} {'plain us':>10} {'traced us':>10} {'added us':>10} {'ratio':>7}")
-    for name, row in found.items():
-        plain, traced = row["plain"] * 1e6, row["traced"] * 1e6
-        print(f"{name:<22} {plain:>10.1f} {traced:>10.1f} {traced - plain:>10.1f} {traced / plain:>7.3f}")
+    print_side_by_side(found, width=22)
 
 
 if __name__ == "__main__":

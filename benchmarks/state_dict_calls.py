@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ import dcp_otel  # noqa: E402
 
 
 def measure(repeats: int, calls: int) -> dict[str, dict[str, float]]:
-    """Per function: ``plain_us`` and ``traced_us`` per call (medians over interleaved blocks)."""
+    """Per function: the seconds per call ``plain`` and ``traced`` (medians over interleaved blocks)."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     optim = torch.optim.Adam(model.parameters())
     model(torch.ones(4, 64)).sum().backward()
@@ -50,7 +50,7 @@ def measure(repeats: int, calls: int) -> dict[str, dict[str, float]]:
     }
     found = traced_vs_plain(arms, provider, repeats, calls)
     provider.shutdown()
-    return {name: {kind + "_us": seconds * 1e6 for kind, seconds in row.items()} for name, row in found.items()}
+    return found
 
 
 def traced_vs_plain(
@@ -71,7 +71,20 @@ def traced_vs_plain(
                 times.setdefault((name, "traced" if traced else "plain"), []).append((time.perf_counter() - start) / calls)
             if traced:
                 dcp_otel.uninstrument()
-    return {name: {kind: statistics.median(times[(name, kind)]) for kind in ("plain", "traced")} for name in arms}
+    return medians(times, arms)
+
+
+def medians(times: dict[tuple[str, str], list[float]], names: Iterable[str]) -> dict[str, dict[str, float]]:
+    """Per name, the median of its ``plain`` and its ``traced`` times."""
+    return {name: {kind: statistics.median(times[(name, kind)]) for kind in ("plain", "traced")} for name in names}
+
+
+def print_side_by_side(found: dict[str, dict[str, float]], width: int) -> None:
+    """One row per call: plain and traced microseconds, what tracing added, and their ratio."""
+    print(f"{'call':<{width}} {'plain us':>10} {'traced us':>10} {'added us':>10} {'ratio':>7}")
+    for name, row in found.items():
+        plain, traced = row["plain"] * 1e6, row["traced"] * 1e6
+        print(f"{name:<{width}} {plain:>10.1f} {traced:>10.1f} {traced - plain:>10.1f} {traced / plain:>7.3f}")
 
 
 def main() -> None:
@@ -79,11 +92,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    found = measure(repeats=6 if args.quick else 20, calls=50 if args.quick else 200)
-    print(f"{'call':<16} {'plain us':>10} {'traced us':>10} {'added us':>10} {'ratio':>7}")
-    for name, row in found.items():
-        plain, traced = row["plain_us"], row["traced_us"]
-        print(f"{name:<16} {plain:>10.1f} {traced:>10.1f} {traced - plain:>10.1f} {traced / plain:>7.3f}")
+    print_side_by_side(measure(repeats=6 if args.quick else 20, calls=50 if args.quick else 200), width=16)
 
 
 if __name__ == "__main__":

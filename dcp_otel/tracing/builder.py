@@ -297,30 +297,38 @@ def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:
     rank's operation span, which every detail mode exports.
     """
     op_call = next((call for call in op.calls if call.kind == KIND_OPERATION), None)
+    # In the steps that move the bytes, less their own child calls (the checkpointer's barrier).
+    io_s = sum(c.duration_s - c.children_ns / 1e9 for c in op.calls
+               if c.kind == KIND_STEP and c.func_name in semconv.IO_STEPS)  # fmt: skip
     for call, obj in op.gathered:
         if isinstance(obj, ConsolidatedOutput):  # on its own span only: it rewrites what write_data wrote
             call.extra = {**(call.extra or {}), semconv.ATTR_WRITTEN_BYTES: obj.size_in_bytes()}
             continue
-        written = obj.size_in_bytes() if isinstance(obj, CheckpointFile) and obj.written else written_bytes(obj)
-        if written is not None:
-            key, amount = semconv.ATTR_WRITTEN_BYTES, written
-            if metrics is not None:
-                metrics.bytes_written(op.rank_label, written)
-        else:
-            read = obj.size_in_bytes() if isinstance(obj, CheckpointFile) else planned_read_bytes(obj, op.storage)
-            if read is None:
-                continue
-            key, amount = semconv.ATTR_READ_BYTES, read
-            if metrics is not None:
-                metrics.bytes_read(op.rank_label, read)
+        counted = _counted_bytes(obj, op.storage)
+        if counted is None:
+            continue
+        key, amount = counted
+        if metrics is not None:
+            if key == semconv.ATTR_WRITTEN_BYTES:
+                metrics.bytes_written(op.rank_label, amount)
+            else:
+                metrics.bytes_read(op.rank_label, amount)
         for target in (call, op_call):
             if target is not None:
                 target.extra = {**(target.extra or {}), key: amount}
-        # In the steps that move the bytes, less their own child calls (the checkpointer's barrier).
-        io_s = sum(c.duration_s - c.children_ns / 1e9 for c in op.calls
-                   if c.kind == KIND_STEP and c.func_name in semconv.IO_STEPS)  # fmt: skip
         if op_call is not None and io_s > 0:
             op_call.extra = {**(op_call.extra or {}), semconv.ATTR_THROUGHPUT: amount / io_s}
+
+
+def _counted_bytes(obj: object, storage: object | None) -> tuple[str, int] | None:
+    """The bytes ``obj`` says were written or read, under the span attribute that counts them."""
+    if isinstance(obj, CheckpointFile):
+        return (semconv.ATTR_WRITTEN_BYTES if obj.written else semconv.ATTR_READ_BYTES), obj.size_in_bytes()
+    written = written_bytes(obj)
+    if written is not None:
+        return semconv.ATTR_WRITTEN_BYTES, written
+    read = planned_read_bytes(obj, storage)
+    return (semconv.ATTR_READ_BYTES, read) if read is not None else None
 
 
 def written_bytes(obj: object) -> int | None:
