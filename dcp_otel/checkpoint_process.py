@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dcp_otel.checkpointer import CARRIER_KEY, PROCESS_ENTRY, WRITE_REQUEST, process_class
-from dcp_otel.daemon import DaemonSession
+from dcp_otel.daemon import CHECKPOINT_PROCESS, DaemonSession
 from dcp_otel.process_async import BOOTSTRAP_ATTR, DaemonBootstrap
 
 #: torch's own entry point, set when it is replaced in this process.
@@ -98,7 +98,7 @@ class RequestPipe:
 
     def start_tracing(self) -> None:
         """Set up tracing (after the user's init function); a failure is counted and changes nothing."""
-        self._session = DaemonSession.start(self._bootstrap)
+        self._session = DaemonSession.start(self._bootstrap, CHECKPOINT_PROCESS)
 
     def close_tracing(self) -> None:
         """The entry point returned: flush the last spans and undo the set-up."""

@@ -89,6 +89,21 @@ class InstrumentOptions:
             ``$DCP_OTEL_METRICS``, else Prometheus, plus OpenTelemetry when
             ``meter_provider`` is given or ``$OTEL_METRICS_EXPORTER`` names an
             exporter (see :func:`default_metric_sinks`).
+        stall_after_s: seconds an open DCP call may go without progress (no step
+            starting or ending) before the watchdog reports it stalled: a
+            ``dcp.stall`` span with the stuck thread's stack, ``dcp_stalls_total``
+            and a warning, again at twice the time, four times, ... while it
+            lasts. ``None`` (the default, ``$DCP_OTEL_STALL_AFTER_S=auto``):
+            from the operation's own history, 3 times the slowest of its last 20
+            successful runs in this process, at least 60 s; 300 s before it has
+            any. ``0`` (``off``): no stall reports (the live progress gauge
+            stays). See :mod:`dcp_otel.live.watchdog`.
+        signals: on SIGTERM or SIGINT (where the disposition is still the
+            default: a handler the application installed stays in charge), end
+            every open DCP call as failed, build and flush its spans within
+            ``flush_timeout_s``, then let the signal act as it would have. ``False``
+            (``$DCP_OTEL_SIGNALS=off``): nothing is installed. See
+            :mod:`dcp_otel.live.signals`.
     """
 
     tracer_provider: TracerProvider | None = None
@@ -104,6 +119,8 @@ class InstrumentOptions:
     max_queued_operations: int = 4096
     meter_provider: MeterProvider | None = None
     metrics: tuple[str, ...] = (semconv.SINK_PROMETHEUS,)
+    stall_after_s: float | None = None
+    signals: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", metric_sinks(self.metrics))
@@ -128,6 +145,14 @@ class InstrumentOptions:
         _check_int("max_queued_operations", self.max_queued_operations, 1, 10_000_000)
         if self.process_setup is not None:
             resolve_callable(self.process_setup)  # a typo fails here, not in the daemon
+        if self.stall_after_s is not None and (
+            isinstance(self.stall_after_s, bool) or not isinstance(self.stall_after_s, (int, float))
+            or not 0 <= self.stall_after_s <= MAX_STALL_AFTER_S
+        ):
+            raise ValueError(f"stall_after_s must be None (auto) or seconds from 0 (off) to {MAX_STALL_AFTER_S:g}, "
+                             f"got {self.stall_after_s!r}")  # fmt: skip
+        if not isinstance(self.signals, bool):
+            raise ValueError(f"signals must be True or False, got {self.signals!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> InstrumentOptions:
@@ -155,6 +180,12 @@ class InstrumentOptions:
             else:
                 logger.warning("ignoring %s=%r: expected one of %s", semconv.ENV_DETAIL, env, list(DETAIL_MODES))
         values["metrics"] = metric_sinks_from_env(values.get("metrics"), values.get("meter_provider"))
+        if "stall_after_s" not in values:
+            values["stall_after_s"] = stall_after_from_env()
+        if "signals" not in values:
+            # Not in torchrun itself or the helpers a rank spawns (which inherit its environment):
+            # the checkpoint processes ask for it explicitly (dcp_otel.daemon).
+            values["signals"] = switch_from_env(semconv.ENV_SIGNALS, True) and is_rank_process()
         for name, env_name, low, high in _INT_ENV:
             if name == "metrics_port" and not is_rank_process():
                 # The checkpoint daemon, a DataLoader worker or torchrun itself
@@ -199,6 +230,44 @@ def is_rank_process() -> bool:
     if len(argv) > 1 and os.path.basename(argv[1]) in _LAUNCHER_SCRIPTS:
         return False
     return not (len(argv) > 2 and argv[1] == "-m" and argv[2] in _LAUNCHER_MODULES)
+
+
+#: The longest stall threshold accepted: a week.
+MAX_STALL_AFTER_S = 7 * 24 * 3600.0
+_OFF = frozenset({"off", "false", "0", "no"})
+_ON = frozenset({"on", "true", "1", "yes"})
+
+
+def stall_after_from_env() -> float | None:
+    """``$DCP_OTEL_STALL_AFTER_S``: seconds (``0`` or ``off``: no stall reports), else ``None`` (auto).
+
+    A bad value warns and means auto.
+    """
+    raw = os.environ.get(semconv.ENV_STALL_AFTER_S, "").strip().lower()
+    if not raw or raw == "auto":
+        return None
+    if raw in _OFF:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_STALL_AFTER_S:  # (NaN too)
+        logger.warning("ignoring %s=%r: expected auto, off, or seconds from 0 to %g; using auto",
+                       semconv.ENV_STALL_AFTER_S, raw, MAX_STALL_AFTER_S)  # fmt: skip
+        return None
+    return value
+
+
+def switch_from_env(env_name: str, default: bool) -> bool:
+    """An on/off environment variable (``on``/``off``, ``true``/``false``, ``1``/``0``); a bad value warns."""
+    raw = os.environ.get(env_name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _ON or raw in _OFF:
+        return raw in _ON
+    logger.warning("ignoring %s=%r: expected on or off", env_name, raw)
+    return default
 
 
 def resolve_callable(spec: str) -> Callable[..., Any]:

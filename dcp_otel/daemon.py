@@ -52,6 +52,9 @@ from dcp_otel.process_async import BOOTSTRAP_ATTR, CARRIER_ATTR, DAEMON_ENTRY, D
 
 #: torch's own daemon entry point, set when it is replaced in this process.
 TORCH_ENTRY: Callable[..., None] | None = None
+#: What the processes are called in stall reports and the progress their ranks show.
+ASYNC_SAVE_PROCESS = "async save process"
+CHECKPOINT_PROCESS = "checkpoint process"
 _OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
 
@@ -59,7 +62,7 @@ def daemon_main(pg_init_info: Any, parent_conn: Any) -> None:
     """The daemon's entry point: set up tracing, then run torch's."""
     entry = _torch_entry()
     bootstrap = getattr(pg_init_info, BOOTSTRAP_ATTR, None)
-    session = DaemonSession.start(bootstrap) if isinstance(bootstrap, DaemonBootstrap) else None
+    session = DaemonSession.start(bootstrap, ASYNC_SAVE_PROCESS) if isinstance(bootstrap, DaemonBootstrap) else None
     if session is not None:
         session.wrap_saves()
     try:
@@ -89,8 +92,10 @@ class DaemonSession:
     each request from the rank runs between :meth:`begin` and :meth:`end`.
     """
 
-    def __init__(self, bootstrap: DaemonBootstrap, provider: trace.TracerProvider, owned: bool) -> None:
+    def __init__(self, bootstrap: DaemonBootstrap, provider: trace.TracerProvider, owned: bool,
+                 name: str = ASYNC_SAVE_PROCESS) -> None:  # fmt: skip
         self._bootstrap = bootstrap
+        self._name = name
         self._provider = provider
         self._owned = owned
         self._relay = MetricsRelay(bootstrap.relay)
@@ -99,11 +104,11 @@ class DaemonSession:
         self._flusher = BackgroundFlush(self._flush)
 
     @classmethod
-    def start(cls, bootstrap: DaemonBootstrap) -> DaemonSession | None:
-        """Set up tracing in this daemon; ``None`` (counted) if that fails."""
+    def start(cls, bootstrap: DaemonBootstrap, name: str = ASYNC_SAVE_PROCESS) -> DaemonSession | None:
+        """Set up tracing in this process (``name``: what it is, in stall reports); ``None`` (counted) if that fails."""
         try:
             provider, owned = _daemon_provider(bootstrap)
-            session = cls(bootstrap, provider, owned)
+            session = cls(bootstrap, provider, owned, name)
             session._install()
             return session
         except Exception:  # noqa: BLE001 - the checkpoint goes on untraced
@@ -123,7 +128,11 @@ class DaemonSession:
             flush_timeout_s=b.flush_timeout_s,
             detail=b.detail,
             span_budget=b.span_budget,
+            stall_after_s=b.stall_after_s,
+            # Its rank ends it with SIGTERM (torchrun's too reaches the whole process group).
+            signals=b.signals,
             _metrics_sink=self._relay,
+            _process_name=self._name,
         )
 
     def wrap_saves(self) -> None:

@@ -278,6 +278,31 @@ class DeadProcessReaper:
         return []
 
 
+class OpenOnly:
+    """The node's files as ``MultiProcessCollector`` reads them, less the in-progress series of calls that ended.
+
+    prometheus_client cannot remove a series from the shared files, so a rank
+    sets a finished operation's in-progress gauges to 0
+    (:meth:`dcp_otel.metrics.CheckpointMetrics.publish_progress`); here they are
+    left out, so a series is there exactly while its call is open, as when a
+    rank is scraped on its own.
+    """
+
+    _LIVE = frozenset(spec.prometheus for spec in semconv.LIVE_METRICS)
+
+    def __init__(self, collector: Any) -> None:
+        self._collector = collector
+
+    def describe(self) -> list[object]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        for family in self._collector.collect():
+            if family.name in self._LIVE:
+                family.samples = [sample for sample in family.samples if sample.value != 0]
+            yield family
+
+
 def start_metrics_server(
     port: int | None = None,
     addr: str | None = None,
@@ -318,7 +343,8 @@ def start_metrics_server(
             return None  # local rank 0 serves this node
         target = CollectorRegistry()
         target.register(DeadProcessReaper(shared))  # type: ignore[arg-type]  # first: before the files are read
-        multiprocess.MultiProcessCollector(target, path=shared)  # type: ignore[no-untyped-call]  # raises if missing
+        # (MultiProcessCollector raises if the folder is missing)
+        target.register(OpenOnly(multiprocess.MultiProcessCollector(None, path=shared)))  # type: ignore[no-untyped-call]
         wanted = metrics_port(port, per_rank=False)
     else:
         target = registry if registry is not None else REGISTRY

@@ -60,6 +60,10 @@ class BoundedFlush:
             report("flush_error", "dcp_otel: the %s provider failed to flush", self._what, exc_info=True)
             self._outcome.append(False)
 
+    def running(self) -> bool:
+        """Whether the flush is still under way."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> bool | None:
         """True/False: the flush's answer; ``None``: still running at the deadline (the exporter is stuck)."""
         if self._thread is None:
@@ -87,9 +91,15 @@ def flush_all(
     otel_metrics: OTelCheckpointMetrics | None,
     timeout_s: float,
     provider: trace.TracerProvider | None = None,
+    *,
+    wait_for_uploads: bool = True,
 ) -> bool:
-    """:func:`flush_spans`, and the meter provider of ``otel_metrics`` flushed alongside, within one deadline."""
-    return _flush(recorder, otel_metrics, timeout_s, provider)[0]
+    """:func:`flush_spans`, and the meter provider of ``otel_metrics`` flushed alongside, within one deadline.
+
+    ``wait_for_uploads=False``: only what has finished (built first), without
+    waiting for async uploads still running.
+    """
+    return _flush(recorder, otel_metrics, timeout_s, provider, wait_for_uploads)[0]
 
 
 def _flush(
@@ -97,10 +107,15 @@ def _flush(
     otel_metrics: OTelCheckpointMetrics | None,
     timeout_s: float,
     provider: trace.TracerProvider | None = None,
+    wait_for_uploads: bool = True,
 ) -> tuple[bool, list[object]]:
     """The outcome, and the providers that did not flush everything (stuck, failed, or left no time)."""
     deadline = time.monotonic() + timeout_s
-    uploads_done = recorder.wait_for_uploads(timeout_s) if recorder is not None else True
+    if recorder is not None and not wait_for_uploads:
+        recorder.drain(timeout_s)
+        uploads_done = True
+    else:
+        uploads_done = recorder.wait_for_uploads(timeout_s) if recorder is not None else True
     if provider is None:
         provider = recorder.provider() if recorder is not None else trace.get_tracer_provider()
     flushes = [BoundedFlush(provider, "span", deadline)]
@@ -113,19 +128,31 @@ def _flush(
 
 
 class ExitFlush:
-    """The ``atexit`` hook of one instrumentation; a no-op in forked children."""
+    """The ``atexit`` hook of one instrumentation; a no-op in forked children.
 
-    def __init__(self, recorder: SpanRecorder, timeout_s: float, otel_metrics: OTelCheckpointMetrics | None = None) -> None:
+    Calls still open at exit (after waiting, within half the timeout, for the
+    async uploads to end) are ended by ``end_open`` ("interrupted at exit")
+    before the flush.
+    """
+
+    def __init__(self, recorder: SpanRecorder, timeout_s: float, otel_metrics: OTelCheckpointMetrics | None = None,
+                 end_open: Callable[[], object] | None = None) -> None:  # fmt: skip
         self._recorder = recorder
         self._timeout_s = timeout_s
         self._otel_metrics = otel_metrics
+        self._end_open = end_open
         self._pid = os.getpid()
 
     def __call__(self) -> None:
         # A forked child inherits atexit hooks, but the spans are the parent's.
         if os.getpid() != self._pid or self._timeout_s <= 0:
             return
-        _, failed = _flush(self._recorder, self._otel_metrics, self._timeout_s)
+        deadline = time.monotonic() + self._timeout_s
+        if self._end_open is not None and self._recorder.open_calls():
+            self._recorder.uploads.wait(self._timeout_s / 2)
+            if self._recorder.open_calls():
+                self._end_open()
+        _, failed = _flush(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()))
         for provider in failed:
             # This exporter is stuck or failing. The SDK's own exit hook would now shut the provider down and
             # wait for that exporter again (30 s per batch processor or metric reader, plus the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
@@ -26,8 +26,14 @@ from dcp_otel import semconv
 from dcp_otel.config import InstrumentOptions, differing_options
 from dcp_otel.export_queue import QueueFullWatch
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.flushing import ExitFlush
-from dcp_otel.metrics import CheckpointMetrics, FanOut, MetricsSink
+from dcp_otel.flushing import ExitFlush, flush_all
+from dcp_otel.live.ending import Ending
+from dcp_otel.live.progress import LiveState, StallPolicy
+from dcp_otel.live.signals import SignalGuard
+from dcp_otel.live.stalls import StallReporter
+from dcp_otel.live.watchdog import Watchdog
+from dcp_otel.metrics import CheckpointMetrics, FanOut, LiveEntry, MetricsSink
+from dcp_otel.metrics_relay import MetricsRelay
 from dcp_otel.otel_metrics import OTelCheckpointMetrics
 from dcp_otel.package import _instruments
 from dcp_otel.torch_hooks import Installed, install
@@ -57,6 +63,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     _exit_flush: ExitFlush | None = None
     _queue_watch: QueueFullWatch | None = None
     _drain: DrainOnCollect | None = None
+    _watchdog: Watchdog | None = None
+    _signals: SignalGuard | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -81,8 +89,9 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
-        # Internal: the async save daemon relays its metrics to its rank instead.
-        relay: MetricsSink | None = kwargs.pop("_metrics_sink", None)
+        # Internal: the async save daemon relays its metrics to its rank instead, and says what it is.
+        relay: MetricsRelay | None = kwargs.pop("_metrics_sink", None)
+        process_name: str | None = kwargs.pop("_process_name", None)
         options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
         registry = options.registry if options.registry is not None else REGISTRY
         metrics = otel = drain = None
@@ -117,8 +126,42 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         # The async save daemon's metrics go to this rank's sinks (never back into a relay).
         self._installed = install(self._recorder, options, sink if relay is None else None)
         self._queue_watch = QueueFullWatch()
-        self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s, otel)
+        ending = self._watch(options, sink, metrics, otel, relay, process_name)
+        self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s, otel,
+                                     end_open=lambda: ending.end_open_calls(semconv.INTERRUPTED_AT_EXIT))  # fmt: skip
         atexit.register(self._exit_flush)
+
+    def _watch(self, options: InstrumentOptions, sink: MetricsSink | None, metrics: CheckpointMetrics | None,
+               otel: OTelCheckpointMetrics | None, relay: MetricsRelay | None, process_name: str | None) -> Ending:  # fmt: skip
+        """What is open now: the live progress metrics, the stall watchdog, the signal handlers."""
+        recorder, bridge = self._recorder, self._installed.bridge if self._installed is not None else None
+        assert recorder is not None
+        live = LiveState(recorder, StallPolicy(options.stall_after_s, recorder.builder.history),
+                         bridge.remote_progress if bridge is not None and relay is None else None)  # fmt: skip
+        for side in (metrics, otel):
+            if side is not None:
+                side.live = live.entries
+        timeout = float(options.flush_timeout_s)
+        ending = Ending(recorder, live, otel, timeout, relay.send if relay is not None else None)
+        if options.signals:
+            self._signals = SignalGuard(ending, lambda: flush_all(recorder, otel, timeout, wait_for_uploads=False))
+            self._signals.install()
+        publish: list[Callable[[list[LiveEntry]], None]] = []
+        if metrics is not None and metrics.multiprocess:
+            publish.append(metrics.publish_progress)
+        if relay is not None:  # a checkpoint process: its rank shows (and alerts on) where it is
+            where = process_name or "checkpoint process"
+
+            def relay_progress(entries: list[LiveEntry]) -> None:
+                relay.progress(where, entries)
+                relay.send()
+
+            publish.append(relay_progress)
+        reporter = StallReporter(recorder, sink, process_name, relay.send if relay is not None else None, timeout)
+        self._watchdog = Watchdog(live, reporter, signals=self._signals, publish=publish,
+                                  before=bridge.drain if bridge is not None and relay is None else None)  # fmt: skip
+        recorder.watch = self._watchdog.ensure_running
+        return ending
 
     def _uninstrument(self, **kwargs: Any) -> None:
         if self._recorder is not None:
@@ -127,6 +170,15 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             self._recorder.drain(float(self._recorder.options.flush_timeout_s))
         if self._exit_flush is not None:
             atexit.unregister(self._exit_flush)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._signals is not None:
+            self._signals.remove()
+            if self._watchdog is None or not self._watchdog.running:  # (its thread reads the socket)
+                self._signals.close()
+        for side in (self._metrics, self._otel_metrics):
+            if side is not None:
+                side.live = None
         if self._installed is not None:
             self._installed.remove()
         if self._queue_watch is not None:
@@ -149,6 +201,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         self._exit_flush = None
         self._queue_watch = None
         self._drain = None
+        self._watchdog = None
+        self._signals = None
 
     @property
     def recorder(self) -> SpanRecorder | None:
@@ -164,6 +218,16 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     def otel_metrics(self) -> OTelCheckpointMetrics | None:
         """The OpenTelemetry side of the checkpoint metrics (``None`` when it is off or not instrumented)."""
         return self._otel_metrics
+
+    @property
+    def watchdog(self) -> Watchdog | None:
+        """The stall watchdog (``None`` when not instrumented); its thread starts with the first operation."""
+        return self._watchdog
+
+    @property
+    def signals(self) -> SignalGuard | None:
+        """The SIGTERM/SIGINT guard (``None`` when signals are off or not instrumented)."""
+        return self._signals
 
     @property
     def metrics_endpoint(self) -> MetricsEndpoint | None:

@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterator
 from typing import Any, Final, Protocol
 
 from opentelemetry import trace
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.core import GaugeMetricFamily
 
 from dcp_otel import _selftelemetry, semconv
 
 Exemplar = dict[str, str]
+#: One open operation as the in-progress metrics show it: (operation, step, rank, Unix seconds it last
+#: made progress, its stall threshold in seconds or ``None`` when stall reports are off).
+LiveEntry = tuple[str, str, str, float, float | None]
 #: Step and operation label values are DCP function names (bounded by torch's
 #: code); anything else is folded into "other" so no label takes free text.
 _NAME = re.compile(r"^_?[a-z][a-z_]{0,47}$")
@@ -113,6 +118,13 @@ class MetricsSink(Protocol):
 
     def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None: ...
 
+    def stalled(self, operation: str, step: str, rank: str) -> None: ...
+
+
+def multiprocess_mode() -> bool:
+    """Whether prometheus_client records into ``$PROMETHEUS_MULTIPROC_DIR``'s files (decided when it was imported)."""
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
+
 
 class CheckpointMetrics:
     """The checkpoint metrics of one instrumentation, registered in ``registry``.
@@ -139,6 +151,20 @@ class CheckpointMetrics:
             self.collective_wait: Histogram = new(semconv.COLLECTIVE_WAIT)
             self.last_success: Gauge = new(semconv.LAST_SUCCESS)
             self.telemetry_problems: Counter = new(semconv.TELEMETRY_PROBLEMS)
+            self.stalls: Counter = new(semconv.STALLS)
+            #: What is open now; set by the instrumentor (read at every collection).
+            self.live: Callable[[], list[LiveEntry]] | None = None
+            # In multiprocess mode only the files are served: the watchdog publishes into gauges
+            # (publish_progress); otherwise a collection reads the open calls itself.
+            self.multiprocess = multiprocess_mode()
+            self._published: dict[tuple[Gauge, tuple[str, ...]], float] = {}
+            if self.multiprocess:
+                self.in_progress: Gauge = new(semconv.IN_PROGRESS)
+                self.stall_threshold: Gauge = new(semconv.STALL_THRESHOLD)
+            else:
+                collector = LiveCollector(self)
+                self.registry.register(collector)
+                self._collectors.append(collector)  # type: ignore[arg-type]
         except ValueError:
             self.unregister()
             raise
@@ -212,6 +238,63 @@ class CheckpointMetrics:
         self.async_in_flight.labels(rank).dec()
         self.async_phase_done(semconv.PHASE_UPLOAD, rank, duration_s, exemplar)
 
+    def stalled(self, operation: str, step: str, rank: str) -> None:
+        self.stalls.labels(bounded_name(operation), bounded_step(step), rank).inc()
+
+    def publish_progress(self, entries: list[LiveEntry]) -> None:
+        """Multiprocess mode: set the in-progress gauges to ``entries``; those no longer open go to 0.
+
+        prometheus_client cannot remove a series from the shared files, so a
+        finished one reads 0 there, and the node's endpoint leaves it out
+        (:func:`dcp_otel.exposition.start_metrics_server`); rules select ``> 0``.
+        """
+        if not self.multiprocess:
+            return
+        wanted: dict[tuple[Gauge, tuple[str, ...]], float] = {}
+        for operation, step, rank, since_s, threshold_s in entries:
+            operation = bounded_name(operation)
+            wanted[(self.in_progress, (operation, bounded_step(step), rank))] = since_s
+            if threshold_s is not None:
+                wanted[(self.stall_threshold, (operation, rank))] = threshold_s
+        for (gauge, labels), value in wanted.items():
+            if self._published.get((gauge, labels)) != value:
+                gauge.labels(*labels).set(value)
+        for gauge, labels in set(self._published) - set(wanted):
+            gauge.labels(*labels).set(0)
+        self._published = wanted
+
+
+def bounded_step(step: str) -> str:
+    """A step label: a DCP function name, or ``"-"`` between steps."""
+    return step if step == semconv.STEP_NONE else bounded_name(step)
+
+
+class LiveCollector:
+    """The in-progress gauges of one :class:`CheckpointMetrics`, read from the open calls at each collection."""
+
+    def __init__(self, metrics: CheckpointMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[object]:
+        return []  # nothing to check for duplicates: our names are registered by no one else
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        live = self._metrics.live
+        entries = live() if live is not None else []
+        progress = GaugeMetricFamily(semconv.IN_PROGRESS.prometheus, semconv.IN_PROGRESS.description,
+                                     labels=list(semconv.IN_PROGRESS.labels))  # fmt: skip
+        threshold = GaugeMetricFamily(semconv.STALL_THRESHOLD.prometheus, semconv.STALL_THRESHOLD.description,
+                                      labels=list(semconv.STALL_THRESHOLD.labels))  # fmt: skip
+        thresholds: dict[tuple[str, str], float] = {}
+        for operation, step, rank, since_s, threshold_s in entries:
+            progress.add_metric([bounded_name(operation), bounded_step(step), rank], since_s)
+            if threshold_s is not None:
+                thresholds[(bounded_name(operation), rank)] = threshold_s
+        for labels, value in thresholds.items():
+            threshold.add_metric(list(labels), value)
+        yield progress
+        yield threshold
+
 
 class ForwardingSink:
     """A ``MetricsSink`` that hands every fact, by method name, to :meth:`_forward`.
@@ -253,6 +336,9 @@ class ForwardingSink:
 
     def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
         self._forward("async_upload_done", rank, duration_s, exemplar)
+
+    def stalled(self, operation: str, step: str, rank: str) -> None:
+        self._forward("stalled", operation, step, rank)
 
 
 class FanOut(ForwardingSink):

@@ -26,16 +26,20 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_otel._selftelemetry import report
-from dcp_otel.metrics import ForwardingSink, MetricsSink
+from dcp_otel.metrics import ForwardingSink, LiveEntry, MetricsSink
 
 #: The observations a daemon can make (the operation itself belongs to the rank).
 RELAYED = frozenset(
-    {"operation_done", "step_done", "bytes_written", "bytes_read", "async_handed_off", "async_phase_done", "async_upload_done"}
-)
+    {"operation_done", "step_done", "bytes_written", "bytes_read", "async_handed_off", "async_phase_done", "async_upload_done",
+     "stalled"}
+)  # fmt: skip
+#: Not a metric: where the daemon's open operations are now (its live progress), replacing the last one sent.
+PROGRESS = "progress"
 #: Below POSIX PIPE_BUF (4096 on Linux) with room for the connection's 4-byte header.
 MAX_MESSAGE_BYTES = 3800
 #: Observations waiting to be sent; past it the oldest ones are dropped and counted.
@@ -60,6 +64,10 @@ class MetricsRelay(ForwardingSink):
                 self._queue.pop(0)
                 report("relay_dropped", "dropped a checkpoint metric of the async save process: too many queued")
             self._queue.append([name, *args])
+
+    def progress(self, where: str, entries: list[LiveEntry]) -> None:
+        """Queue where this process's open operations are now (``[]``: none); :meth:`send` ships it."""
+        self._forward(PROGRESS, where, [list(entry) for entry in entries])
 
     def send(self) -> None:
         """Ship everything queued to the rank; never blocks, never raises."""
@@ -97,8 +105,13 @@ def _pack(observations: list[list[Any]]) -> list[bytes]:
     return messages
 
 
-def drain(reader: Connection, metrics: MetricsSink) -> int:
-    """Apply the daemon's queued observations to ``metrics``; return how many. Never raises."""
+def drain(reader: Connection, metrics: MetricsSink | None,
+          on_progress: Callable[[str, list[LiveEntry]], None] | None = None) -> int:  # fmt: skip
+    """Apply the daemon's queued observations to ``metrics`` (its progress to ``on_progress``); return how many.
+
+    Never raises. At the end of the pipe (the daemon exited), its progress is
+    ``[]``: nothing of it is open any more.
+    """
     applied = 0
     try:
         for _ in range(MAX_DRAINED):
@@ -106,13 +119,20 @@ def drain(reader: Connection, metrics: MetricsSink) -> int:
                 break
             for observation in json.loads(reader.recv_bytes()):
                 name = observation[0] if isinstance(observation, list) and observation else None
+                if name == PROGRESS:
+                    if on_progress is not None and len(observation) == 3:
+                        on_progress(str(observation[1]), [tuple(e) for e in observation[2] if len(e) == 5])
+                    continue
+                if metrics is None:
+                    continue
                 if name not in RELAYED:
                     report("relay_dropped", "dropped an unknown metric from the async save process: %r", name)
                     continue
                 getattr(metrics, name)(*observation[1:])
                 applied += 1
-    except (EOFError, OSError):  # the daemon exited: nothing more will come
-        pass
+    except (EOFError, OSError):  # the daemon exited: nothing more will come, nothing of it is open
+        if on_progress is not None:
+            on_progress("", [])
     except Exception:  # noqa: BLE001 - a garbled message must not break the save's caller
         report("metrics_error", "dcp_otel failed to apply metrics from the async save process", exc_info=True)
     return applied

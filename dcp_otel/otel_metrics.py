@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics as otel_metrics
@@ -39,7 +39,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observa
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from dcp_otel import _selftelemetry, semconv
-from dcp_otel.metrics import Exemplar, bounded_name, process_rank
+from dcp_otel.metrics import Exemplar, LiveEntry, bounded_name, bounded_step, process_rank
 from dcp_otel.version import __version__
 
 if TYPE_CHECKING:
@@ -63,6 +63,8 @@ def create_instrument(m: Meter, spec: semconv.MetricSpec) -> Any:
         return m.create_counter(spec.otel, spec.unit, spec.description)
     if spec.kind == semconv.KIND_UPDOWN:
         return m.create_up_down_counter(spec.otel, spec.unit, spec.description)
+    if spec.kind == semconv.KIND_OBSERVED:
+        return m.create_observable_gauge(spec.otel, [_OBSERVERS[spec.otel]], spec.unit, spec.description)
     return m.create_gauge(spec.otel, spec.unit, spec.description)
 
 
@@ -113,8 +115,13 @@ class OTelCheckpointMetrics:
         self.collective_wait = create_instrument(m, semconv.COLLECTIVE_WAIT)
         self.last_success = create_instrument(m, semconv.LAST_SUCCESS)
         self.telemetry_problems = create_instrument(m, semconv.TELEMETRY_PROBLEMS)
+        self.stalls = create_instrument(m, semconv.STALLS)
+        for spec in semconv.LIVE_METRICS:  # observed at each collection, through _ACTIVE (see below)
+            create_instrument(m, spec)
         #: Set by the instrumentor: collections wait (bounded) for what it has queued.
         self.builder: SpanBuilder | None = None
+        #: Set by the instrumentor: what is open now (observed at each collection).
+        self.live: Callable[[], list[LiveEntry]] | None = None
         # The SDK keeps the first registration of a name in a meter and ignores the callbacks of
         # later ones (a second instrument() with the same provider), and the API cannot
         # unregister: so one module-level callback serves every active sink.
@@ -198,9 +205,44 @@ class OTelCheckpointMetrics:
         self.async_in_flight.add(-1, {semconv.LABEL_RANK: rank})
         self.async_phase_done(semconv.PHASE_UPLOAD, rank, duration_s, exemplar)
 
+    def stalled(self, operation: str, step: str, rank: str) -> None:
+        self.stalls.add(1, {semconv.LABEL_OPERATION: bounded_name(operation), semconv.LABEL_STEP: bounded_step(step),
+                            semconv.LABEL_RANK: rank})  # fmt: skip
+
 
 #: The sinks of the instrumentations in force (one, unless several providers were used in turn).
 _ACTIVE: weakref.WeakSet[OTelCheckpointMetrics] = weakref.WeakSet()
+
+
+def _live_entries() -> Iterator[LiveEntry]:
+    for sink in list(_ACTIVE):
+        live = sink.live
+        if live is None:
+            continue
+        try:
+            yield from live()
+        except Exception:  # noqa: BLE001 - a collection must go on
+            _selftelemetry.report("metrics_error", "dcp_otel failed to observe the open DCP calls", exc_info=True)
+
+
+def _observe_in_progress(options: CallbackOptions) -> Iterable[Observation]:
+    """dcp.in_progress_since_timestamp: one point per open operation, gone once it ends."""
+    return [Observation(since_s, {semconv.LABEL_OPERATION: bounded_name(operation),
+                                  semconv.LABEL_STEP: bounded_step(step), semconv.LABEL_RANK: rank})
+            for operation, step, rank, since_s, _ in _live_entries()]  # fmt: skip
+
+
+def _observe_threshold(options: CallbackOptions) -> Iterable[Observation]:
+    """dcp.stall_threshold of each open operation (stall reports on)."""
+    found = {(bounded_name(operation), rank): threshold_s
+             for operation, _, rank, _, threshold_s in _live_entries() if threshold_s is not None}  # fmt: skip
+    return [Observation(value, {semconv.LABEL_OPERATION: operation, semconv.LABEL_RANK: rank})
+            for (operation, rank), value in found.items()]  # fmt: skip
+
+
+#: The callbacks of the observable instruments, by OTel name: module-level, as the collection barrier
+#: (the SDK keeps the callbacks of an instrument's first registration in a meter only).
+_OBSERVERS = {semconv.IN_PROGRESS.otel: _observe_in_progress, semconv.STALL_THRESHOLD.otel: _observe_threshold}
 
 
 def _collection_barrier(options: CallbackOptions) -> Iterable[Observation]:

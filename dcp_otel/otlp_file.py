@@ -117,6 +117,7 @@ class FileSpan:
     attributes: dict[str, Any] = field(default_factory=dict)
     resource: dict[str, Any] = field(default_factory=dict)
     exception: str | None = None  # the message of its first ``exception`` event: the failure in full
+    stacktrace: str | None = None  # that event's stack trace (of an interrupted call: where its thread was)
 
     @property
     def duration_s(self) -> float:
@@ -148,10 +149,16 @@ def spans_of(request: ExportTraceServiceRequest) -> Iterable[FileSpan]:
                     status_message=span.status.message,
                     attributes={kv.key: _value(kv.value) for kv in span.attributes},
                     resource=resource,
-                    exception=_exception_text(next(
+                    **_exception_fields(next(
                         ({kv.key: _value(kv.value) for kv in event.attributes} for event in span.events
                          if event.name == "exception"), None)),  # fmt: skip
                 )
+
+
+def _exception_fields(attributes: dict[str, Any] | None) -> dict[str, str | None]:
+    """A :class:`FileSpan`'s ``exception`` and ``stacktrace``, from its ``exception`` event's attributes."""
+    stacktrace = attributes.get("exception.stacktrace") if attributes else None
+    return {"exception": _exception_text(attributes), "stacktrace": stacktrace if isinstance(stacktrace, str) else None}
 
 
 def _exception_text(attributes: dict[str, Any] | None) -> str | None:
@@ -239,7 +246,7 @@ def spans_of_json(document: object) -> Iterable[FileSpan]:
                 status = span.get("status", {})
                 if not isinstance(status, dict):
                     raise ValueError("status must be an object")
-                exception = _exception_text(next(
+                exception = _exception_fields(next(
                     (_json_attributes(_list(event, "attributes")) for event in _list(span, "events")
                      if isinstance(event, dict) and event.get("name") == "exception"), None))  # fmt: skip
                 yield FileSpan(
@@ -253,7 +260,7 @@ def spans_of_json(document: object) -> Iterable[FileSpan]:
                     status_message=str(status.get("message", "")),
                     attributes=_json_attributes(_list(span, "attributes")),
                     resource=resource,
-                    exception=exception,
+                    **exception,
                 )
 
 

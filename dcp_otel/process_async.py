@@ -44,7 +44,8 @@ from typing import Any
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
-from dcp_otel.metrics import MetricsSink
+from dcp_otel.live.progress import RemoteProgress
+from dcp_otel.metrics import LiveEntry, MetricsSink
 from dcp_otel.metrics_relay import drain
 from dcp_otel.tracing.tracker import SpanRecorder
 
@@ -70,6 +71,9 @@ class DaemonBootstrap:
     span_budget: int = 2000
     resource: dict[str, Any] = field(default_factory=dict)
     relay: Connection | None = None
+    stall_after_s: float | None = None
+    #: End open calls on SIGTERM/SIGINT in the daemon too (its rank ends it with SIGTERM).
+    signals: bool = True
 
 
 class ProcessBridge:
@@ -83,12 +87,14 @@ class ProcessBridge:
         #: Pipes of bootstraps no daemon has been started with yet, by id of their write end.
         self._pending: dict[int, tuple[Connection, Connection]] = {}
         self._readers: list[Connection] = []  # of daemons that started
+        #: What each daemon last said of its open operations (by id of its pipe), for the live progress.
+        self._remote: dict[int, tuple[str, list[LiveEntry]]] = {}
         _forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
         # The pipes belong to the parent's daemons; a forked child never reads them.
         self._lock = threading.Lock()
-        self._pending, self._readers = {}, []
+        self._pending, self._readers, self._remote = {}, [], {}
 
     def bootstrap(self) -> DaemonBootstrap:
         """A bootstrap for a new daemon, with a metrics pipe of its own."""
@@ -107,6 +113,8 @@ class ProcessBridge:
             span_budget=options.span_budget,
             resource=dict(getattr(resource, "attributes", None) or {}),
             relay=writer,
+            stall_after_s=options.stall_after_s,
+            signals=options.signals,
         )
 
     # --- wrappers (wrapt signature) -----------------------------------------
@@ -169,11 +177,22 @@ class ProcessBridge:
             self.drain()
 
     def drain(self) -> int:
-        """Apply whatever metrics the daemons have sent so far; return how many."""
+        """Apply whatever metrics the daemons have sent so far (and note their progress); return how many."""
         with self._lock:
-            if self._metrics is None:
-                return 0
-            return sum(drain(reader, self._metrics) for reader in self._readers)
+            return sum(drain(reader, self._metrics, self._progress_of(reader)) for reader in self._readers)
+
+    def _progress_of(self, reader: Connection) -> Callable[[str, list[LiveEntry]], None]:
+        def remember(where: str, entries: list[LiveEntry]) -> None:  # called by drain, under self._lock
+            self._remote[id(reader)] = (where, entries)
+
+        return remember
+
+    def remote_progress(self) -> list[RemoteProgress]:
+        """Where the daemons' open operations are, as each last said (drained by :meth:`drain`)."""
+        with self._lock:
+            held = list(self._remote.values())
+        return [RemoteProgress(str(operation), str(step), str(rank), int(float(since_s) * 1e9), where)
+                for where, entries in held for operation, step, rank, since_s, _ in entries]  # fmt: skip
 
     def close(self) -> None:
         with self._lock:

@@ -33,6 +33,10 @@ SPAN_CHECKPOINT: Final = "dcp.checkpoint"
 SPAN_ASYNC_UPLOAD: Final = "dcp.async_upload"
 #: Async save with an asynchronous stager: until the staging future completes.
 SPAN_ASYNC_STAGING: Final = "dcp.async_staging"
+#: A DCP call that has made no progress for longer than its stall threshold: a zero-length
+#: span under the open step (or under the operation, between steps), emitted by the stall
+#: watchdog while the call is still open and exported at once (see dcp_otel.live.watchdog).
+SPAN_STALL: Final = "dcp.stall"
 
 # --- attribute keys (on every DCP span unless noted) -----------------------
 ATTR_RANK: Final = "dcp.rank"  # int, global rank
@@ -54,6 +58,28 @@ ATTR_END_INFERRED: Final = "dcp.end_inferred"
 #: int[] on a span that failed with torch's ``CheckpointException``: the ranks
 #: whose step raised, as every rank learns them from torch.
 ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
+#: str on a span the process ended because it was terminating while the call was still open:
+#: the signal's name (``SIGTERM``, ``SIGINT``) or INTERRUPTED_AT_EXIT.
+ATTR_INTERRUPTED: Final = "dcp.interrupted"
+INTERRUPTED_AT_EXIT: Final = "exit"
+
+# On a dcp.stall span (it also carries the operation's rank, checkpoint id and classes):
+ATTR_STEP: Final = "dcp.step"  # str: the innermost open step, or STEP_NONE between steps
+ATTR_STALL_SECONDS: Final = "dcp.stall.seconds"  # float: since the call last made progress
+ATTR_STALL_THRESHOLD: Final = "dcp.stall.threshold_seconds"  # float: the threshold it passed
+ATTR_STALL_REPORT: Final = "dcp.stall.report"  # int: 1 for the first report of this stall, then 2, 3, ...
+#: str: the torch.distributed collective the stuck thread is blocked in (``gather_object``, ``barrier``...),
+#: when it is in one: it waits for other ranks; and the DCP method that called it (``_DistWrapper.all_reduce``).
+ATTR_STALL_COLLECTIVE: Final = "dcp.stall.collective"
+ATTR_STALL_COLLECTIVE_CALLER: Final = "dcp.stall.collective.caller"
+#: str: where the stuck work runs when it is not this process's own thread (``async save process``).
+ATTR_STALL_WHERE: Final = "dcp.stall.where"
+#: OpenTelemetry's semantic conventions: the stuck thread's Python stack, its id and name.
+ATTR_CODE_STACKTRACE: Final = "code.stacktrace"
+ATTR_THREAD_ID: Final = "thread.id"
+ATTR_THREAD_NAME: Final = "thread.name"
+#: The step of an operation that is between steps (in DCP's own code or its collectives).
+STEP_NONE: Final = "-"
 
 # ``_stateful_to_state_dict`` logs one call per top-level key; these summarize
 # them on the ``dcp._stateful_to_state_dict`` span instead of one span per key.
@@ -134,6 +160,11 @@ ENV_FLUSH_TIMEOUT_S: Final = "DCP_OTEL_FLUSH_TIMEOUT_S"  # seconds; bounds the f
 ENV_DETAIL: Final = "DCP_OTEL_DETAIL"  # full or auto
 ENV_SPAN_BUDGET: Final = "DCP_OTEL_SPAN_BUDGET"  # step spans one checkpoint may carry across all ranks (auto)
 ENV_MAX_QUEUED_OPERATIONS: Final = "DCP_OTEL_MAX_QUEUED_OPERATIONS"  # finished operations waiting to be built
+#: Seconds without progress after which an open DCP call is reported stalled; "auto" (the default)
+#: derives it from the operation's own history, "off" (or 0) turns stall reports off.
+ENV_STALL_AFTER_S: Final = "DCP_OTEL_STALL_AFTER_S"
+#: "off" leaves SIGTERM and SIGINT alone (default "on": spans survive termination).
+ENV_SIGNALS: Final = "DCP_OTEL_SIGNALS"
 #: A value every rank of one rendezvous round shares (set by dcp-otel-run for its workers).
 ENV_GENERATION: Final = "DCP_OTEL_GENERATION"
 #: Store key under which the ranks of a round (or dcp-otel-run's agents) agree on their generation.
@@ -164,6 +195,7 @@ KIND_HISTOGRAM: Final = "histogram"
 KIND_COUNTER: Final = "counter"
 KIND_UPDOWN: Final = "updowncounter"  # a prometheus_client Gauge moved by inc/dec
 KIND_GAUGE: Final = "gauge"  # a value that is set
+KIND_OBSERVED: Final = "observed"  # a gauge read at collection time (an OTel observable gauge)
 
 
 @dataclass(frozen=True)
@@ -237,10 +269,32 @@ TELEMETRY_PROBLEMS: Final = MetricSpec(
     "dcp_otel_telemetry_problems", "dcp_otel.telemetry_problems", "{problem}", KIND_COUNTER, (LABEL_REASON, LABEL_RANK),
     "Telemetry dcp-otel dropped or failed to record (what dcp_otel.diagnostics() counts).",
 )  # fmt: skip
+#: Where every rank is now, read from its open DCP calls when metrics are collected (an observable
+#: gauge; in multiprocess mode, published by the watchdog every tick): gone once the call ends.
+IN_PROGRESS: Final = MetricSpec(
+    "dcp_in_progress_since_timestamp_seconds", "dcp.in_progress_since_timestamp", "s", KIND_OBSERVED,
+    (LABEL_OPERATION, LABEL_STEP, LABEL_RANK),
+    "Unix time an open operation last made progress: when its innermost open step started (step \"-\": "
+    "between steps, since the last one ended).", multiprocess_mode="livemax",
+)  # fmt: skip
+STALL_THRESHOLD: Final = MetricSpec(
+    "dcp_stall_threshold_seconds", "dcp.stall_threshold", "s", KIND_OBSERVED, (LABEL_OPERATION, LABEL_RANK),
+    "Seconds without progress after which an open operation is reported stalled (present while it is open).",
+    multiprocess_mode="livemax",
+)  # fmt: skip
+STALLS: Final = MetricSpec(
+    "dcp_stalls", "dcp.stalls", "{stall}", KIND_COUNTER, (LABEL_OPERATION, LABEL_STEP, LABEL_RANK),
+    "DCP calls that stayed in one step past their stall threshold (counted once per stall).",
+)  # fmt: skip
+#: What finished operations record (the builder, from each operation's calls).
 CHECKPOINT_METRICS: Final = (
     OPERATION_DURATION, STEP_DURATION, OPERATION_COUNT, WRITTEN_BYTES, READ_BYTES, ASYNC_IN_FLIGHT, ASYNC_PHASE_DURATION,
     COLLECTIVE_WAIT, LAST_SUCCESS, TELEMETRY_PROBLEMS,
 )  # fmt: skip
+#: Read from the open calls when metrics are collected, not recorded: present only while a call is open.
+LIVE_METRICS: Final = (IN_PROGRESS, STALL_THRESHOLD)
+#: What is open now, and what stalled (the stall watchdog's, see dcp_otel.live).
+PROGRESS_METRICS: Final = (*LIVE_METRICS, STALLS)
 
 # --- torchelastic metrics (OTelMetricHandler) --------------------------------
 ELASTIC_DURATION: Final = MetricSpec(
@@ -276,6 +330,9 @@ METRIC_ASYNC_PHASE_DURATION: Final = ASYNC_PHASE_DURATION.prometheus
 METRIC_COLLECTIVE_WAIT: Final = COLLECTIVE_WAIT.prometheus
 METRIC_LAST_SUCCESS: Final = LAST_SUCCESS.prometheus
 METRIC_TELEMETRY_PROBLEMS: Final = TELEMETRY_PROBLEMS.prometheus  # dcp_otel_telemetry_problems_total
+METRIC_IN_PROGRESS: Final = IN_PROGRESS.prometheus
+METRIC_STALL_THRESHOLD: Final = STALL_THRESHOLD.prometheus
+METRIC_STALLS: Final = STALLS.prometheus  # dcp_stalls_total
 METRIC_ELASTIC_DURATION: Final = ELASTIC_DURATION.prometheus
 METRIC_ELASTIC_CALLS: Final = ELASTIC_CALLS.prometheus  # torchelastic_calls_total
 METRIC_ELASTIC_EVENTS: Final = ELASTIC_EVENTS.prometheus  # torchelastic_events_total

@@ -65,3 +65,20 @@ def test_unknown_observations_are_dropped_and_counted() -> None:
     assert drain(reader, CheckpointMetrics(registry)) == 1
     assert registry.get_sample_value("dcp_read_bytes_total", {"rank": "0"}) == 10
     assert dcp_otel.diagnostics()["relay_dropped"] == 1
+
+
+def test_the_daemons_progress_and_stalls_reach_the_rank_and_its_end_clears_the_progress() -> None:
+    reader, writer = pipe()
+    registry = CollectorRegistry()
+    relay = MetricsRelay(writer)
+    relay.progress("async save process", [("async_save", "write_data", "1", 1_790_000_000.5, 300.0)])
+    relay.stalled("async_save", "write_data", "1")
+    relay.send()
+    seen: list[tuple[str, list[tuple]]] = []
+    assert drain(reader, CheckpointMetrics(registry), lambda where, entries: seen.append((where, entries))) == 1
+    assert seen == [("async save process", [("async_save", "write_data", "1", 1_790_000_000.5, 300.0)])]
+    assert registry.get_sample_value("dcp_stalls_total", {"operation": "async_save", "step": "write_data",
+                                                          "rank": "1"}) == 1  # fmt: skip
+    writer.close()  # the daemon is gone: nothing of it is open any more
+    drain(reader, None, lambda where, entries: seen.append((where, entries)))
+    assert seen[-1] == ("", [])

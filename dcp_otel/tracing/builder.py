@@ -50,6 +50,7 @@ from dcp_otel.tracing.records import (
     KIND_STEP,
     MAX_STATUS_TEXT,
     Call,
+    DurationHistory,
     Operation,
 )
 from dcp_otel.unlogged_calls import CheckpointFile, ConsolidatedOutput
@@ -70,6 +71,8 @@ class SpanBuilder:
         self._metrics = metrics
         self._max_queued = max_queued
         self._tracers: dict[int, Any] = {}  # id(tracer) -> (tracer, its chosen-ids twin or None)
+        #: Each operation's recent successful durations: what the stall watchdog's thresholds start from.
+        self.history = DurationHistory()
         self._reset()
         _forksafe.register(self)
 
@@ -167,6 +170,9 @@ class SpanBuilder:
             with self._cond:
                 self._unmeasured -= 1
                 self._cond.notify_all()
+            if calls is op.calls and op.failed is None and op.end_ns:
+                first = op.start_ns or min((c.start_ns for c in calls), default=op.end_ns)
+                self.history.add(op.name, (op.end_ns - first) / 1e9)
             try:
                 self._build(op, calls, late=calls is not op.calls)
             except Exception:  # noqa: BLE001

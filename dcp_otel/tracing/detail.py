@@ -10,6 +10,8 @@ no collective, no message to any other rank.
   bytes and throughput, the time it waited for the others. Step spans come
   only from the ranks worth reading:
 
+  - every rank of an operation the process ended while it was open (a job
+    stopped with SIGTERM): where each rank was is the answer;
   - the coordinator (group rank 0), whose steps include the global plan and
     the metadata;
   - a rank whose own call failed; a ``CheckpointException`` names every failed
@@ -59,6 +61,7 @@ MIN_HISTORY: Final = 3
 REASON_FULL: Final = "full"
 REASON_COORDINATOR: Final = "coordinator"
 REASON_FAILED: Final = "failed"
+REASON_INTERRUPTED: Final = "interrupted"  # the process ended while it was open (SIGTERM, exit)
 REASON_STRAGGLER: Final = "straggler"
 REASON_SLOW: Final = "slow"
 REASON_SAMPLED: Final = "sampled"
@@ -96,6 +99,8 @@ class DetailPolicy:
         history.append(busy_s)
         if self.mode == "full":
             return True, REASON_FULL
+        if op.interrupted is not None:  # where each rank was when the job was stopped: every rank says
+            return True, REASON_INTERRUPTED
         if op.coordinator or (op.adopted and op.rank == 0):  # adopted: continued in the async save process
             return True, REASON_COORDINATOR
         if self._failed_here(op, steps, op_call, len(steps)):

@@ -91,6 +91,9 @@ class OperationStarter:
     ) -> tuple[Operation, context_api.Context]:
         """A DCP call with no enclosing DCP call: this rank's part of a trace, and its parent context."""
         tracer, chosen_ids = self.tracer()
+        watch = self._recorder.watch
+        if watch is not None:
+            watch()
         fields = operation_fields(event.details)
         if fields.global_rank is not None and fields.world_size is not None:
             distributed = True
@@ -209,6 +212,9 @@ class OperationStarter:
             if not parent.is_valid:
                 raise ValueError("no span context in the carrier")
             tracer, _ = self.tracer()
+            watch = self._recorder.watch
+            if watch is not None:
+                watch()
             op = Operation(name, int(rank), tracer, attributes, parent.trace_id, parent.trace_flags, attributes)
             op.adopted = True
             op.exemplar = exemplar_for_context(parent, op.rank_label)

@@ -20,6 +20,7 @@ import heapq
 import random
 import threading
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -43,6 +44,8 @@ MAX_EXCEPTION_TEXT: Final = 4096
 MAX_STACKTRACE_TEXT: Final = 16384
 MAX_FRAMES: Final = 16  # of each side of a multi-rank failure
 MAX_KEY_TEXT: Final = 128
+#: The exception type of a call ended because its process was ending (SIGTERM, exit).
+INTERRUPTED_TYPE: Final = "dcp_otel.Interrupted"
 #: Kinds of calls that are not steps: the spans every rank exports in every detail mode.
 KIND_OPERATION: Final = "operation"
 KIND_STEP: Final = "step"
@@ -115,6 +118,19 @@ class Failure:
             "exception.stacktrace": capped(redact_text(stacktrace), MAX_STACKTRACE_TEXT),
             "exception.escaped": "False",
         }
+
+    @classmethod
+    def interrupted(cls, description: str, stack: str | None) -> Failure:
+        """A call the process ended while it was still open ("terminated by SIGTERM during write_data").
+
+        Its exception event has the stack of the thread that was inside the
+        call as stack trace, where it is known.
+        """
+        failure = cls(None, description)
+        failure.event = {"exception.type": INTERRUPTED_TYPE, "exception.message": capped(redact_text(description))}
+        if stack:
+            failure.event["exception.stacktrace"] = capped(redact_text(stack), MAX_STACKTRACE_TEXT)
+        return failure
 
 
 def capped(text: str, limit: int = MAX_EXCEPTION_TEXT) -> str:
@@ -277,7 +293,7 @@ class Operation:
     __slots__ = (
         "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
-        "wait_s", "lock", "storage", "exemplar", "calls", "gathered", "submitted", "adopted", "span_id",
+        "wait_s", "lock", "storage", "exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
     )  # fmt: skip
 
     def __init__(
@@ -319,6 +335,7 @@ class Operation:
         self.wait_s = 0.0  # of the operation span: not covered by its steps
         self.submitted = False
         self.adopted = False  # continued in the async save process from a carried context
+        self.interrupted: str | None = None  # ended by the process ending (SIGTERM, exit) while open
         self.lock = threading.Lock()
 
     @property
@@ -340,6 +357,29 @@ class Operation:
                 return False
             self.submitted = True
             return True
+
+
+class DurationHistory:
+    """The last durations of each operation's successful runs in this process (the builder adds them).
+
+    Read from any thread (the stall watchdog derives its thresholds from it):
+    each operation's ``deque`` is only appended to.
+    """
+
+    def __init__(self, size: int = 20) -> None:
+        self._size = size
+        self._by_operation: dict[str, deque[float]] = {}
+
+    def add(self, operation: str, duration_s: float) -> None:
+        found = self._by_operation.get(operation)
+        if found is None:
+            found = self._by_operation[operation] = deque(maxlen=self._size)
+        found.append(duration_s)
+
+    def longest(self, operation: str) -> float | None:
+        """The longest of the remembered runs of ``operation`` (``None``: none yet)."""
+        found = self._by_operation.get(operation)
+        return max(tuple(found)) if found else None
 
 
 #: Attributes that say something about the operation as a whole, kept off step spans.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import context as context_api
@@ -47,7 +48,17 @@ from dcp_otel.tracing.light import detach as light_detach
 from dcp_otel.tracing.light import get_current as light_get_current
 from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
-from dcp_otel.tracing.records import KIND_OPERATION, MAX_KEY_TEXT, Call, Failure, KeyStats, Operation, new_span_id
+from dcp_otel.tracing.records import (
+    KIND_OPERATION,
+    KIND_STAGING,
+    KIND_UPLOAD,
+    MAX_KEY_TEXT,
+    Call,
+    Failure,
+    KeyStats,
+    Operation,
+    new_span_id,
+)
 from dcp_otel.tracing.uploads import InFlight
 from dcp_otel.unlogged_calls import CheckpointFile, ConsolidatedOutput
 
@@ -59,6 +70,10 @@ _getrandbits = random.getrandbits
 #: Operations that wait in steps of their own (the checkpointer's barrier, its wait for the previous write).
 _WAITING_IN_STEPS = frozenset({semconv.CHECKPOINTER_SAVE, semconv.CHECKPOINTER_ASYNC_SAVE})
 _WAIT_STEPS = semconv.WAIT_STEPS
+#: Registered thread stacks past which those of ended threads are dropped.
+_PRUNE_STACKS_AT = 64
+#: Interrupted calls whose late end events are still recognized (and dropped).
+_MAX_INTERRUPTED = 4096
 _detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
 
 
@@ -81,16 +96,29 @@ class SpanRecorder:
         # uuid -> open call. Only single dict operations touch it, which are
         # atomic under the GIL: no lock on the per-step path.
         self._open: dict[str, Call] = {}
+        # thread id -> that thread's stack of open calls, registered once per thread (not per call),
+        # so the watchdog can tell which thread is inside a call and read its Python stack.
+        self._stacks: dict[int, list[Call]] = {}
+        # uuids of calls ended because the process was ending: their own end, if it ever comes, is dropped.
+        self._interrupted: dict[str, None] = {}
+        self._stale_tokens: dict[int, object] = {}  # thread id -> the context token its interrupted calls left
+        self._interrupt_lock = threading.RLock()  # a second signal may come while the first is handled
         self._max_open = options.max_open_spans
         self._seq = SequenceCounter()
         self.uploads = InFlight()
         self._hooks = ProviderHooks(self.builder, float(options.flush_timeout_s or 10))
+        #: Called when an operation starts (or is continued here): starts the stall watchdog.
+        self.watch: Callable[[], None] | None = None
         _forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
         """The child forgets the parent's calls in flight (they are the parent's to end)."""
         self._local = threading.local()
         self._open = {}
+        self._stacks = {}
+        self._interrupted = {}
+        self._stale_tokens = {}
+        self._interrupt_lock = threading.RLock()  # a second signal may come while the first is handled
         self._seq.reset_lock()
         self.uploads = InFlight()
 
@@ -133,7 +161,109 @@ class SpanRecorder:
         stack: list[Call] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
+            ident = threading.get_ident()
+            self._stacks[ident] = stack
+            if len(self._stacks) > _PRUNE_STACKS_AT:  # threads come and go (one executor per async save)
+                self._prune_stacks()
         return stack
+
+    def _prune_stacks(self) -> None:
+        alive = {thread.ident for thread in threading.enumerate()}
+        for ident, stack in list(self._stacks.items()):
+            if ident not in alive and not stack:
+                self._stacks.pop(ident, None)
+
+    # --- what is open now (read from any thread: the watchdog, a metrics collection) -----------
+    def open_calls(self) -> list[tuple[Call, int | None]]:
+        """Every call open in this process right now, with the id of the thread inside it.
+
+        Uploads and stagings (which no thread is inside: they end with a
+        future) have ``None``. Never raises; a call ending meanwhile may or may
+        not be included.
+        """
+        found: list[tuple[Call, int | None]] = []
+        try:
+            for ident, stack in list(self._stacks.items()):
+                found.extend((call, ident) for call in tuple(stack) if call.span_id and call.op is not None)
+            found.extend((call, None) for call in self.uploads.open_calls())
+        except Exception:  # noqa: BLE001 - a reader of telemetry state never raises
+            report("recorder_error", "dcp_otel failed to read the open DCP calls", exc_info=True)
+        return found
+
+    def interrupt_open(self, cause: str, describe: Callable[[Operation], str],
+                       stacks: dict[int, str] | None = None) -> list[Operation]:  # fmt: skip
+        """End every open call as failed, because the process is ending (``cause``: ``SIGTERM``, ``exit``).
+
+        Called from any thread (a signal handler, the watchdog, ``atexit``)
+        while the calls' own threads may be blocked for good (in a collective
+        waiting for a rank that hangs). Each open call gets the failure
+        ``describe(op)`` with its thread's stack (``stacks``: thread id to its
+        formatted stack), the end time now and ``dcp.interrupted``; its
+        operation is complete and goes to the builder, which the caller then
+        drains. The threads' stacks are cleared: should a thread return after
+        all (SIGINT, caught), the ends torch logs for these calls are dropped.
+        Returns the operations ended.
+        """
+        ended: list[Operation] = []
+        try:
+            with self._interrupt_lock:
+                now = time.time_ns()
+                by_op: dict[int, tuple[Operation, list[tuple[Call, int | None]]]] = {}
+                for call, ident in self.open_calls():
+                    if call.end_ns == 0 and call.op is not None:
+                        by_op.setdefault(id(call.op), (call.op, []))[1].append((call, ident))
+                for ident, stack in list(self._stacks.items()):
+                    on_thread = tuple(stack)
+                    for call in on_thread:
+                        self._interrupted[call.uuid] = None
+                    stack.clear()
+                    outermost = next((call.token for call in on_thread if call.token is not None), None)
+                    if outermost is not None:  # that thread's context, to restore should it call DCP again
+                        self._stale_tokens[ident] = outermost
+                while len(self._interrupted) > _MAX_INTERRUPTED:
+                    self._interrupted.pop(next(iter(self._interrupted)))
+                for op, calls in by_op.values():
+                    self._end_interrupted(op, calls, cause, describe(op), stacks or {}, now)
+                    ended.append(op)
+        except Exception:  # noqa: BLE001 - the process is ending: whatever can be kept is
+            report("recorder_error", "dcp_otel failed to end the open DCP calls", exc_info=True)
+        return ended
+
+    def _end_interrupted(self, op: Operation, calls: list[tuple[Call, int | None]], cause: str, description: str,
+                         stacks: dict[int, str], now: int) -> None:  # fmt: skip
+        op_stack = next((stacks[ident] for _, ident in calls if ident in stacks), None)
+        finished: list[Call] = []
+        claimed = 0  # uploads taken from their futures: released once handed to the builder
+        try:
+            for call, ident in calls:
+                self._open.pop(call.uuid, None)
+                if call.kind in (KIND_UPLOAD, KIND_STAGING):
+                    if not self.uploads.claim(call):
+                        continue  # its future ended it meanwhile
+                    claimed += 1
+                stack = stacks.get(ident, op_stack) if ident is not None else op_stack
+                call.failure = Failure.interrupted(description, stack)
+                call.inferred = True
+                call.extra = {**(call.extra or {}), semconv.ATTR_INTERRUPTED: cause}
+                call.end_ns = now
+                call.token = None  # its context belongs to a thread that may never come back
+                if call.kind == KIND_OPERATION:
+                    op.start_ns = call.start_ns
+                    op.wait_s = max(0, now - call.start_ns - call.children_ns) / 1e9
+                finished.append(call)
+            if op.submitted:  # built already: these are late parts of it
+                self.builder.submit(op, finished)
+                return
+            op.calls.extend(finished)
+            op.interrupted = cause
+            with op.lock:
+                op.end_ns = max(op.end_ns, now)
+                op.failed = op.failed or description
+                op.submitted = True
+            self.builder.submit(op)
+        finally:
+            for _ in range(claimed):
+                self.uploads.done()
 
     # --- events ---------------------------------------------------------
     def on_event(self, event: DCPEvent, exc: BaseException | None = None) -> None:
@@ -198,7 +328,8 @@ class SpanRecorder:
                 return False
             ctx = light_get_current()
             op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
-            if type(op) is not Operation or "storage_writer" in msg or "storage_reader" in msg or "planner" in msg:
+            if type(op) is not Operation or "storage_writer" in msg or "storage_reader" in msg or "planner" in msg \
+                    or op.interrupted is not None:  # fmt: skip
                 return False
             func_name = msg.get("func_name")
             if type(uuid) is not str or not uuid or type(func_name) is not str or func_name.startswith(_KEY_PREFIX):
@@ -366,6 +497,17 @@ class SpanRecorder:
             return
         ctx = context_api.get_current()
         enclosing = ctx.get(OPERATION_KEY)
+        if type(enclosing) is Operation and enclosing.interrupted is not None:
+            # This thread was inside an operation the process ended (SIGINT, caught): its context
+            # goes back to what it was before that operation, and this call starts afresh.
+            token = self._stale_tokens.pop(threading.get_ident(), None)
+            if token is not None:
+                _detach(token)  # type: ignore[arg-type]
+                ctx = context_api.get_current()
+            enclosing = ctx.get(OPERATION_KEY)
+            if type(enclosing) is Operation and enclosing.interrupted is not None:
+                ctx = context_api.set_value(OPERATION_KEY, None, ctx)
+                enclosing = None
         if type(enclosing) is Operation:
             attributes = enclosing.step_attributes
             if has_class_fields(event.details):  # steps never have them; a nested save does
@@ -386,7 +528,8 @@ class SpanRecorder:
         while index >= 0 and stack[index].uuid != uuid:
             index -= 1
         if index < 0:
-            report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
+            if uuid not in self._interrupted:  # (ended already, as the process was ending)
+                report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
             return
         failed = kind == "exception"
         if failed and exc is None and error is None:

@@ -50,11 +50,11 @@ def begin_async_upload(
         if isinstance(staging, Future):
             staged = Call("", "async_staging", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_STAGING)
             op.add_part()
-            recorder.uploads.started()
+            recorder.uploads.started(staged)
             staging.add_done_callback(lambda fut: _end(recorder, staged, fut))
         upload = Call("", "async_upload", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_UPLOAD)
         op.add_part()
-        recorder.uploads.started()
+        recorder.uploads.started(upload)
     except Exception:  # noqa: BLE001
         report("recorder_error", "dcp_otel failed to trace an async upload", exc_info=True)
         return None
@@ -79,6 +79,8 @@ def begin_async_upload(
 
 def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseException) -> None:
     """An upload or staging call ended (on whatever thread completed its future)."""
+    if not recorder.uploads.claim(call):  # ended already: the process was ending (SIGINT, caught)
+        return
     try:
         call.failure = outcome_failure(outcome, call.op.rank if call.op is not None else None)
         call.end_ns = end_ns = time.time_ns()
@@ -90,11 +92,11 @@ def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseExceptio
     except Exception:  # noqa: BLE001 - a future's done-callback: nothing may escape
         report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
     finally:
-        recorder.uploads.ended()
+        recorder.uploads.done()
 
 
 class InFlight:
-    """How many uploads (and stagings) are still open, to wait for.
+    """The uploads (and stagings) still open, to wait for and to show as in progress.
 
     Their future's done-callback ends them *after* waiters on the future wake
     up, so anyone who needs the telemetry complete waits on this, not on the
@@ -103,20 +105,33 @@ class InFlight:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._count = 0
+        self._open: dict[int, Call] = {}  # id -> call
+        self._ending = 0  # claimed, not yet handed to the builder
 
-    def started(self) -> None:
+    def started(self, call: Call) -> None:
         with self._cond:
-            self._count += 1
+            self._open[id(call)] = call
 
-    def ended(self) -> None:
+    def claim(self, call: Call) -> bool:
+        """``call`` is ending: ``True`` the first time (its future, or the process ending, ends it), and then
+        :meth:`done` must follow once it is handed to the builder."""
         with self._cond:
-            self._count -= 1
+            found = self._open.pop(id(call), None) is not None
+            self._ending += found
+            return found
+
+    def done(self) -> None:
+        with self._cond:
+            self._ending -= 1
             self._cond.notify_all()
+
+    def open_calls(self) -> list[Call]:
+        with self._cond:
+            return list(self._open.values())
 
     def wait(self, timeout: float | None) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self._count == 0, timeout)
+            return self._cond.wait_for(lambda: not self._open and not self._ending, timeout)
 
 
 def outcome_failure(outcome: Future[Any] | BaseException, rank: int | None = None) -> Failure | None:

@@ -1,0 +1,30 @@
+"""What is open now: live progress, the stall watchdog, and spans that survive termination.
+
+A checkpoint that never finishes leaves no span when only finished calls are
+built. This package reads what the recorder already holds, its open calls,
+from outside the caller's thread:
+
+* :mod:`~dcp_otel.live.progress`: where each open operation is (its innermost
+  open step, since when, which thread is inside it), and each operation's stall
+  threshold; read by the metrics collections
+  (``dcp_in_progress_since_timestamp_seconds``) and by the watchdog;
+* :mod:`~dcp_otel.live.stacks`: the Python stack of the thread inside a call,
+  and the collective it is blocked in, if any;
+* :mod:`~dcp_otel.live.stalls`: one stall report (a ``dcp.stall`` span exported
+  at once, ``dcp_stalls_total``, one warning);
+* :mod:`~dcp_otel.live.ending`: ending every open call as failed when the
+  process ends, then building and flushing within ``flush_timeout_s``;
+* :mod:`~dcp_otel.live.signals`: SIGTERM and SIGINT, even while the main thread
+  is blocked in a collective;
+* :mod:`~dcp_otel.live.watchdog`: the one background thread per process that
+  ties them together.
+
+Nothing here runs on the caller's thread, takes part in a collective, or
+touches a torch object.
+
+Usage (what :class:`dcp_otel.DCPInstrumentor` does)::
+
+    live = LiveState(recorder, StallPolicy(options.stall_after_s, recorder.builder.history))
+    watchdog = Watchdog(live, StallReporter(recorder, metrics), ending, signals)
+    recorder.watch = watchdog.ensure_running      # started with the first operation
+"""

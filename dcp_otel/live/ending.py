@@ -1,0 +1,106 @@
+"""When the process ends with DCP calls still open: end them as failed, with the stack, and flush.
+
+A rank stopped by its scheduler (SIGTERM), interrupted (SIGINT), or exiting
+with a call still open would otherwise take that call's spans with it, and
+every finished span still in its batch processor. :meth:`Ending.end_open_calls`
+ends every open call of the process as ERROR, saying where it was ("terminated
+by SIGTERM during write_data", "... while waiting in gather_object
+(_DistWrapper.all_reduce)"), with the stack of the thread that was inside it as
+the exception's stack trace, and ``dcp.interrupted`` on each span; the
+operations go to the builder. :meth:`Ending.flush` then builds them and
+flushes spans and metrics, all within ``flush_timeout_s``.
+
+It runs on whatever thread noticed the end (a signal handler on the main
+thread, the watchdog reading the signal's wakeup fd, ``atexit``), while the
+threads inside the calls may be blocked for good.
+
+Usage::
+
+    ending = Ending(recorder, live, otel_metrics, flush_timeout_s=10)
+    ending.end_open_calls("SIGTERM")
+    ending.flush(deadline=time.monotonic() + 10)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.flushing import flush_all
+from dcp_otel.live.progress import LiveState, Progress
+from dcp_otel.live.stacks import ThreadStack, thread_stack
+from dcp_otel.otel_metrics import OTelCheckpointMetrics
+from dcp_otel.tracing.records import Operation
+from dcp_otel.tracing.tracker import SpanRecorder
+
+
+def description(cause: str, p: Progress | None, stack: ThreadStack | None) -> str:
+    """Where an interrupted operation was: ``"terminated by SIGTERM during write_data"``,
+    ``"terminated by SIGTERM while waiting in gather_object (_DistWrapper.all_reduce)"`` (between steps),
+    ``"interrupted at exit during write_data in the async save process"``."""
+    head = "interrupted at exit" if cause == semconv.INTERRUPTED_AT_EXIT else f"terminated by {cause}"
+    if p is None:
+        return head
+    waiting = ""
+    if stack is not None and stack.collective is not None:
+        name, caller = stack.collective
+        waiting = f"waiting in {name}" + (f" ({caller})" if caller else "")
+    where = f" in the {p.where}" if p.where else ""
+    if p.step == semconv.STEP_NONE:
+        return f"{head} while {waiting}" if waiting else f"{head} between steps{where}"
+    return f"{head} during {p.step}{where}" + (f", {waiting}" if waiting else "")
+
+
+class Ending:
+    """Ends one recorder's open calls when its process ends (see the module)."""
+
+    def __init__(self, recorder: SpanRecorder, live: LiveState, otel_metrics: OTelCheckpointMetrics | None,
+                 flush_timeout_s: float, after_build: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self._recorder = recorder
+        self._live = live
+        self._otel_metrics = otel_metrics
+        self.flush_timeout_s = flush_timeout_s
+        self._after_build = after_build  # a checkpoint process relays the failures to its rank
+
+    def end_open_calls(self, cause: str, frame: FrameType | None = None) -> list[Operation]:
+        """End every open call as failed because of ``cause`` (a signal's name, or ``"exit"``); never raises.
+
+        ``frame``: where this thread was interrupted (a signal handler's frame),
+        so its stack does not end in dcp-otel's own frames.
+        """
+        try:
+            progress = {id(p.op): p for p in self._live.progress()}
+            threads = {ident for call, ident in self._recorder.open_calls() if ident is not None}
+            here = threading.get_ident()
+            stacks = {ident: stack for ident in threads
+                      if (stack := thread_stack(ident, frame if ident == here else None)) is not None}  # fmt: skip
+
+            def describe(op: Operation) -> str:
+                p = progress.get(id(op))
+                return description(cause, p, stacks.get(p.thread_id) if p is not None and p.thread_id else None)
+
+            return self._recorder.interrupt_open(cause, describe, {i: s.text for i, s in stacks.items()})
+        except Exception:  # noqa: BLE001 - the process is ending: keep what can be kept
+            report("recorder_error", "dcp_otel failed to end the open DCP calls", exc_info=True)
+            return []
+
+    def flush(self, deadline: float) -> bool:
+        """Build what is queued and flush spans (and OpenTelemetry metrics) by ``deadline``; never raises."""
+        try:
+            if self._after_build is not None:
+                self._recorder.drain(max(0.0, deadline - time.monotonic()), metrics_only=True)
+                self._after_build()
+            return flush_all(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001
+            report("flush_error", "dcp_otel failed to flush as the process ended", exc_info=True)
+            return False
+
+    def __call__(self, cause: str, frame: FrameType | None = None) -> None:
+        """End the open calls and flush, within ``flush_timeout_s``."""
+        deadline = time.monotonic() + self.flush_timeout_s
+        self.end_open_calls(cause, frame)
+        self.flush(deadline)

@@ -1,0 +1,197 @@
+"""The stall watchdog: one background thread per process, started with its first DCP operation.
+
+Every tick (1 s; a quarter of ``stall_after_s`` when that is shorter, at least
+50 ms) it reads where each open operation is (:class:`~dcp_otel.live.progress.LiveState`)
+and:
+
+* reports an operation whose innermost call has made no progress for longer
+  than its threshold (:class:`~dcp_otel.live.stalls.StallReporter`), at once
+  and again at 2, 4, 8, ... times the threshold while it lasts;
+* publishes the progress where a metrics collection cannot read it itself: the
+  multiprocess-mode gauges, and, in a checkpoint process, the rank it relays to;
+* applies what a checkpoint process relayed to this rank (``before``).
+
+Between ticks it sleeps in ``select`` on the signal guard's wakeup fd, so a
+SIGTERM reaches it at once even while the main thread is blocked in C
+(:class:`~dcp_otel.live.signals.SignalGuard`).
+
+It never takes part in a collective, never touches a torch object, and never
+runs on the caller's thread: a DCP call costs the same with it as without it
+(``benchmarks/watchdog.py`` measures that, and what a tick costs).
+
+Usage::
+
+    watchdog = Watchdog(live, reporter, signals=guard)
+    recorder.watch = watchdog.ensure_running    # the tracker calls it when an operation starts
+    ...
+    watchdog.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from dcp_otel._selftelemetry import report
+from dcp_otel.live.progress import LiveState, Progress
+from dcp_otel.live.signals import SignalGuard
+from dcp_otel.live.stalls import StallReporter
+from dcp_otel.metrics import LiveEntry
+
+#: The longest and shortest ticks.
+MAX_TICK_S: Final = 1.0
+MIN_TICK_S: Final = 0.05
+
+
+class Watchdog:
+    """The watchdog of one instrumentation (see the module)."""
+
+    def __init__(
+        self,
+        live: LiveState,
+        reporter: StallReporter | None,
+        *,
+        signals: SignalGuard | None = None,
+        publish: Sequence[Callable[[list[LiveEntry]], None]] = (),
+        before: Callable[[], object] | None = None,
+        tick_s: float | None = None,
+    ) -> None:
+        self.live = live
+        self.reporter = reporter
+        self._signals = signals
+        self._publish = tuple(publish)
+        self._before = before
+        fixed = live.policy.stall_after_s
+        self.tick_s = tick_s if tick_s is not None else (
+            min(MAX_TICK_S, max(MIN_TICK_S, fixed / 4)) if fixed else MAX_TICK_S)  # fmt: skip
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._stopped = False
+        self._own_wakeup: tuple[socket.socket, socket.socket] | None = None
+        # (id(op), id(call), since_ns) -> (reports made, the age at which the next one is due)
+        self._stalls: dict[tuple[int, int, int], tuple[int, float]] = {}
+        self._published: list[LiveEntry] | None = None
+        self.cpu_ns = 0  # the thread's own CPU time in its ticks (it holds the GIL for that long)
+        self.ticks = 0
+
+    # --- life -------------------------------------------------------------------------
+    def ensure_running(self) -> None:
+        """Start the thread if it is not running in this process (cheap when it is: called per operation)."""
+        if self._pid == os.getpid() or self._stopped:
+            return
+        with self._lock:
+            if self._pid == os.getpid() or self._stopped:
+                return
+            self._stalls, self._published = {}, None  # (a forked child: nothing of the parent's)
+            self._thread = threading.Thread(target=self._run, name="dcp-otel-watchdog", daemon=True)
+            self._thread.start()
+            self._pid = os.getpid()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._pid == os.getpid()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (on uninstrument); never raises."""
+        self._stopped = True
+        self._poke()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and self._pid == os.getpid():
+            thread.join(timeout_s)
+        if self._own_wakeup is not None and (thread is None or not thread.is_alive()):
+            for end in self._own_wakeup:
+                end.close()
+
+    def _wakeup(self) -> socket.socket:
+        if self._signals is not None:
+            return self._signals.wakeup
+        if self._own_wakeup is None or self._own_wakeup[0].fileno() < 0:
+            pair = socket.socketpair()
+            for end in pair:
+                end.setblocking(False)
+            self._own_wakeup = pair
+        return self._own_wakeup[0]
+
+    def _poke(self) -> None:
+        if self._signals is not None:
+            self._signals.poke()
+        elif self._own_wakeup is not None:
+            try:
+                self._own_wakeup[1].send(b"\0")
+            except OSError:
+                pass
+
+    def _run(self) -> None:
+        wakeup = self._wakeup()
+        next_tick = time.monotonic()
+        while not self._stopped:
+            try:
+                ready, _, _ = select.select([wakeup], [], [], max(0.0, next_tick - time.monotonic()))
+                if ready:
+                    self._read_signals(wakeup)
+                if self._stopped:
+                    return
+                if time.monotonic() >= next_tick:
+                    self.check()
+                    next_tick = time.monotonic() + self.tick_s
+            except Exception:  # noqa: BLE001 - the watchdog never dies of a telemetry problem
+                report("watchdog_error", "dcp_otel's watchdog failed a tick", exc_info=True)
+                next_tick = time.monotonic() + self.tick_s
+
+    def _read_signals(self, wakeup: socket.socket) -> None:
+        try:
+            data = wakeup.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # closed under us (a fork, an uninstrument): wait for the next tick
+            time.sleep(self.tick_s)
+            return
+        for signum in data:
+            if signum and self._signals is not None:
+                self._signals.on_wakeup(signum)
+
+    # --- a tick -----------------------------------------------------------------------
+    def check(self, now_ns: int | None = None) -> None:
+        """One tick (the thread calls it; tests may too)."""
+        started = time.thread_time_ns()
+        try:
+            if self._before is not None:
+                self._before()
+            progress = self.live.progress()
+            if self._publish:
+                entries = self.live.entries()
+                if entries != self._published:
+                    for publish in self._publish:
+                        publish(entries)
+                    self._published = entries
+            if self.reporter is not None and self.live.policy.enabled:
+                self._check_stalls(progress, now_ns if now_ns is not None else time.time_ns())
+        finally:
+            self.cpu_ns += time.thread_time_ns() - started
+            self.ticks += 1
+
+    def _check_stalls(self, progress: list[Progress], now_ns: int) -> None:
+        seen = set()
+        for p in progress:
+            if p.where is not None:
+                continue  # its checkpoint process watches (and reports) it
+            threshold = self.live.policy.threshold(p.op.name)
+            if threshold is None:
+                continue
+            key = (id(p.op), id(p.call), p.since_ns)
+            seen.add(key)
+            reports, due = self._stalls.get(key, (0, threshold))
+            if p.age_s(now_ns) >= due:
+                reports += 1
+                assert self.reporter is not None
+                self.reporter.report(p, threshold, reports, now_ns)
+                due = threshold * 2**reports  # again at 2x, 4x, 8x ... the threshold
+            self._stalls[key] = (reports, due)
+        for key in set(self._stalls) - seen:
+            del self._stalls[key]
