@@ -24,7 +24,7 @@ from typing import Any
 from dcp_otel import semconv
 from dcp_otel.report.model import Checkpoint
 from dcp_otel.report.summary import FAILURES_SHOWN, Summary, summarize, worst_first
-from dcp_otel.report.terminal import format_bytes, ranks_worth_showing
+from dcp_otel.report.terminal import format_bytes, innermost_frames, ranks_worth_showing
 
 _STYLE = """
 body { font: 14px system-ui, sans-serif; margin: 24px; color: #1d2330; background: #fafbfc; }
@@ -182,12 +182,17 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
         for step in sorted(ckpt.steps, key=lambda s: -s.by_rank[s.slowest_rank])
     )
     notes = []
+    for u in ckpt.unfinished[:_UNFINISHED_SHOWN]:
+        notes.append(f'<span class="failed">Unfinished on rank {u.rank}: {e(u.description)}.</span>')
+    if len(ckpt.unfinished) > _UNFINISHED_SHOWN:
+        notes.append(f"... and {len(ckpt.unfinished) - _UNFINISHED_SHOWN} more unfinished ranks.")
     if ckpt.straggler is not None:
         notes.append(f"Straggler: <b>rank {ckpt.straggler}</b>, busy {ckpt.straggler_skew:.1f}x the median rank.")
-    if ckpt.failed_ranks:
+    if ckpt.failed_ranks and not ckpt.is_unfinished:
         ranks = ", ".join(map(str, ckpt.failed_ranks))
         notes.append(f'<span class="failed">Failed on rank {ranks}: {e(ckpt.error or "")}</span>')
-    status = '<span class="failed">FAILED</span>' if ckpt.error else "ok"
+    status = ('<span class="failed">UNFINISHED</span>' if ckpt.is_unfinished else
+              '<span class="failed">FAILED</span>' if ckpt.error else "ok")  # fmt: skip
     if len(shown) < len(ckpt.ranks):
         rest = [r for r in ckpt.ranks if r.rank not in shown]
         notes.insert(0, f"{len(rest)} other ranks not listed: total {min(r.duration_s for r in rest):.3f} to "
@@ -210,6 +215,8 @@ LEGEND = (("operation", "#8ab8ff"), ("write/read", "#3274d9"), ("straggler's wri
           ("async upload/staging", "#a78bfa"), ("other steps", "#73bf69"))  # fmt: skip
 #: Sections open when the page loads (the worst first); the others draw their timeline when opened.
 OPEN_SECTIONS = 5
+#: Unfinished ranks named in a checkpoint's section (the timeline shows every one).
+_UNFINISHED_SHOWN = 16
 _TREND_COLORS = ("#3274d9", "#a78bfa", "#73bf69", "#d45b00", "#8ab8ff", "#5a6270")
 
 
@@ -267,8 +274,19 @@ def _trend_chart(checkpoints: list[Checkpoint]) -> str:
 def _run_summary(summary: Summary, checkpoints: list[Checkpoint]) -> str:
     e = html.escape
     failed = f'<span class="failed">{len(summary.failures)} failed</span>' if summary.failures else "none failed"
+    unfinished = f'<span class="failed">{len(summary.unfinished)} unfinished</span>, ' if summary.unfinished else ""
     parts = [f'<div class="summary" id="summary"><p><b>{summary.operations} checkpoint operations</b> '
-             f"({e(summary.kinds)}) on {summary.ranks} ranks: {failed}.</p>"]  # fmt: skip
+             f"({e(summary.kinds)}) on {summary.ranks} ranks: {unfinished}{failed}.</p>"]  # fmt: skip
+    for u in summary.unfinished[:FAILURES_SHOWN]:
+        parts.append(f'<p class="failed unfinished"><a href="#checkpoint-{u.index}">{e(u.operation)} '
+                     f"{e(u.checkpoint_id)}</a> (operation {u.index + 1} of {summary.operations}) never finished: "
+                     f"{e(u.headline())}.</p>")  # fmt: skip
+        for rank in u.stuck[:2]:
+            if rank.stack:
+                parts.append(f'<p>Rank {rank.rank}, where it was (innermost last):</p>'
+                             f'<pre class="cause stack">{e(chr(10).join(innermost_frames(rank.stack)))}</pre>')  # fmt: skip
+    if len(summary.unfinished) > FAILURES_SHOWN:
+        parts.append(f"<p>... and {len(summary.unfinished) - FAILURES_SHOWN} more unfinished operations, first below.</p>")
     for f in summary.failures[:FAILURES_SHOWN]:
         ranks = ", ".join(map(str, f.ranks)) or "?"
         parts.append(f'<p class="failed"><a href="#checkpoint-{f.index}">{e(f.operation)} {e(f.checkpoint_id)}</a> '
@@ -285,7 +303,8 @@ def _run_summary(summary: Summary, checkpoints: list[Checkpoint]) -> str:
         change = t.change()
         trends.append(f"{e(t.operation)}: median {t.median_s:.3f} s over {len(t.durations_s)}"
                       + ("" if change is None else f", {(change - 1) * 100:+.0f}% from the first fifth to the last"))  # fmt: skip
-    parts.append(f"<p>Duration, oldest to newest &mdash; {'; '.join(trends)}.</p>")
+    if trends:
+        parts.append(f"<p>Duration, oldest to newest &mdash; {'; '.join(trends)}.</p>")
     parts.append(_trend_chart(checkpoints) + "</div>")
     return "".join(parts)
 

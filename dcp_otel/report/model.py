@@ -25,6 +25,7 @@ Usage::
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Iterator
@@ -35,7 +36,8 @@ from dcp_otel import semconv
 from dcp_otel.otlp_file import FileSpan
 
 #: Spans that are not steps of a rank's operation.
-_NOT_STEPS: Final = frozenset({semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING})
+_NOT_STEPS: Final = frozenset({semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING,
+                               semconv.SPAN_STALL})  # fmt: skip
 _OPERATION_SPANS: Final = frozenset(semconv.span_name(op) for op in semconv.OPERATIONS)
 #: Steps that move the bytes: where their throughput is measured.
 _IO_STEP: Final = semconv.IO_STEPS
@@ -76,6 +78,28 @@ class RankResult:
 
 
 @dataclass
+class Unfinished:
+    """One rank of a checkpoint that never finished: where it was when its process ended or last reported."""
+
+    rank: int
+    step: str  # its innermost open step (semconv.STEP_NONE: between steps)
+    seconds: float  # how long it had been there
+    #: Why it ended: the signal's name, "exit", or None when no end was recorded at all (killed
+    #: with SIGKILL, or the spans of its end were lost): only its stall reports say where it was.
+    cause: str | None
+    description: str  # "terminated by SIGTERM during write_data", or what its last stall report said
+    waiting_in: str | None = None  # the collective (or wait step) it was waiting in for other ranks
+    where: str | None = None  # the checkpoint process it was in, when not the rank itself
+    stack: str | None = None  # the stack of the thread that was inside the call
+    stalls: int = 0  # stall reports of this rank in this checkpoint
+
+    @property
+    def waiting(self) -> bool:
+        """It was waiting for other ranks, not doing its own work."""
+        return self.waiting_in is not None
+
+
+@dataclass
 class StepResult:
     """One step across ranks (durations summed when a rank ran it more than once)."""
 
@@ -111,10 +135,17 @@ class Checkpoint:
     error: str | None  # one line: the failing rank's own exception (not torch's wrapper), if found
     spans: list[FileSpan] = field(repr=False, default_factory=list)
     error_detail: str | None = None  # that exception in full, from its span's exception event
+    #: The ranks that never finished it (empty: it finished, well or not), stuck ones first.
+    unfinished: list[Unfinished] = field(default_factory=list)
 
     @property
     def duration_s(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
+
+    @property
+    def is_unfinished(self) -> bool:
+        """Some rank never finished it: its process ended (or was killed) while it was open."""
+        return bool(self.unfinished)
 
     def rank_spans(self) -> Iterator[tuple[int, FileSpan, list[FileSpan]]]:
         """``(rank, span, ancestors)`` for every span of a rank, oldest first; ``ancestors``
@@ -157,7 +188,7 @@ def checkpoints(spans: list[FileSpan]) -> list[Checkpoint]:
         if span.name.startswith(semconv.SPAN_PREFIX) and span.attributes.get(semconv.ATTR_OPERATION):
             by_trace[span.trace_id].append(span)
     found = [_checkpoint(trace_id, group) for trace_id, group in by_trace.items()]
-    return sorted((c for c in found if c.ranks), key=lambda c: c.start_ns)
+    return sorted((c for c in found if c.ranks or c.unfinished), key=lambda c: c.start_ns)
 
 
 def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
@@ -236,6 +267,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
     root_cause = (first[1].status_message or None) if first is not None else None
     cause_detail = (first[1].exception or root_cause) if first is not None else None
     return Checkpoint(
+        unfinished=_unfinished(spans, {r.rank for r in ranks}),
         trace_id=trace_id,
         operation=operation,
         # Summary-only operation spans (detail="auto") leave what every rank shares to the root.
@@ -250,6 +282,88 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         spans=spans,
         error_detail=cause_detail or root_cause or first_error,
     )
+
+
+def _unfinished(spans: list[FileSpan], ended: set[int]) -> list[Unfinished]:
+    """The ranks whose part never ended: ended as their process ended (``dcp.interrupted``), or, with no
+    operation span at all (``ended``: the ranks that have one), only reported stalled."""
+    by_id = {s.span_id: s for s in spans}
+    by_rank: dict[int, list[FileSpan]] = defaultdict(list)
+    for span in spans:
+        rank = _rank_of(span)
+        if rank is not None:
+            by_rank[rank].append(span)
+    found = []
+    for rank, mine in sorted(by_rank.items()):
+        interrupted = [s for s in mine if s.attributes.get(semconv.ATTR_INTERRUPTED)]
+        stalls = sorted((s for s in mine if s.name == semconv.SPAN_STALL), key=lambda s: s.start_ns)
+        if interrupted:
+            found.append(_interrupted_rank(rank, mine, interrupted, stalls, by_id))
+        elif stalls and rank not in ended:
+            found.append(_stalled_rank(rank, stalls))
+    return sorted(found, key=lambda u: (u.waiting, u.rank))
+
+
+def _interrupted_rank(rank: int, mine: list[FileSpan], interrupted: list[FileSpan], stalls: list[FileSpan],
+                      by_id: dict[str, FileSpan]) -> Unfinished:  # fmt: skip
+    # The innermost call it was in is the latest to start: a call nests in the one open when it began.
+    inner = max(interrupted, key=lambda s: s.start_ns)
+    parent = by_id.get(inner.parent_id)
+    own_operation = inner.name in _OPERATION_SPANS and (parent is None or parent.name == semconv.SPAN_CHECKPOINT)
+    step = semconv.STEP_NONE if own_operation else inner.name.removeprefix(semconv.SPAN_PREFIX)
+    # Between steps: since the last of its steps ended.
+    ended = {s.span_id for s in interrupted}
+    last_end = max((s.end_ns for s in mine if s.parent_id == inner.span_id and s.span_id not in ended
+                    and s.name != semconv.SPAN_STALL and s.end_ns <= inner.end_ns), default=inner.start_ns)  # fmt: skip
+    stall = next((s for s in reversed(stalls) if s.parent_id == inner.span_id), None)  # reported on this call
+    description = inner.status_message or inner.exception or "interrupted"
+    waiting = _WAITING_IN.search(description)
+    waiting_in = waiting.group(1) if waiting else _collective(stall)
+    if waiting_in is None and step in semconv.WAIT_STEPS:
+        waiting_in = step
+    return Unfinished(rank=rank, step=step, seconds=(inner.end_ns - max(inner.start_ns, last_end)) / 1e9,
+                      cause=str(inner.attributes[semconv.ATTR_INTERRUPTED]), description=description,
+                      waiting_in=waiting_in, where=_where(stall) or _where_from(description),
+                      stack=inner.stacktrace or _stack(stall), stalls=len(stalls))  # fmt: skip
+
+
+def _stalled_rank(rank: int, stalls: list[FileSpan]) -> Unfinished:
+    """A rank that never ended the operation, as its last stall report saw it (SIGKILL leaves no more)."""
+    last = stalls[-1]
+    step = str(last.attributes.get(semconv.ATTR_STEP, semconv.STEP_NONE))
+    seconds = float(last.attributes.get(semconv.ATTR_STALL_SECONDS) or 0.0)
+    where = "between steps" if step == semconv.STEP_NONE else f"in {step}"
+    return Unfinished(rank=rank, step=step, seconds=seconds, cause=None,
+                      description=f"no end recorded; last reported stalled {where} after {seconds:.1f} s",
+                      waiting_in=_collective(last), where=_where(last), stack=_stack(last),
+                      stalls=len(stalls))  # fmt: skip
+
+
+#: How an interrupted call's description names the collective it waited in.
+_WAITING_IN: Final = re.compile(r"waiting in (.+)$")
+_IN_PROCESS: Final = re.compile(r" in the (.+? process)\b")
+
+
+def _collective(stall: FileSpan | None) -> str | None:
+    if stall is None or not stall.attributes.get(semconv.ATTR_STALL_COLLECTIVE):
+        return None
+    name, caller = stall.attributes[semconv.ATTR_STALL_COLLECTIVE], stall.attributes.get(semconv.ATTR_STALL_COLLECTIVE_CALLER)
+    return f"{name} ({caller})" if caller else str(name)
+
+
+def _where(stall: FileSpan | None) -> str | None:
+    where = stall.attributes.get(semconv.ATTR_STALL_WHERE) if stall is not None else None
+    return str(where) if where else None
+
+
+def _where_from(description: str) -> str | None:
+    found = _IN_PROCESS.search(description)
+    return found.group(1) if found else None
+
+
+def _stack(stall: FileSpan | None) -> str | None:
+    stack = stall.attributes.get(semconv.ATTR_CODE_STACKTRACE) if stall is not None else None
+    return stack if isinstance(stack, str) else None
 
 
 def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[int, float]], is_async: bool) -> None:

@@ -20,7 +20,9 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from dcp_otel.report.model import Checkpoint
+from dcp_otel import semconv
+from dcp_otel.report.model import Checkpoint, Unfinished
+from dcp_otel.tracing.records import rank_ranges
 
 #: A rank is the run's straggler when it was the straggler of at least this share of the checkpoints.
 RUN_STRAGGLER_SHARE = 0.5
@@ -37,6 +39,50 @@ class Failure:
     checkpoint_id: str
     ranks: list[int]
     cause: str  # the failing rank's own exception, in full when the spans carry it
+
+
+@dataclass(frozen=True)
+class UnfinishedCheckpoint:
+    """A checkpoint operation some rank never finished (a hung job that was stopped, or killed)."""
+
+    index: int  # its position in the run, oldest first
+    operation: str
+    checkpoint_id: str
+    ranks: list[Unfinished]  # stuck ranks first, then those that were waiting for them
+
+    @property
+    def stuck(self) -> list[Unfinished]:
+        """The ranks in their own work (a step, not waiting for others): where to look."""
+        return [u for u in self.ranks if not u.waiting]
+
+    @property
+    def waiting(self) -> list[Unfinished]:
+        return [u for u in self.ranks if u.waiting]
+
+    def headline(self) -> str:
+        """``"rank 1 never finished write_data (14.1 s, terminated by SIGTERM); ranks 0,2-7 waited in ..."``."""
+        parts = [f"rank {u.rank} never finished {_where(u)} ({u.seconds:.1f} s, {_cause(u)})" for u in self.stuck[:3]]
+        if len(self.stuck) > 3:
+            parts.append(f"{len(self.stuck) - 3} more ranks never finished their own steps")
+        by_collective: dict[str, list[int]] = {}
+        for u in self.waiting:
+            by_collective.setdefault(u.waiting_in or "?", []).append(u.rank)
+        verb = "waited for " + ("it" if len(self.stuck) == 1 else "them") if self.stuck else "waited"
+        for collective, ranks in by_collective.items():
+            label = "rank" if len(ranks) == 1 else "ranks"
+            parts.append(f"{label} {rank_ranges(sorted(ranks))} {verb} in {collective}")
+        return "; ".join(parts)
+
+
+def _where(u: Unfinished) -> str:
+    step = "between steps" if u.step == semconv.STEP_NONE else u.step
+    return f"{step} in the {u.where}" if u.where else step
+
+
+def _cause(u: Unfinished) -> str:
+    if u.cause is None:
+        return "no end recorded"
+    return "interrupted at exit" if u.cause == semconv.INTERRUPTED_AT_EXIT else f"terminated by {u.cause}"
 
 
 @dataclass(frozen=True)
@@ -77,9 +123,10 @@ class Summary:
     operations: int
     ranks: int
     by_operation: dict[str, int]
-    failures: list[Failure]
+    failures: list[Failure]  # finished, with an error (the unfinished ones are below)
     straggler: RunStraggler | None
-    trends: list[Trend]
+    trends: list[Trend]  # of the finished checkpoints
+    unfinished: list[UnfinishedCheckpoint]
 
     @property
     def kinds(self) -> str:
@@ -92,9 +139,12 @@ def summarize(checkpoints: list[Checkpoint]) -> Summary:
     failures = [
         Failure(i, c.operation, c.checkpoint_id, c.failed_ranks, c.error_detail or c.error or "failed")
         for i, c in enumerate(checkpoints)
-        if c.error
+        if c.error and not c.is_unfinished
     ]
-    multi_rank = [c for c in checkpoints if len(c.ranks) > 1]
+    unfinished = [UnfinishedCheckpoint(i, c.operation, c.checkpoint_id, c.unfinished)
+                  for i, c in enumerate(checkpoints) if c.is_unfinished]  # fmt: skip
+    # (An unfinished checkpoint's slowest rank is the one that hung: the unfinished list says so.)
+    multi_rank = [c for c in checkpoints if len(c.ranks) > 1 and not c.is_unfinished]
     stragglers = Counter(c.straggler for c in multi_rank if c.straggler is not None)
     straggler = None
     if stragglers:
@@ -103,8 +153,9 @@ def summarize(checkpoints: list[Checkpoint]) -> Summary:
             skews = [c.straggler_skew for c in multi_rank if c.straggler == rank]
             straggler = RunStraggler(rank, count, len(multi_rank), statistics.median(skews))
     trends = []
-    for operation in dict.fromkeys(c.operation for c in checkpoints):
-        mine = [c for c in checkpoints if c.operation == operation]
+    finished = [c for c in checkpoints if not c.is_unfinished]  # (an unfinished one has no duration)
+    for operation in dict.fromkeys(c.operation for c in finished):
+        mine = [c for c in finished if c.operation == operation]
         trends.append(Trend(
             operation,
             [c.duration_s for c in mine],
@@ -119,11 +170,13 @@ def summarize(checkpoints: list[Checkpoint]) -> Summary:
         failures=failures,
         straggler=straggler,
         trends=trends,
+        unfinished=unfinished,
     )
 
 
 def worst_first(checkpoints: list[Checkpoint]) -> list[int]:
-    """Indices of ``checkpoints``, the ones worth reading first: failed, then slowest against their kind's median."""
+    """Indices of ``checkpoints``, the ones worth reading first: unfinished, failed, then slowest against
+    their kind's median."""
     medians = {
         op: statistics.median(c.duration_s for c in checkpoints if c.operation == op)
         for op in {c.operation for c in checkpoints}
@@ -132,7 +185,7 @@ def worst_first(checkpoints: list[Checkpoint]) -> list[int]:
     def badness(i: int) -> tuple[int, float, int]:
         c = checkpoints[i]
         median = medians[c.operation]
-        return (0 if c.error else 1, -(c.duration_s / median if median > 0 else 1.0), i)
+        return (0 if c.is_unfinished else 1 if c.error else 2, -(c.duration_s / median if median > 0 else 1.0), i)
 
     return sorted(range(len(checkpoints)), key=badness)
 

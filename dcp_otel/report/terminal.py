@@ -10,6 +10,7 @@ Usage::
 from __future__ import annotations
 
 import statistics
+import sysconfig
 import textwrap
 
 from dcp_otel import semconv
@@ -30,6 +31,10 @@ _CAUSE_LINES = 12
 #: A checkpoint's table lists every rank up to this many; beyond, the ranks worth reading.
 _RANKS_SHOWN = 16
 _SLOWEST_SHOWN = 5
+#: Stuck ranks whose stack the summary shows, and how many frames of each.
+_STACKS_SHOWN = 2
+_FRAMES_SHOWN = 4
+_STDLIB = sysconfig.get_paths()["stdlib"] + "/"
 
 
 def format_bytes(n: int) -> str:
@@ -48,7 +53,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def render_one(ckpt: Checkpoint) -> str:
-    status = "FAILED" if ckpt.error else "ok"
+    status = "UNFINISHED" if ckpt.is_unfinished else "FAILED" if ckpt.error else "ok"
     lines = [f"{ckpt.operation} {ckpt.checkpoint_id or '(no id)'}  {ckpt.duration_s:.3f} s  {status}  "
              f"trace {ckpt.trace_id}"]  # fmt: skip
     is_async = ckpt.operation in semconv.ASYNC_OPERATIONS
@@ -73,7 +78,13 @@ def render_one(ckpt: Checkpoint) -> str:
     if worst is not None and len(worst.by_rank) > 1:
         lines.append(f"  most skewed step: {worst.name} on rank {worst.slowest_rank}: "
                      f"{worst.by_rank[worst.slowest_rank]:.3f}s vs median {worst.median_s:.3f}s ({worst.skew:.1f}x)")  # fmt: skip
-    if ckpt.failed_ranks:
+    if ckpt.is_unfinished:
+        lines += [f"  unfinished on rank {u.rank}: {u.description}"
+                  + (f" ({u.stalls} stall report{'s' if u.stalls != 1 else ''})" if u.stalls else "")
+                  for u in ckpt.unfinished[:_RANKS_SHOWN]]  # fmt: skip
+        if len(ckpt.unfinished) > _RANKS_SHOWN:
+            lines.append(f"  ... and {len(ckpt.unfinished) - _RANKS_SHOWN} more unfinished ranks")
+    elif ckpt.failed_ranks:
         lines.append(f"  failed on rank {', '.join(map(str, ckpt.failed_ranks))}: {ckpt.error}")
     return "\n".join(lines)
 
@@ -103,9 +114,20 @@ def _row(r: RankResult, straggler: bool, is_async: bool) -> tuple[str, ...]:
 
 
 def render_summary(summary: Summary) -> str:
-    """The run in a few lines: counts, each failure with its full cause, the run's straggler, the trends."""
+    """The run in a few lines: counts, each unfinished checkpoint with where its ranks were, each failure
+    with its full cause, the run's straggler, the trends."""
     failed = f"{len(summary.failures)} failed" if summary.failures else "none failed"
-    lines = [f"{summary.operations} checkpoint operations ({summary.kinds}) on {summary.ranks} ranks: {failed}"]
+    unfinished = f"{len(summary.unfinished)} unfinished, " if summary.unfinished else ""
+    lines = [f"{summary.operations} checkpoint operations ({summary.kinds}) on {summary.ranks} ranks: {unfinished}{failed}"]
+    for u in summary.unfinished[:FAILURES_SHOWN]:
+        lines.append(f"UNFINISHED  {u.operation} {u.checkpoint_id or '(no id)'} (operation {u.index + 1} of "
+                     f"{summary.operations}): {u.headline()}")  # fmt: skip
+        for rank in u.stuck[:_STACKS_SHOWN]:
+            if rank.stack:
+                lines.append(f"        rank {rank.rank}, where it was (innermost last):")
+                lines += [f"          {line}" for line in innermost_frames(rank.stack)]
+    if len(summary.unfinished) > FAILURES_SHOWN:
+        lines.append(f"        ... and {len(summary.unfinished) - FAILURES_SHOWN} more unfinished operations (details below)")
     for f in summary.failures[:FAILURES_SHOWN]:
         ranks = ", ".join(map(str, f.ranks)) or "?"
         lines.append(f"FAILED  {f.operation} {f.checkpoint_id or '(no id)'} (operation {f.index + 1} of "
@@ -130,6 +152,21 @@ def render_summary(summary: Summary) -> str:
                      f"{statistics.median(rates) / 1e6:.1f}" if rates else "-"))  # fmt: skip
     lines += _table(rows)
     return "\n".join(lines)
+
+
+def innermost_frames(stack: str, frames: int = _FRAMES_SHOWN) -> list[str]:
+    """The last ``frames`` frames of a formatted Python stack, outside the standard library where it can,
+    as lines (each ``File ...`` line with its source line)."""
+    lines = [line.rstrip() for line in stack.strip().splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("File ")]
+    blocks = [lines[i : (starts[n + 1] if n + 1 < len(starts) else len(lines))] for n, i in enumerate(starts)]
+    own = [b for b in blocks if not _is_stdlib(b[0])] or blocks
+    return [line.strip() if line.lstrip().startswith("File ") else "  " + line.strip()
+            for block in own[-frames:] for line in block]  # fmt: skip
+
+
+def _is_stdlib(file_line: str) -> bool:
+    return f'"{_STDLIB}' in file_line
 
 
 def render_details(checkpoints: list[Checkpoint], limit: int | None = DETAIL_LIMIT) -> str:
