@@ -261,8 +261,30 @@ def ranks(cfg: MixinConfig) -> dict[str, Any]:
         "Which rank makes the checkpoint slow? Every rank waits for the slowest one in each collective step.",
         _variables(cfg, OPERATIONS_TOTAL, rank=True, step=True),
     )  # fmt: skip
+    in_progress = f"({sc.METRIC_IN_PROGRESS}{s()} > 0)"  # (0 in multiprocess files: ended)
+    where_now = (
+        table.Panel().title("Where each rank is now").unit("s").datasource(DATASOURCE).span(16).height(8)
+        .description("Every open checkpoint operation: its rank, operation and innermost open step (\"-\": "
+                     "between steps, in DCP's collectives) and how long since it last made progress, the "
+                     "oldest first. A rank stuck in a step while the others sit at \"-\" is the one they wait for.")
+        .with_transformation(DataTransformerConfig(id_val="organize", options={
+            "excludeByName": {"Time": True}, "renameByName": {"Value": "seconds without progress"}}))
+        .with_target(_query(f"sort_desc(time() - {in_progress})", instant=True, fmt="table").ref_id("A"))
+    )  # fmt: skip
     d = (
-        d.with_row(Row("Stragglers"))
+        d.with_row(Row("Now"))
+        .with_panel(where_now)
+        .with_panel(_stat(
+            "Ranks stalled now", "short",
+            "Open operations with no progress for longer than their stall threshold (DCPCheckpointStalled).",
+            _query(f"count((time() - {in_progress}) > ignoring (step) group_left "
+                   f"{sc.METRIC_STALL_THRESHOLD}{s()}) or vector(0)", instant=True), w=8))
+        .with_panel(_timeseries(
+            "Stall reports", "short",
+            "DCP calls reported stalled (the watchdog counts each stall once), by rank and step.",
+            _query(f"sum by (rank, operation, step) (increase({sc.METRIC_STALLS}_total{s()}[{RATE}]))",
+                   "rank {{rank}} {{operation}} {{step}}"), w=8, h=4))
+        .with_row(Row("Stragglers"))
         .with_panel(_bars(
             "Top 5 slowest ranks in write_data / read_data", "s",
             "Mean time per call in the steps that move the bytes, over the time range.",

@@ -162,6 +162,22 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
             "Look at its dcp.async_upload span.",
         ),
         _alert(
+            "DCPCheckpointStalled",
+            # A rank whose open operation has made no progress (no step began or ended) for longer than its
+            # stall threshold: the watchdog's own (from the operation's history, or DCP_OTEL_STALL_AFTER_S).
+            # "> 0": in multiprocess mode a finished operation's series reads 0 in the shared files.
+            f"(time() - ({sc.METRIC_IN_PROGRESS}{cfg.sel()} > 0))\n"
+            f"> ignoring (step) group_left\n{sc.METRIC_STALL_THRESHOLD}{cfg.sel()}",
+            "0m",
+            "critical",
+            "A checkpoint {{ $labels.operation }} of job {{ $labels.job }} stalled on rank {{ $labels.rank }} "
+            "(step {{ $labels.step }}).",
+            "No progress for {{ $value | humanizeDuration }}, past its stall threshold (step \"-\": between steps, "
+            "waiting in DCP's collectives for the ranks that are stuck in a step). Its dcp.stall spans, in the "
+            "checkpoint's trace now, carry the stuck thread's stack; every other rank waits until the collective "
+            "timeout.",
+        ),
+        _alert(
             "DCPTelemetryProblems",
             # As with failures, a reason's first problem creates its series at 1.
             f"sum by (job, reason) (increase({problems}[{fw}])) > 0\n"

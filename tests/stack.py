@@ -42,6 +42,8 @@ WORLD = 3
 SLOW_RANK, FAIL_RANK = 2, 1
 RANK_JOB, AGENT_JOB = "dcp-otel", "torchelastic-agent"
 JOB_TIMEOUT_S = 420
+#: The job's stall threshold: its last async save hangs (on SLOW_RANK) while the test looks.
+STALL_AFTER_S = 2
 #: The agent's remote-write progress: the newest sample timestamp it has sent.
 _SENT = re.compile(r"^prometheus_remote_storage_queue_highest_sent_timestamp_seconds\{[^}]*\} (\S+)$", re.MULTILINE)
 #: ... and the newest it has scraped.
@@ -165,6 +167,7 @@ class Stack:
             semconv.ENV_FINAL_SCRAPE_TIMEOUT_S: "120", "STACK_STORE_PORT": str(store.port),
             "STACK_SLOW_RANK": str(SLOW_RANK), "STACK_FAIL_RANK": str(FAIL_RANK),
             "STACK_CKPT": str(self.tmp / "ckpt"), "OTEL_TRACES_EXPORTER": "none",
+            semconv.ENV_STALL_AFTER_S: str(STALL_AFTER_S),
         })  # fmt: skip
         command = [
             sys.executable, "-m", "dcp_otel.launcher", "--standalone", "--nproc-per-node", str(WORLD),

@@ -54,7 +54,7 @@ def family(name: str) -> str:
 
 def exported_families() -> set[str]:
     """Every family semconv's catalogue defines for Prometheus."""
-    return {spec.prometheus for spec in semconv.CHECKPOINT_METRICS + semconv.ELASTIC_METRICS}
+    return {spec.prometheus for spec in semconv.CHECKPOINT_METRICS + semconv.PROGRESS_METRICS + semconv.ELASTIC_METRICS}
 
 
 def expressions() -> dict[str, list[str]]:

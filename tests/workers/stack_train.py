@@ -7,8 +7,12 @@ Grafana shows: ``save``, ``async_save``, ``load``, and a ``save`` that fails on
 ``$STACK_FAIL_RANK``; ``$STACK_SLOW_RANK`` writes and reads slowly (a
 straggler). After each operation the rank waits until Prometheus has scraped
 it twice (the second scrape starts only once the first is stored), so every
-operation lands in its own scrape. Then it tells the test through a TCPStore
-and waits for the test's "exit".
+operation lands in its own scrape. Last, an ``async_save`` that does not finish
+while the test looks: its write on ``$STACK_SLOW_RANK`` waits for the test's
+"exit" (a hung storage mount, as Grafana's "where each rank is now" shows it); the
+job runs with ``DCP_OTEL_STALL_AFTER_S=2``, and each rank waits until its watchdog
+has reported the stall. Then it tells the test through a TCPStore and waits for
+the test's "exit", after which the last upload completes.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from torch.distributed.elastic import metrics
 
 import dcp_otel
-from dcp_otel import OTelMetricHandler
+from dcp_otel import OTelMetricHandler, semconv
 
 RANK = int(os.environ.get("RANK", "0"))
 SLOW_RANK = int(os.environ["STACK_SLOW_RANK"])
@@ -41,13 +45,17 @@ PLAN = ["save", "async_save", "load", "failing_save", "save", "async_save", "loa
 
 
 class Writer(dcp.FileSystemWriter):
-    """The job's storage: slow on the straggler, out of space on the failing rank when asked."""
+    """The job's storage: slow on the straggler, out of space on the failing rank when asked, hung on the
+    straggler until the test's "exit" when asked."""
 
     full = False
+    hung = False
 
     def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
         if RANK == SLOW_RANK:
             time.sleep(SLOW_S)
+            if Writer.hung:
+                _store().wait(["exit"])
         if Writer.full and RANK == FAIL_RANK:
             raise OSError(28, "No space left on device")
         return super().write_data(plan, planner)
@@ -68,6 +76,19 @@ def train_step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> float:
     optim.step()
     metrics.put_metric("steps", 1, "trainer")
     return float(loss)
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", int(os.environ["STACK_STORE_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=300))  # fmt: skip
+
+
+def stalls() -> float:
+    """This rank's stall reports so far (from the registry its endpoint serves)."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() if m.name == semconv.METRIC_STALLS for s in m.samples
+               if s.name.endswith("_total"))  # fmt: skip
 
 
 def checkpoint(kind: str, model: torch.nn.Module, path: str) -> None:
@@ -97,8 +118,7 @@ def main() -> None:
     assert endpoint is not None
     metrics.configure(OTelMetricHandler(), group="trainer")
     metrics.put_metric("loss", float("nan"), "trainer")  # a bad value: dropped and counted
-    store = dist.TCPStore("127.0.0.1", int(os.environ["STACK_STORE_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=300))  # fmt: skip
+    store = _store()
     dist.init_process_group("cpu:gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
@@ -112,8 +132,17 @@ def main() -> None:
         for _ in range(2):
             if not endpoint.wait_for_scrape(SCRAPE_TIMEOUT_S):
                 raise SystemExit(f"rank {RANK}: Prometheus never scraped {endpoint.url}")
+    # The checkpoint that does not finish while the test looks (the slow rank's write waits for "exit").
+    Writer.hung = True
+    unfinished = dcp.async_save({"model": model.state_dict()}, storage_writer=Writer(path + "-last"))
+    while not stalls():  # the watchdog reports it (DCP_OTEL_STALL_AFTER_S=2), and its series are served
+        if not endpoint.wait_for_scrape(SCRAPE_TIMEOUT_S):
+            raise SystemExit(f"rank {RANK}: Prometheus never scraped {endpoint.url}")
+    for _ in range(2):
+        endpoint.wait_for_scrape(SCRAPE_TIMEOUT_S)
     store.set(f"scraped/{RANK}", "1")
     store.wait(["exit"])
+    unfinished.result(timeout=SCRAPE_TIMEOUT_S)
     dist.destroy_process_group()
     endpoint.close()
 
