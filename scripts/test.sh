@@ -20,4 +20,4 @@ VENV="$compat" TORCH_VERSION="$COMPAT_TORCH" bash scripts/setup.sh
 exec "$compat/bin/python" -m pytest -p no:cacheprovider tests/test_spans.py tests/test_async_save.py \
     tests/test_failures.py tests/test_process_async.py tests/test_metrics.py tests/test_multiprocess.py \
     tests/test_state_dict_api.py tests/test_hf_storage.py tests/test_checkpointer.py tests/test_instrumentor.py \
-    tests/test_otel_metrics.py
+    tests/test_otel_metrics.py tests/test_live.py tests/test_hung_checkpoints.py
