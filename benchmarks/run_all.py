@@ -6,7 +6,8 @@
 Rows come from overhead.py (span cost per step; save, load, async save on 2
 ranks), metric_sinks.py (Prometheus and OpenTelemetry metrics, on the caller's
 thread and on the builder's), metrics_overhead.py (put_metric paths), faults.py (saves with a dead
-or hung OTLP endpoint) and process_async.py (the traced checkpoint daemon).
+or hung OTLP endpoint), process_async.py (the traced checkpoint daemon) and stall_watchdog.py (a save with
+the stall watchdog ticking or stopped, and the watchdog's own CPU).
 Each compares instrumented with uninstrumented runs interleaved in this run
 (medians), never with a number from elsewhere. The series budget is
 series_budget.py's own table.
@@ -28,6 +29,7 @@ import metric_sinks  # noqa: E402
 import metrics_overhead  # noqa: E402
 import overhead  # noqa: E402
 import process_async  # noqa: E402
+import stall_watchdog  # noqa: E402
 import torch  # noqa: E402
 
 Row = tuple[str, float, float, float | None, str]  # measure, ours, baseline, goal, unit
@@ -35,6 +37,8 @@ Row = tuple[str, float, float, float | None, str]  # measure, ours, baseline, go
 BUILDER_ROWS: list[tuple[str, float, int]] = []
 #: (metrics sinks, microseconds the builder spent per DCP step): what each sink costs off the caller's thread.
 BUILDER_STEP_ROWS: list[tuple[str, float]] = []
+#: (what, microseconds of the stall watchdog's CPU per second of wall time, or per event).
+WATCHDOG_ROWS: list[tuple[str, float]] = []
 
 
 def rows(quick: bool) -> list[Row]:
@@ -70,6 +74,16 @@ def rows(quick: bool) -> list[Row]:
                   daemon["upload_plain"] * 1e3, None, "ms"))  # fmt: skip
     found.append(("process async_save 16 MB, first (starts daemon)", daemon["first_traced"] * 1e3,
                   daemon["first_plain"] * 1e3, None, "ms"))  # fmt: skip
+    watched = stall_watchdog.measure(quick)
+    for arm in ("watchdog every 1 s", "watchdog every 50 ms"):
+        found.append((f"save 64 tensors, 1 process, {arm} / stopped", watched[f"save, {arm}"] * 1e3,
+                      watched["save, watchdog stopped"] * 1e3, None, "ms"))  # fmt: skip
+    for tick in (1.0, 0.05):
+        for what in ("idle", "one save open"):
+            WATCHDOG_ROWS.append((f"CPU per wall second, tick {tick:g} s, {what}", watched[f"cpu, tick {tick:g} s, {what}"] * 1e6))
+    WATCHDOG_ROWS.append(("one stall report (stack, span, warning, counter)", watched["one stall report"] * 1e6))
+    WATCHDOG_ROWS.append(("one scrape's in-progress gauges, one save open",
+                          watched["one collection of the in-progress gauges"] * 1e6))  # fmt: skip
     return found
 
 
@@ -94,6 +108,9 @@ def main() -> None:
     print(f"\n{'the builder per DCP step, by metrics sinks (full detail)':<56} {'us per step':>18}")
     for name, busy_us in BUILDER_STEP_ROWS:
         print(f"{name:<56} {busy_us:>18.2f}")
+    print(f"\n{'the stall watchdog (its own thread, holding the interpreter lock)':<56} {'us':>18}")
+    for name, value_us in WATCHDOG_ROWS:
+        print(f"{name:<56} {value_us:>18.1f}")
 
 
 if __name__ == "__main__":
