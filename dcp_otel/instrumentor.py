@@ -144,7 +144,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         timeout = float(options.flush_timeout_s)
         ending = Ending(recorder, live, otel, timeout, relay.send if relay is not None else None)
         if options.signals:
-            self._signals = SignalGuard(ending, lambda: flush_all(recorder, otel, timeout, wait_for_uploads=False))
+            self._signals = SignalGuard(
+                ending, lambda: timeout > 0 and flush_all(recorder, otel, timeout, wait_for_uploads=False))
             self._signals.install()
         publish: list[Callable[[list[LiveEntry]], None]] = []
         if metrics is not None and metrics.multiprocess:

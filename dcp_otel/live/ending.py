@@ -100,7 +100,8 @@ class Ending:
             return False
 
     def __call__(self, cause: str, frame: FrameType | None = None) -> None:
-        """End the open calls and flush, within ``flush_timeout_s``."""
+        """End the open calls and flush, within ``flush_timeout_s`` (0: dcp-otel starts no flush)."""
         deadline = time.monotonic() + self.flush_timeout_s
         self.end_open_calls(cause, frame)
-        self.flush(deadline)
+        if self.flush_timeout_s > 0:
+            self.flush(deadline)

@@ -108,11 +108,14 @@ class SignalGuard:
             logger.info("dcp_otel: instrumented off the main thread: SIGTERM/SIGINT are left alone")
             return []
         self.active = True
-        for sig in SIGNALS:
-            current = signal.getsignal(sig)
-            if is_default(sig, current):
-                signal.signal(sig, self._handle)
-                self._previous[sig] = current
+        try:
+            for sig in SIGNALS:
+                current = signal.getsignal(sig)
+                if is_default(sig, current):
+                    signal.signal(sig, self._handle)
+                    self._previous[sig] = current
+        except (ValueError, OSError):  # an interpreter that will not let us: instrument() goes on without
+            report("signal_setup_error", "dcp_otel could not install its SIGTERM/SIGINT handler", exc_info=True)
         try:
             held = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
             if held != -1:  # someone's already (an asyncio loop): theirs, not ours
