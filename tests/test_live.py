@@ -332,3 +332,28 @@ def test_a_rank_killed_with_nothing_but_its_stall_reports_is_unfinished_with_no_
         (1, "write_data", None, None), (0, semconv.STEP_NONE, None, "gather_object (_DistWrapper.all_reduce)")]
     assert ckpt.unfinished[0].description == "no end recorded; last reported stalled in write_data after 300.0 s"
     assert ckpt.unfinished[0].stack == stack
+
+
+def test_the_state_dict_api_is_in_progress_too(traced: Traced) -> None:
+    """``get_model_state_dict`` (which torch does not log; dcp-otel records it): a module whose state dict
+    takes for ever shows the call and its worker step as where the rank is."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(torch.nn.Linear):
+        def state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            entered.set()
+            release.wait(timeout=120)
+            return super().state_dict(*args, **kwargs)
+
+    thread = threading.Thread(target=get_model_state_dict, args=(Slow(4, 4),))
+    thread.start()
+    try:
+        assert entered.wait(60)
+        assert list(in_progress(traced.registry)) == [("get_model_state_dict", "_get_model_state_dict", "0")]
+    finally:
+        release.set()
+        thread.join(60)
+    assert dcp_otel.flush(timeout_s=30)
+    assert in_progress(traced.registry) == {}
