@@ -3,7 +3,7 @@
 Usage::
 
     dcp-otel demo [--ranks 4] [--slow-rank R] [--fail-rank R] [--out out/demo]
-    dcp-otel report out/demo/traces [--html report.html] [--perfetto trace.json] [--all]
+    dcp-otel report out/demo/traces [--html report.html [--trace-url URL]] [--perfetto trace.json] [--all]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from dcp_otel import demo
 from dcp_otel.otlp_file import SpanFileError
 from dcp_otel.report import DETAIL_LIMIT, build
+from dcp_otel.report.page_data import check_trace_url
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--html", type=Path, help="also write the report as a self-contained HTML page")
     report.add_argument("--perfetto", type=Path, help="also write a Chrome/Perfetto trace JSON")
     report.add_argument("--all", action="store_true", help=f"every checkpoint in detail (default: the {DETAIL_LIMIT} worst)")
+    report.add_argument("--trace-url", metavar="TEMPLATE",
+                        help="in the HTML page, link each span to your trace UI: a URL with {trace_id} (and optionally "
+                             "{span_id}), e.g. 'https://grafana.example/explore?left={\"queries\":[{\"query\":\"{trace_id}\"}]}'")  # fmt: skip
     return parser
 
 
@@ -37,12 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return demo.run(args)
+        check_trace_url(args.trace_url)
         result = build(args.traces)
     except (ValueError, SpanFileError) as exc:  # SpanFileError is a ValueError; both are the user's to fix
         parser.exit(2, f"dcp-otel {args.command}: error: {exc}\n")
     print(result.text(limit=None if args.all else DETAIL_LIMIT), end="")
     if args.html:
-        args.html.write_text(result.html(), encoding="utf-8")
+        args.html.write_text(result.html(args.trace_url), encoding="utf-8")
         print(f"report (HTML): {args.html}")
     if args.perfetto:
         args.perfetto.write_text(json.dumps(result.perfetto()), encoding="utf-8")

@@ -11,6 +11,7 @@ the straggler highlighted), and a Chrome/Perfetto trace JSON.
 Usage::
 
     dcp-otel report out/demo/traces --html report.html --perfetto trace.json
+    dcp-otel report out/demo/traces --html report.html --trace-url 'https://tempo.example/trace/{trace_id}'
 
     from dcp_otel.report import build
     report = build(["out/demo/traces"])       # SpanFileError on a malformed file
@@ -53,10 +54,11 @@ class Report:
 
         return render_details(self.checkpoints, limit)
 
-    def html(self) -> str:
+    def html(self, trace_url: str | None = None) -> str:
+        """The self-contained page; ``trace_url`` (``{trace_id}``, ``{span_id}``) links each span to your trace UI."""
         from dcp_otel.report.html import render
 
-        return render(self.checkpoints)
+        return render(self.checkpoints, trace_url)
 
     def perfetto(self) -> dict[str, object]:
         from dcp_otel.report.perfetto import render

@@ -1,17 +1,21 @@
-"""The report as one self-contained HTML page: the run's summary and trend, then each checkpoint.
+"""The report as one self-contained HTML page: a trace explorer for a run of any width.
 
-Works offline: no external script, style or font. At the top, the summary (each
-failure with its cause in full, the run's straggler) and a chart of each
-operation kind's duration over the run, drawn here as SVG. Then one section per
-checkpoint, worst first, the first few open and the rest collapsed: a table,
-and a timeline drawn in the browser (SVG) from the data embedded in the page
-when its section is opened: one lane per rank (labels sized to fit), each span
-a bar nested by depth, failed spans outlined in red, the straggler's lane
-highlighted, a time axis with ticks, and a legend for every colour used.
+Works offline: no external script, style or font (``page.js`` and ``page.css``
+are embedded). At the top, the summary (unfinished and failed checkpoints with
+their causes in full, the run's straggler) and a chart of each operation kind's
+duration over the run. Then a search box, the compare view (two checkpoints side
+by side, per step and per rank), and one section per checkpoint, worst first,
+the first few open and the rest collapsed: a table, the straggler and the most
+skewed step, and a timeline drawn in the browser from the data embedded in the
+page (:mod:`dcp_otel.report.page_data`): the ranks worth reading as lanes, the
+rest folded into bands of alike ranks (expandable), each span a bar that shows
+all it carries when clicked (with a link to the trace in your Tempo, Jaeger or
+Grafana when ``trace_url`` is given), zoom and pan along time, and a legend for
+every colour used.
 
 Usage::
 
-    Path("report.html").write_text(render(checkpoints(spans)))
+    Path("report.html").write_text(render(checkpoints(spans), trace_url="https://tempo/trace/{trace_id}"))
 """
 
 from __future__ import annotations
@@ -19,129 +23,17 @@ from __future__ import annotations
 import html
 import json
 import math
-from typing import Any
+from importlib.resources import files
 
 from dcp_otel import semconv
 from dcp_otel.report.model import Checkpoint
+from dcp_otel.report.page_data import page_data
 from dcp_otel.report.summary import FAILURES_SHOWN, Summary, summarize, worst_first
-from dcp_otel.report.terminal import format_bytes, innermost_frames, ranks_worth_showing
+from dcp_otel.report.terminal import format_bytes, innermost_frames, ranks_worth_showing, skew_line
 
-_STYLE = """
-body { font: 14px system-ui, sans-serif; margin: 24px; color: #1d2330; background: #fafbfc; }
-h1 { font-size: 20px; } h2 { font-size: 16px; margin: 28px 0 6px; }
-.meta { color: #5a6270; font-size: 12px; margin-bottom: 8px; }
-.failed { color: #c4162a; font-weight: 600; }
-table { border-collapse: collapse; margin: 6px 0 10px; font-size: 13px; }
-th, td { padding: 3px 10px; text-align: right; border-bottom: 1px solid #e3e6ea; }
-th:first-child, td:first-child, th:last-child, td:last-child { text-align: left; }
-table.steps td:last-child { text-align: right; }
-details { margin: 4px 0; font-size: 13px; } summary { cursor: pointer; color: #3274d9; }
-tr.straggler td { background: #fff1e6; font-weight: 600; }
-.timeline { background: #fff; border: 1px solid #e3e6ea; border-radius: 4px; }
-.lane-label { font-size: 12px; fill: #1d2330; }
-.lane.straggler .lane-bg { fill: #fff1e6; }
-.lane.straggler .lane-label { fill: #d45b00; font-weight: 700; }
-.bar { stroke: #fff; stroke-width: 0.5; }
-.bar.error { stroke: #c4162a; stroke-width: 2; }
-.lane.straggler .bar.io { fill: #d45b00; }
-.legend span { display: inline-block; margin-right: 14px; font-size: 12px; }
-.legend i { display: inline-block; width: 10px; height: 10px; margin-right: 4px; vertical-align: middle; }
-.legend i.outline { background: #fff; border: 2px solid #c4162a; width: 8px; height: 8px; }
-.tick { font-size: 11px; fill: #5a6270; } .tick-line { stroke: #d5d9de; stroke-width: 1; }
-.summary { background: #fff; border: 1px solid #e3e6ea; border-radius: 4px; padding: 10px 16px; margin: 10px 0 18px; }
-.summary pre { background: #fff6f6; border-left: 3px solid #c4162a; padding: 6px 10px; white-space: pre-wrap;
-  font-size: 12px; margin: 4px 0 10px; }
-.trend-line { fill: none; stroke-width: 1.5; }
-section.checkpoint > details > summary { font-size: 15px; font-weight: 600; color: #1d2330; margin: 14px 0 4px; }
-"""
+#: The page's style and script, beside this module (package data), embedded whole: the page works offline.
+_ASSETS = files("dcp_otel.report")
 
-# Draws every checkpoint's timeline from the embedded data; no library needed.
-_SCRIPT = """
-const data = JSON.parse(document.getElementById("report-data").textContent);
-const colors = {operation: "#8ab8ff", io: "#3274d9", upload: "#a78bfa", other: "#73bf69"};
-const NS = "http://www.w3.org/2000/svg";
-function el(name, attrs, parent) {
-  const node = document.createElementNS(NS, name);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-  if (parent) parent.appendChild(node);
-  return node;
-}
-function niceStep(total, ticks) {  // 1, 2 or 5 times a power of ten, giving at least `ticks` ticks
-  const raw = total / ticks, power = Math.pow(10, Math.floor(Math.log10(raw)));
-  for (const m of [5, 2, 1]) if (m * power <= raw) return m * power;
-  return power / 2;
-}
-function draw(ckpt) {
-  const host = document.getElementById("timeline-" + ckpt.index);
-  if (!host || host.dataset.drawn) return;
-  host.dataset.drawn = "1";
-  const width = 1100, row = 14;
-  const depth = Math.max(1, ...ckpt.lanes.map(l => l.depth + 1));
-  const laneHeight = depth * row + 8;
-  const svg = el("svg", {class: "timeline", width: width, height: ckpt.lanes.length * laneHeight + 34}, host);
-  // Labels first, measured, so the bars start after the longest one: never clipped.
-  const labels = ckpt.lanes.map((lane, i) => {
-    const g = el("g", {class: "lane" + (lane.rank === ckpt.straggler ? " straggler" : ""), "data-rank": lane.rank}, svg);
-    el("rect", {class: "lane-bg", x: 0, y: 4 + i * laneHeight, width: width, height: laneHeight,
-                fill: i % 2 ? "#fff" : "#f6f7f9"}, g);
-    const text = el("text", {class: "lane-label", x: 6, y: 4 + i * laneHeight + 14}, g);
-    text.textContent = "rank " + lane.rank + (lane.rank === ckpt.straggler ? " (straggler)" : "");
-    return [g, text];
-  });
-  const label = 16 + Math.max(40, ...labels.map(([, t]) => t.getComputedTextLength()));
-  const scale = (width - label - 16) / Math.max(ckpt.duration_ms, 1e-6);
-  ckpt.lanes.forEach((lane, i) => {
-    const y0 = 4 + i * laneHeight, g = labels[i][0];
-    for (const bar of lane.bars) {
-      const rect = el("rect", {
-        class: "bar " + bar.kind + (bar.error ? " error" : ""), "data-name": bar.name,
-        x: label + bar.start_ms * scale, y: y0 + 4 + bar.depth * row,
-        width: Math.max(1, bar.dur_ms * scale), height: row - 2, fill: colors[bar.kind]}, g);
-      el("title", {}, rect).textContent = `rank ${lane.rank} ${bar.name}: ${bar.dur_ms.toFixed(2)} ms` +
-        (bar.error ? " (failed: " + bar.error + ")" : "");
-    }
-  });
-  const axisY = ckpt.lanes.length * laneHeight + 8, step = niceStep(ckpt.duration_ms, 5);
-  for (let t = 0; t <= ckpt.duration_ms + 1e-9; t += step) {
-    const x = label + t * scale;
-    el("line", {class: "tick-line", x1: x, x2: x, y1: 4, y2: axisY + 4}, svg);
-    const tick = el("text", {class: "tick", x: x, y: axisY + 18, "text-anchor": "middle"}, svg);
-    tick.textContent = (step < 1 ? t.toFixed(1) : t.toFixed(0)) + " ms";
-  }
-}
-for (const ckpt of data.checkpoints) {
-  const section = document.getElementById("checkpoint-" + ckpt.index);
-  const details = section && section.querySelector("details.ckpt");
-  if (!details || details.open) draw(ckpt);
-  if (details) details.addEventListener("toggle", () => { if (details.open) draw(ckpt); });
-}
-document.body.setAttribute("data-rendered", String(data.checkpoints.length));
-"""
-
-
-def _kind(name: str) -> str:
-    step = name.removeprefix(semconv.SPAN_PREFIX)
-    if step in semconv.IO_STEPS:
-        return "io"
-    if name in (semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING):
-        return "upload"
-    if step in semconv.OPERATIONS:
-        return "operation"
-    return "other"
-
-
-def _lanes(ckpt: Checkpoint) -> list[dict[str, Any]]:
-    lanes: dict[int, dict[str, Any]] = {}
-    for rank, span, ancestors in ckpt.rank_spans():
-        depth = len(ancestors)
-        lane = lanes.setdefault(rank, {"rank": rank, "depth": 0, "bars": []})
-        lane["depth"] = max(lane["depth"], depth)
-        lane["bars"].append({
-            "name": span.name.removeprefix(semconv.SPAN_PREFIX), "kind": _kind(span.name), "depth": depth,
-            "start_ms": (span.start_ns - ckpt.start_ns) / 1e6, "dur_ms": (span.end_ns - span.start_ns) / 1e6,
-            "error": span.status_message if span.error else None,
-        })  # fmt: skip
-    return [lanes[rank] for rank in sorted(lanes)]
 
 
 #: Column names, each with the definition shown on hover. The parts add up: total = busy + waiting.
@@ -188,6 +80,9 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
         notes.append(f"... and {len(ckpt.unfinished) - _UNFINISHED_SHOWN} more unfinished ranks.")
     if ckpt.straggler is not None:
         notes.append(f"Straggler: <b>rank {ckpt.straggler}</b>, busy {ckpt.straggler_skew:.1f}x the median rank.")
+    skew = skew_line(ckpt)
+    if skew:
+        notes.append(f'<span class="skew">{e(skew[0].upper() + skew[1:])}.</span>')
     if ckpt.failed_ranks and not ckpt.is_unfinished:
         ranks = ", ".join(map(str, ckpt.failed_ranks))
         notes.append(f'<span class="failed">Failed on rank {ranks}: {e(ckpt.error or "")}</span>')
@@ -196,7 +91,8 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
     if len(shown) < len(ckpt.ranks):
         rest = [r for r in ckpt.ranks if r.rank not in shown]
         notes.insert(0, f"{len(rest)} other ranks not listed: total {min(r.duration_s for r in rest):.3f} to "
-                        f"{max(r.duration_s for r in rest):.3f} s (their lanes are in the timeline).")  # fmt: skip
+                        f"{max(r.duration_s for r in rest):.3f} s (in the timeline: bands of alike ranks, each "
+                        "expanded by a click; or search for one).")  # fmt: skip
     return (
         f'<section class="checkpoint" id="checkpoint-{index}"><details class="ckpt"{" open" if open_ else ""}>'
         f"<summary>{e(ckpt.operation)} {e(ckpt.checkpoint_id)} &mdash; {ckpt.duration_s:.3f} s, {status}</summary>"
@@ -212,7 +108,7 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
 
 #: Every colour a timeline uses, and what it means (the straggler's write/read bars are orange).
 LEGEND = (("operation", "#8ab8ff"), ("write/read", "#3274d9"), ("straggler's write/read", "#d45b00"),
-          ("async upload/staging", "#a78bfa"), ("other steps", "#73bf69"))  # fmt: skip
+          ("async upload/staging", "#a78bfa"), ("other steps", "#73bf69"), ("stall report", "#e0b400"))  # fmt: skip
 #: Sections open when the page loads (the worst first); the others draw their timeline when opened.
 OPEN_SECTIONS = 5
 #: Unfinished ranks named in a checkpoint's section (the timeline shows every one).
@@ -309,27 +205,47 @@ def _run_summary(summary: Summary, checkpoints: list[Checkpoint]) -> str:
     return "".join(parts)
 
 
-def render(checkpoints: list[Checkpoint]) -> str:
-    data = {
-        "checkpoints": [
-            {"index": i, "operation": c.operation, "straggler": c.straggler,
-             "duration_ms": (c.end_ns - c.start_ns) / 1e6, "lanes": _lanes(c)}
-            for i, c in enumerate(checkpoints)
-        ]
-    }  # fmt: skip
-    # "</" would end the script element early; JSON allows "<\\/" for it.
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+def _compare(checkpoints: list[Checkpoint], order: list[int]) -> str:
+    """Two checkpoints side by side: by default the worst one, and the one of its kind just before it."""
+    e = html.escape
+    a = order[0]
+    same = [i for i in range(len(checkpoints)) if i != a and checkpoints[i].operation == checkpoints[a].operation]
+    earlier = [i for i in same if i < a]
+    b = earlier[-1] if earlier else (same[0] if same else (order[1] if len(order) > 1 else a))
+
+    def options(selected: int) -> str:
+        return "".join(f'<option value="{i}"{" selected" if i == selected else ""}>#{i + 1} {e(c.operation)} '
+                       f"{e(c.checkpoint_id)} ({c.duration_s:.3f} s)</option>" for i, c in enumerate(checkpoints))  # fmt: skip
+
+    return ('<section id="compare"><h2>Compare two checkpoints</h2><p>'
+            f'<select id="compare-a">{options(a)}</select> against <select id="compare-b">{options(b)}</select></p>'
+            '<div id="compare-result"></div></section>')  # fmt: skip
+
+
+def render(checkpoints: list[Checkpoint], trace_url: str | None = None) -> str:
+    """The page; ``trace_url`` (with ``{trace_id}``, optionally ``{span_id}``) links each span to your trace UI."""
+    data = page_data(checkpoints, trace_url)
+    # "</" would end the script element early, and "<!--" would start a script comment that swallows the
+    # page's script: no "<" at all, as JSON's own escape for it.
+    payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
     legend = "".join(f'<span><i style="background:{c}"></i>{name}</span>' for name, c in LEGEND)
-    legend += '<span><i class="outline"></i>failed span</span>'
+    legend += ('<span><i class="outline"></i>failed span</span>'
+               '<span><i style="background:#c9d6ea"></i>band of alike ranks: spread (median darker)</span>')  # fmt: skip
     order = worst_first(checkpoints)
     sections = "".join(_section(i, checkpoints[i], n < OPEN_SECTIONS) for n, i in enumerate(order))
+    toolbar = ('<div id="toolbar"><input type="search" id="search" placeholder="rank 7, write_data, failed, '
+               'unfinished, a checkpoint id..." aria-label="search the checkpoints">'
+               '<span class="hint" id="search-count"></span><span class="hint">click a bar for everything its span '
+               "carries</span></div>")  # fmt: skip
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         "<title>dcp-otel checkpoint report</title>"
-        f"<style>{_STYLE}</style></head><body>"
+        f"<style>{_ASSETS.joinpath('page.css').read_text(encoding='utf-8')}</style></head><body>"
         "<h1>dcp-otel checkpoint report</h1>"
         f"{_run_summary(summarize(checkpoints), checkpoints)}"
+        f"{toolbar}{_compare(checkpoints, order)}"
         f'<h2>Checkpoints, worst first</h2><div class="legend timeline-legend">{legend}</div>{sections}'
+        '<aside id="span-details" hidden></aside>'
         f'<script type="application/json" id="report-data">{payload}</script>'
-        f"<script>{_SCRIPT}</script></body></html>\n"
+        f"<script>{_ASSETS.joinpath('page.js').read_text(encoding='utf-8')}</script></body></html>\n"
     )

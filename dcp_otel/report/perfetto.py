@@ -2,7 +2,8 @@
 
 PyTorch users open ``torch.profiler`` traces the same way. One process per
 rank; the rank's operation and steps on one thread, each async upload (which
-outlives its call) on a second, so every thread's events nest properly.
+outlives its call) on a second, so every thread's events nest properly. Each
+event's args hold every attribute of its span, its ids and its exception.
 
 Usage::
 
@@ -31,8 +32,11 @@ def render(checkpoints: list[Checkpoint]) -> dict[str, Any]:
                 "name": span.name.removeprefix(semconv.SPAN_PREFIX), "cat": ckpt.operation, "ph": "X",
                 "ts": span.start_ns / 1000, "dur": max(0.0, (span.end_ns - span.start_ns) / 1000),
                 "pid": rank, "tid": tid,
-                "args": {"trace_id": ckpt.trace_id, "checkpoint_id": ckpt.checkpoint_id,
-                         "error": span.status_message if span.error else None,
+                # Everything the span carries (its attributes, its exception), and what the report adds.
+                "args": {**span.attributes, "trace_id": ckpt.trace_id, "span_id": span.span_id,
+                         "checkpoint_id": ckpt.checkpoint_id, "error": span.status_message if span.error else None,
+                         **({"exception": span.exception} if span.exception else {}),
+                         **({"exception.stacktrace": span.stacktrace} if span.stacktrace else {}),
                          "straggler": rank == ckpt.straggler},
             })  # fmt: skip
     for rank in sorted(ranks):

@@ -74,10 +74,9 @@ def render_one(ckpt: Checkpoint) -> str:
     if ckpt.straggler is not None:
         lines.append(f"  straggler: rank {ckpt.straggler}, busy {ckpt.straggler_skew:.1f}x the median rank"
                      + (" (caller and upload)" if ckpt.operation in semconv.ASYNC_OPERATIONS else ""))
-    worst = max(ckpt.steps, key=lambda s: (s.skew, s.median_s), default=None)
-    if worst is not None and len(worst.by_rank) > 1:
-        lines.append(f"  most skewed step: {worst.name} on rank {worst.slowest_rank}: "
-                     f"{worst.by_rank[worst.slowest_rank]:.3f}s vs median {worst.median_s:.3f}s ({worst.skew:.1f}x)")  # fmt: skip
+    skew = skew_line(ckpt)
+    if skew:
+        lines.append(f"  {skew}")
     if ckpt.is_unfinished:
         lines += [f"  unfinished on rank {u.rank}: {u.description}"
                   + (f" ({u.stalls} stall report{'s' if u.stalls != 1 else ''})" if u.stalls else "")
@@ -87,6 +86,15 @@ def render_one(ckpt: Checkpoint) -> str:
     elif ckpt.failed_ranks:
         lines.append(f"  failed on rank {', '.join(map(str, ckpt.failed_ranks))}: {ckpt.error}")
     return "\n".join(lines)
+
+
+def skew_line(ckpt: Checkpoint) -> str | None:
+    """``"most skewed step: write_data on rank 7: 1.2s vs median 0.1s (12.0x)"`` (``None`` on one rank)."""
+    worst = max(ckpt.steps, key=lambda s: (s.skew, s.median_s), default=None)
+    if worst is None or len(worst.by_rank) < 2:
+        return None
+    return (f"most skewed step: {worst.name} on rank {worst.slowest_rank}: "
+            f"{worst.by_rank[worst.slowest_rank]:.3f}s vs median {worst.median_s:.3f}s ({worst.skew:.1f}x)")  # fmt: skip
 
 
 def ranks_worth_showing(ckpt: Checkpoint) -> set[int]:
