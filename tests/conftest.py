@@ -4,6 +4,8 @@ instrumented for the test and uninstrumented after it."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,3 +80,24 @@ def dcp_records() -> Iterator[list[dict]]:
     _dcp_logger.addHandler(handler)
     yield records
     _dcp_logger.removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def browser():  # type: ignore[no-untyped-def]
+    """Headless Chromium through the Debian chromium-driver (fails under $CI when missing)."""
+    driver_path = shutil.which("chromedriver")
+    if driver_path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromedriver is missing in CI: scripts/setup.sh --browser installs it")
+        pytest.skip("chromium-driver not installed (scripts/test.sh installs it)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--window-size=1300,1000"):  # fmt: skip
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    yield driver
+    driver.quit()
