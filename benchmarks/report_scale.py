@@ -1,10 +1,12 @@
-"""The report of a large run: 500 checkpoints on 64 ranks (152,500 spans), in seconds.
+"""The report of a large run: 500 checkpoints on 64 ranks (152,500 spans), and 50 on 1,024 ranks, in seconds.
 
 Generates the run's OTLP JSON files (``tests/generated_run.py``), then times each
 stage of ``dcp-otel report``: reading the files, building the model, the
 terminal text (summary and the 10 worst) and the HTML page. Side by side, the
 same files read through protobuf's JSON parser, which the report used before.
-Goal: the whole report in seconds.
+Goal: the whole report in seconds. For the wide run: the HTML page's size, and
+the time headless Chromium takes to open it and draw its open timelines (when
+chromium-driver is installed).
 
 Usage::
 
@@ -13,6 +15,7 @@ Usage::
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 import time
@@ -61,5 +64,50 @@ def main() -> None:
           f"terminal {len(text.splitlines())} lines; HTML {len(page) / 1e6:.1f} MB")
 
 
+def first_render_s(page: Path) -> float | None:
+    """Seconds headless Chromium takes to open ``page`` and draw it (``None`` without chromium-driver)."""
+    driver_path = shutil.which("chromedriver")
+    if driver_path is None:
+        return None
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--window-size=1300,1000"):  # fmt: skip
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    try:
+        driver.get("about:blank")  # the browser's own start-up is not the page's
+        started = time.perf_counter()
+        driver.get(page.as_uri())  # returns once the page has loaded: its script has drawn by then
+        assert driver.execute_script("return document.body.dataset.rendered")
+        return time.perf_counter() - started
+    finally:
+        driver.quit()
+
+
+def wide(count: int = 50, ranks: int = 1024) -> None:
+    """The wide run: the HTML page's time, size and first render."""
+    rows: list[tuple[str, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = timed("generate the files (not part of the report)", lambda: write_run(Path(tmp), count, ranks), rows)
+        size = sum(p.stat().st_size for p in folder.iterdir())
+        spans = timed("read the span files", lambda: read_spans([folder]), rows)
+        found = timed("build the model", lambda: checkpoints(spans), rows)
+        page_text = timed("HTML page", Report(found).html, rows)
+        page = Path(tmp) / "wide.html"
+        page.write_text(page_text)
+        render_s = first_render_s(page)
+    print(f"\n{count} checkpoints x {ranks} ranks: {len(spans):,} spans, {size / 1e6:.0f} MB of OTLP JSON")
+    for label, seconds in rows:
+        print(f"  {label:<48} {seconds:7.2f} s")
+    print(f"  {'HTML page size':<48} {len(page_text) / 1e6:7.1f} MB")
+    shown = "not measured (no chromium-driver)" if render_s is None else f"{render_s:7.2f} s"
+    print(f"  {'first render in headless Chromium':<48} {shown}")
+
+
 if __name__ == "__main__":
     main()
+    wide()
