@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dcp_otel.otlp_file import _documents, from_otlp_json, read_spans, spans_of  # noqa: E402
 from dcp_otel.report import Report  # noqa: E402
 from dcp_otel.report.model import checkpoints  # noqa: E402
+from tests.browser import start  # noqa: E402
 from tests.generated_run import write_run  # noqa: E402
 
 
@@ -69,15 +70,7 @@ def first_render_s(page: Path) -> float | None:
     driver_path = shutil.which("chromedriver")
     if driver_path is None:
         return None
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--window-size=1300,1000"):  # fmt: skip
-        options.add_argument(flag)
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    driver = start(driver_path)
     try:
         driver.get("about:blank")  # the browser's own start-up is not the page's
         started = time.perf_counter()

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 import dcp_otel
 from dcp_otel import _selftelemetry
+from tests.browser import start
 from tests.spans_io import SpanRecord, from_readable
 
 
@@ -90,14 +91,6 @@ def browser():  # type: ignore[no-untyped-def]
         if os.environ.get("CI"):
             pytest.fail("chromedriver is missing in CI: scripts/setup.sh --browser installs it")
         pytest.skip("chromium-driver not installed (scripts/test.sh installs it)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--window-size=1300,1000"):  # fmt: skip
-        options.add_argument(flag)
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    driver = start(driver_path)
     yield driver
     driver.quit()
