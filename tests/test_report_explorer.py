@@ -177,3 +177,27 @@ def test_a_trace_url_without_a_place_for_the_trace_id_is_a_clear_error(tmp_path:
     assert done.returncode == 2 and "--trace-url must contain {trace_id}" in done.stderr
     assert not (tmp_path / "x.html").exists()
     assert build([folder]).html().count('id="report-data"') == 1  # and without one, no link at all
+
+
+def test_a_wide_checkpoints_lanes_are_the_ranks_worth_reading_the_unfinished_ones_too() -> None:
+    """40 ranks: the coordinator, the slowest, and rank 33, stopped by SIGTERM, are lanes; the rest fold."""
+    from dcp_otel import semconv
+    from dcp_otel.otlp_file import FileSpan
+    from dcp_otel.report.model import checkpoints
+    from dcp_otel.report.page_data import BANDS, fold
+
+    spans = []
+    for rank in range(40):
+        attributes: dict[str, Any] = {"dcp.operation": "save", "dcp.rank": rank}
+        end = 10_000_000 + rank * 1000
+        error = ""
+        if rank == 33:
+            attributes[semconv.ATTR_INTERRUPTED] = "SIGTERM"
+            error = "terminated by SIGTERM during write_data"
+        spans.append(FileSpan("c" * 32, f"{rank:016x}", "", "dcp.save", 0, end, bool(error), error, attributes))
+        spans.append(FileSpan("c" * 32, f"{rank + 100:016x}", f"{rank:016x}", "dcp.write_data", 0, end - 1000,
+                              False, "", {"dcp.operation": "save", "dcp.rank": rank}))  # (the later rank, the longer)
+    (ckpt,) = checkpoints(spans)
+    lanes, bands = fold(ckpt)
+    assert 0 in lanes and 33 in lanes and 39 in lanes  # the coordinator, the unfinished, the slowest
+    assert len(bands) == BANDS and sorted(lanes + [r for b in bands for r in b["ranks"]]) == list(range(40))
