@@ -91,6 +91,29 @@ def bounded_name(name: str) -> str:
     return name if _NAME.match(name) else OTHER
 
 
+class BoundedLabel:
+    """Label values from a set that is small in practice but not closed (exception class names): each value must
+    look like an identifier, and past ``limit`` distinct ones every new one is ``"other"``."""
+
+    _SHAPE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        if not self._SHAPE.match(value) or len(self._seen) >= self._limit:
+            return OTHER
+        self._seen.add(value)
+        return value
+
+
+#: The ``error_type`` label: exception class names, at most 32 per process.
+ERROR_TYPES = BoundedLabel(32)
+
+
 class MetricsSink(Protocol):
     """What the span recorder tells metrics: :class:`CheckpointMetrics`, or the
     :class:`~dcp_otel.metrics_relay.MetricsRelay` standing in for it in the async save process."""
@@ -119,6 +142,8 @@ class MetricsSink(Protocol):
     def async_upload_done(self, rank: str, duration_s: float, exemplar: Exemplar | None) -> None: ...
 
     def stalled(self, operation: str, step: str, rank: str) -> None: ...
+
+    def failure_started(self, operation: str, rank: str, error_type: str) -> None: ...
 
 
 def multiprocess_mode() -> bool:
@@ -152,6 +177,7 @@ class CheckpointMetrics:
             self.last_success: Gauge = new(semconv.LAST_SUCCESS)
             self.telemetry_problems: Counter = new(semconv.TELEMETRY_PROBLEMS)
             self.stalls: Counter = new(semconv.STALLS)
+            self.failures: Counter = new(semconv.FAILURES)
             #: What is open now; set by the instrumentor (read at every collection).
             self.live: Callable[[], list[LiveEntry]] | None = None
             # In multiprocess mode only the files are served: the watchdog publishes into gauges
@@ -240,6 +266,9 @@ class CheckpointMetrics:
 
     def stalled(self, operation: str, step: str, rank: str) -> None:
         self.stalls.labels(bounded_name(operation), bounded_step(step), rank).inc()
+
+    def failure_started(self, operation: str, rank: str, error_type: str) -> None:
+        self.failures.labels(bounded_name(operation), rank, ERROR_TYPES(error_type)).inc()
 
     def publish_progress(self, entries: list[LiveEntry]) -> None:
         """Multiprocess mode: set the in-progress gauges to ``entries``; those no longer open go to 0.
@@ -339,6 +368,9 @@ class ForwardingSink:
 
     def stalled(self, operation: str, step: str, rank: str) -> None:
         self._forward("stalled", operation, step, rank)
+
+    def failure_started(self, operation: str, rank: str, error_type: str) -> None:
+        self._forward("failure_started", operation, rank, error_type)
 
 
 class FanOut(ForwardingSink):

@@ -36,7 +36,7 @@ from dcp_otel.metrics import ForwardingSink, LiveEntry, MetricsSink
 #: The observations a daemon can make (the operation itself belongs to the rank).
 RELAYED = frozenset(
     {"operation_done", "step_done", "bytes_written", "bytes_read", "async_handed_off", "async_phase_done", "async_upload_done",
-     "stalled"}
+     "stalled", "failure_started"}
 )  # fmt: skip
 #: Not a metric: where the daemon's open operations are now (its live progress), replacing the last one sent.
 PROGRESS = "progress"

@@ -39,7 +39,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observa
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from dcp_otel import _selftelemetry, semconv
-from dcp_otel.metrics import Exemplar, LiveEntry, bounded_name, bounded_step, process_rank
+from dcp_otel.metrics import ERROR_TYPES, Exemplar, LiveEntry, bounded_name, bounded_step, process_rank
 from dcp_otel.version import __version__
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class OTelCheckpointMetrics:
         self.last_success = create_instrument(m, semconv.LAST_SUCCESS)
         self.telemetry_problems = create_instrument(m, semconv.TELEMETRY_PROBLEMS)
         self.stalls = create_instrument(m, semconv.STALLS)
+        self.failures = create_instrument(m, semconv.FAILURES)
         for spec in semconv.LIVE_METRICS:  # observed at each collection, through _ACTIVE (see below)
             create_instrument(m, spec)
         #: Set by the instrumentor: collections wait (bounded) for what it has queued.
@@ -208,6 +209,10 @@ class OTelCheckpointMetrics:
     def stalled(self, operation: str, step: str, rank: str) -> None:
         self.stalls.add(1, {semconv.LABEL_OPERATION: bounded_name(operation), semconv.LABEL_STEP: bounded_step(step),
                             semconv.LABEL_RANK: rank})  # fmt: skip
+
+    def failure_started(self, operation: str, rank: str, error_type: str) -> None:
+        self.failures.add(1, {semconv.LABEL_OPERATION: bounded_name(operation), semconv.LABEL_RANK: rank,
+                              semconv.LABEL_ERROR_TYPE: ERROR_TYPES(error_type)})  # fmt: skip
 
 
 #: The sinks of the instrumentations in force (one, unless several providers were used in turn).

@@ -55,6 +55,9 @@ ATTR_PLANNER: Final = "dcp.planner"  # str, class name
 #: True on a span whose end time was inferred (torch did not log the step's
 #: exception; the span was closed when the failure became visible).
 ATTR_END_INFERRED: Final = "dcp.end_inferred"
+#: True on a span whose call returned after dcp-otel was uninstrumented: it ended by then, with no
+#: error dcp-otel saw, but torch's own record of its end no longer reached dcp-otel.
+ATTR_END_UNKNOWN: Final = "dcp.end_unknown"
 #: int[] on a span that failed with torch's ``CheckpointException``: the ranks
 #: whose step raised, as every rank learns them from torch.
 ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
@@ -189,6 +192,7 @@ LABEL_PHASE: Final = "phase"
 LABEL_GROUP: Final = "group"
 LABEL_NAME: Final = "name"
 LABEL_REASON: Final = "reason"
+LABEL_ERROR_TYPE: Final = "error_type"
 
 #: What kind of instrument a metric is, in both APIs.
 KIND_HISTOGRAM: Final = "histogram"
@@ -264,6 +268,12 @@ LAST_SUCCESS: Final = MetricSpec(
     "dcp_last_success_timestamp_seconds", "dcp.last_success_timestamp", "s", KIND_GAUGE, (LABEL_OPERATION, LABEL_RANK),
     "Unix time of the last successful operation.", multiprocess_mode="max",
 )  # fmt: skip
+#: Counted once per failed operation, by the rank whose own exception it was (not by the peers that only
+#: re-raise torch's CheckpointException): where a failure started, and what it was.
+FAILURES: Final = MetricSpec(
+    "dcp_failures", "dcp.failures", "{failure}", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK, LABEL_ERROR_TYPE),
+    "Failed checkpoint operations counted where the failure started: the rank whose own exception it was.",
+)  # fmt: skip
 #: What dcp_otel.diagnostics() counts (dropped spans, malformed records...), per reason and rank.
 TELEMETRY_PROBLEMS: Final = MetricSpec(
     "dcp_otel_telemetry_problems", "dcp_otel.telemetry_problems", "{problem}", KIND_COUNTER, (LABEL_REASON, LABEL_RANK),
@@ -289,7 +299,7 @@ STALLS: Final = MetricSpec(
 #: What finished operations record (the builder, from each operation's calls).
 CHECKPOINT_METRICS: Final = (
     OPERATION_DURATION, STEP_DURATION, OPERATION_COUNT, WRITTEN_BYTES, READ_BYTES, ASYNC_IN_FLIGHT, ASYNC_PHASE_DURATION,
-    COLLECTIVE_WAIT, LAST_SUCCESS, TELEMETRY_PROBLEMS,
+    COLLECTIVE_WAIT, LAST_SUCCESS, TELEMETRY_PROBLEMS, FAILURES,
 )  # fmt: skip
 #: Read from the open calls when metrics are collected, not recorded: present only while a call is open.
 LIVE_METRICS: Final = (IN_PROGRESS, STALL_THRESHOLD)
@@ -333,6 +343,7 @@ METRIC_TELEMETRY_PROBLEMS: Final = TELEMETRY_PROBLEMS.prometheus  # dcp_otel_tel
 METRIC_IN_PROGRESS: Final = IN_PROGRESS.prometheus
 METRIC_STALL_THRESHOLD: Final = STALL_THRESHOLD.prometheus
 METRIC_STALLS: Final = STALLS.prometheus  # dcp_stalls_total
+METRIC_FAILURES: Final = FAILURES.prometheus  # dcp_failures_total
 METRIC_ELASTIC_DURATION: Final = ELASTIC_DURATION.prometheus
 METRIC_ELASTIC_CALLS: Final = ELASTIC_CALLS.prometheus  # torchelastic_calls_total
 METRIC_ELASTIC_EVENTS: Final = ELASTIC_EVENTS.prometheus  # torchelastic_events_total

@@ -92,7 +92,7 @@ def _gather_object_wrapper(hooks: Hooks) -> Callable[..., Any]:
     recorder = hooks.recorder
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        recorder.on_gathered(args[0] if args else kwargs.get("object"))
+        recorder.on_gathered(args[0] if args else kwargs.get("object"), getattr(instance, "group", None))
         return wrapped(*args, **kwargs)
 
     return wrapper

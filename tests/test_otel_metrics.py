@@ -377,6 +377,10 @@ def test_opentelemetry_instrument_pushes_every_metric_over_otlp_from_two_ranks_a
         assert value(last(semconv.ASYNC_IN_FLIGHT.otel, rank=rank)) == 0  # the daemon's upload, relayed
         assert last(semconv.ASYNC_PHASE_DURATION.otel, phase="upload", rank=rank).count == 1
         assert value(last(semconv.TELEMETRY_PROBLEMS.otel, reason="torchelastic_bad_value", rank=rank)) == 1
+    for rank in ("0", "1"):  # the failing save: each rank's own exception (its folder is a file), counted once there
+        assert value(last(semconv.OPERATION_COUNT.otel, operation="save", status="failure", rank=rank)) == 1
+        failed = last(semconv.FAILURES.otel, operation="save", rank=rank)
+        assert value(failed) == 1 and attributes_of(failed.attributes)["error_type"].endswith("Error")
     written = sum(value(last(semconv.WRITTEN_BYTES.otel, rank=r)) for r in ("0", "1"))
     assert written == sum(f.stat().st_size for f in tmp_path.glob("c*/*.distcp"))
     assert value(last(semconv.ELASTIC_DROPPED.otel, reason="bad_value")) == 1
@@ -387,7 +391,7 @@ def test_opentelemetry_instrument_pushes_every_metric_over_otlp_from_two_ranks_a
 
     # Exemplars: each rank's save duration points at that rank's dcp.save span, in the checkpoint's one trace.
     saves = {s.attributes["dcp.rank"]: s for s in named(receiver.spans, "dcp.save")
-             if s.attributes["dcp.operation"] == "save"}  # fmt: skip
+             if s.attributes["dcp.operation"] == "save" and not s.error}  # fmt: skip  # (not the failing save)
     assert len({s.trace_id for s in saves.values()}) == 1
     for rank, span in saves.items():
         exemplars = [e for _, p in by_name[semconv.OPERATION_DURATION.otel]

@@ -293,6 +293,22 @@ def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool =
     if not late and any(call.kind == KIND_OPERATION for call in calls):
         metrics.operation_done(op.name, rank, op.failed is None, (op.end_ns - op.start_ns) / 1e9, op.wait_s,
                                op.end_ns / 1e9, exemplar)  # fmt: skip
+    if not late and op.failed is not None:
+        origin = failure_origin(calls)
+        if origin is not None:
+            metrics.failure_started(op.name, rank, origin)
+
+
+def failure_origin(calls: list[Call]) -> str | None:
+    """The type of the first exception of this rank's own among ``calls``, if the failure started here.
+
+    An upload's failure is left out: it is what its work raised, which counts where that work ran (this
+    process's background save, or the async save process, which relays its own count).
+    """
+    own = [c for c in calls if c.failure is not None and c.failure.origin is not None and c.kind == KIND_STEP]
+    own += [c for c in calls if c.failure is not None and c.failure.origin is not None and c.kind == KIND_OPERATION]
+    first = min(own, key=lambda c: c.end_ns, default=None)
+    return first.failure.origin if first is not None and first.failure is not None else None
 
 
 def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:

@@ -21,6 +21,7 @@ import random
 import threading
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -99,19 +100,30 @@ class Failure:
     every failed rank's traceback (1.4 MB at 1,024 failed ranks, and 0.4 s to
     format on the training thread). Its event keeps this rank's own failure
     (``rank``; the first failed rank's when this rank did not fail), and the
-    failed ranks go to ``dcp.failed_ranks``.
+    failed ranks go to ``dcp.failed_ranks``. torch keys them by the rank in the
+    process group the save ran on: ``to_global`` maps those to global ranks
+    (:func:`global_rank_of`), so every rank is named by its global rank.
+
+    ``origin``: the exception is this rank's own (not torch's report of the
+    failed ranks, nor one inferred), with its type in ``origin``: where a
+    failure started is counted there, once.
     """
 
-    __slots__ = ("description", "event", "failed_ranks")
+    __slots__ = ("description", "event", "failed_ranks", "origin")
 
-    def __init__(self, exc: BaseException | None, error: str | None, rank: int | None = None) -> None:
+    def __init__(self, exc: BaseException | None, error: str | None, rank: int | None = None,
+                 to_global: GlobalRank | None = None) -> None:  # fmt: skip
+        to_global = to_global or _same_rank
         # torch's own error text when there is no exception object (an inferred end, say)
-        self.description = redact_text(describe(exc, error, rank) if exc is not None else (error or "exception"))
-        self.failed_ranks = failed_ranks(exc) if exc is not None else None
+        self.description = redact_text(describe(exc, error, rank, to_global) if exc is not None else (error or "exception"))
+        self.failed_ranks = failed_ranks(exc, to_global) if exc is not None else None
+        self.origin: str | None = None
         if exc is None:
             self.event: dict[str, Any] = {"exception.message": capped(redact_text(error or self.description))}
             return
-        message, stacktrace = _exception_text(exc, self.failed_ranks, rank)
+        if self.failed_ranks is None and not any(failed_ranks(e) for e in _chain(exc)):
+            self.origin = type(exc).__name__
+        message, stacktrace = _exception_text(exc, rank, to_global)
         self.event = {
             "exception.type": _type_name(exc),
             "exception.message": capped(redact_text(message)),
@@ -147,25 +159,27 @@ def _type_name(exc: BaseException) -> str:
     return f"{module}.{qualname}" if module and module != "builtins" else qualname
 
 
-def _exception_text(exc: BaseException, ranks: list[int] | None, rank: int | None) -> tuple[str, str]:
+def _exception_text(exc: BaseException, rank: int | None, to_global: GlobalRank) -> tuple[str, str]:
     """The message and stack trace of ``exc``; of a multi-rank failure, only one rank's own."""
-    if not ranks:
+    failures = global_failures(exc, to_global)
+    if not failures:
         # A multi-rank failure further down the chain (a wrapper raised from it) is summarized, not formatted whole.
         inner = next((e for e in _chain(exc) if failed_ranks(e)), None)
         if inner is None:
             return str(exc), "".join(traceback.format_exception(exc))
-        summary = f"{describe(inner, None, rank)}\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        summary = f"{describe(inner, None, rank, to_global)}\n\nDuring handling of the above exception, another exception occurred:\n\n"
         # (traceback's format_exception and format_exception_only build the whole chain's text, even unused)
         lines = ["Traceback (most recent call last):\n", *traceback.format_tb(exc.__traceback__, limit=-MAX_FRAMES),
                  _exception_line(exc)]  # fmt: skip
         return str(exc), summary + "".join(lines)
-    own = rank if rank in ranks else ranks[0]
-    cause = _cause(exc, own)
+    ranks = sorted(failures)
+    own = rank if rank in failures else ranks[0]
+    cause = _cause(failures[own])
     cause_text = _exception_line(cause).strip() if isinstance(cause, BaseException) else str(cause)
     header = f"{type(exc).__name__}: ranks [{rank_ranges(ranks)}] failed ({len(ranks)}); rank {own}"
     header += " (this rank)" if own == rank else ""
     message = f"{header}: {cause_text}"
-    failure = exc.failures[own]  # type: ignore[attr-defined]
+    failure = failures[own]
     remote = failure[1] if isinstance(failure, tuple) and len(failure) > 1 else None
     # The innermost frames of each side: where the coordinator raised it, and where the rank failed.
     local = traceback.format_tb(exc.__traceback__, limit=-MAX_FRAMES)
@@ -192,8 +206,8 @@ def _chain(exc: BaseException, depth: int = 8) -> list[BaseException]:
     return found
 
 
-def _cause(exc: BaseException, rank: int) -> object:
-    failure = exc.failures[rank]  # type: ignore[attr-defined]
+def _cause(failure: object) -> object:
+    """The exception in one of ``CheckpointException.failures``' values (an exception, or it and its stack)."""
     return failure[0] if isinstance(failure, tuple) and failure else failure
 
 
@@ -294,6 +308,7 @@ class Operation:
         "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
         "wait_s", "lock", "storage", "exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
+        "group",
     )  # fmt: skip
 
     def __init__(
@@ -336,6 +351,7 @@ class Operation:
         self.submitted = False
         self.adopted = False  # continued in the async save process from a carried context
         self.interrupted: str | None = None  # ended by the process ending (SIGTERM, exit) while open
+        self.group: object | None = None  # the process group DCP ran it on, once seen (None: the default)
         self.lock = threading.Lock()
 
     @property
@@ -389,25 +405,59 @@ OPERATION_ONLY: Final = frozenset(
 )
 
 
-def failed_ranks(exc: BaseException) -> list[int] | None:
-    """The failing ranks of torch's ``CheckpointException`` (``failures`` maps rank to error)."""
+#: Maps a rank in a checkpoint's process group to its global rank.
+GlobalRank = Callable[[int], int]
+
+
+def _same_rank(rank: int) -> int:
+    return rank
+
+
+def global_rank_of(group: object | None) -> GlobalRank:
+    """The global rank of each rank of process group ``group`` (``None`` or the default group: the same).
+
+    Read from torch's own table of the group's ranks, on this process: no collective.
+    """
+    if group is None:
+        return _same_rank
+    try:
+        import torch.distributed as dist
+
+        if group is dist.group.WORLD:
+            return _same_rank
+        ranks = dist.get_process_group_ranks(group)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a group torch does not know (any more): its own numbering
+        return _same_rank
+    return lambda rank: ranks[rank] if 0 <= rank < len(ranks) else rank
+
+
+def global_failures(exc: BaseException, to_global: GlobalRank = _same_rank) -> dict[int, object] | None:
+    """torch's ``CheckpointException.failures`` (group rank to error) by global rank; ``None`` for another exception."""
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return None
-    return sorted(r for r in failures if isinstance(r, int))
+    return {to_global(r): f for r, f in failures.items() if isinstance(r, int)}
 
 
-def describe(exc: BaseException | None, error: str | None, rank: int | None = None) -> str:
+def failed_ranks(exc: BaseException, to_global: GlobalRank = _same_rank) -> list[int] | None:
+    """The failing ranks of torch's ``CheckpointException``, as global ranks."""
+    failures = global_failures(exc, to_global)
+    return sorted(failures) if failures is not None else None
+
+
+def describe(exc: BaseException | None, error: str | None, rank: int | None = None,
+             to_global: GlobalRank = _same_rank) -> str:  # fmt: skip
     """A one-line status description: the exception type and its first line.
 
     For ``CheckpointException`` (whose text is a multi-rank traceback dump):
     the failing ranks and one rank's own exception (``rank``'s if it failed,
     else the first failed rank's), never the whole text.
     """
-    ranks = failed_ranks(exc) if exc is not None else None
-    if exc is not None and ranks:
-        own = rank if rank in ranks else ranks[0]
-        cause = _cause(exc, own)
+    failures = global_failures(exc, to_global) if exc is not None else None
+    if exc is not None and failures:
+        ranks = sorted(failures)
+        own = rank if rank in failures else ranks[0]
+        cause = _cause(failures[own])
         cause_text = str(cause).strip().splitlines()
         detail = f"{type(cause).__name__}: {cause_text[0]}" if cause_text else type(cause).__name__
         return f"{type(exc).__name__}: ranks [{rank_ranges(ranks)}] failed; rank {own}: {detail}"

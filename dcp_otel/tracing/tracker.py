@@ -55,8 +55,10 @@ from dcp_otel.tracing.records import (
     MAX_KEY_TEXT,
     Call,
     Failure,
+    GlobalRank,
     KeyStats,
     Operation,
+    global_rank_of,
     new_span_id,
 )
 from dcp_otel.tracing.uploads import InFlight
@@ -80,6 +82,11 @@ _detach = context_api.detach  # the general path's: it logs a token of another c
 def _rank_of(call: Call) -> int | None:
     """The rank a call ran on (whose own failure its exception event keeps)."""
     return call.op.rank if call.op is not None else None
+
+
+def _to_global(call: Call) -> GlobalRank:
+    """How the ranks torch reports for a call's operation (in its process group) map to global ranks."""
+    return global_rank_of(call.op.group if call.op is not None else None)
 
 
 class SpanRecorder:
@@ -109,6 +116,7 @@ class SpanRecorder:
         self._hooks = ProviderHooks(self.builder, float(options.flush_timeout_s or 10))
         #: Called when an operation starts (or is continued here): starts the stall watchdog.
         self.watch: Callable[[], None] | None = None
+        self.closed = False
         _forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
@@ -145,6 +153,7 @@ class SpanRecorder:
 
     def close(self) -> None:
         """Stop building (on uninstrument); what is queued is still built."""
+        self.closed = True  # torch's records no longer reach us: a call open now never sees its end
         self.starter.close()
         self.builder.close()
         self._hooks.remove_all()
@@ -418,23 +427,31 @@ class SpanRecorder:
             if not top.span_id or top.func_name not in semconv.COLLECTIVE_STEPS:
                 return
             stack.pop()
-            top.failure = Failure(exc, None, _rank_of(top))
+            top.failure = Failure(exc, None, _rank_of(top), _to_global(top))
             self._close(top, time.time_ns(), stack[-1] if stack else None)
         except Exception:  # noqa: BLE001
             report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
 
-    def on_gathered(self, obj: object) -> None:
-        """``_DistWrapper.gather_object`` is sending this rank's result to the coordinator.
+    def on_gathered(self, obj: object, group: object | None = None) -> None:
+        """``_DistWrapper.gather_object`` is sending this rank's result to the coordinator (within ``group``).
 
         That is where DCP's own write results (after ``write_data``) and local
         read plans (before ``read_data``) pass. They are kept for the builder,
         which sums their bytes: nothing is counted here, before a collective.
+        The process group is kept too (before any failure torch reports: a
+        failed step's exception is gathered as well), to name failed ranks by
+        their global rank.
         """
         try:
             stack = self._stack()
-            if stack and stack[-1].op is not None and type(obj) in _GATHERED_TYPES:
+            if stack and stack[-1].op is not None:
                 call = stack[-1]
-                call.op.gathered.append((call, obj))  # type: ignore[union-attr]
+                op = call.op
+                assert op is not None
+                if group is not None and op.group is None:
+                    op.group = group
+                if type(obj) in _GATHERED_TYPES:
+                    op.gathered.append((call, obj))
         except Exception:  # noqa: BLE001
             report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)
 
@@ -443,7 +460,10 @@ class SpanRecorder:
 
         For a DCP call that raised without torch logging an end or an exception
         (``create_checkpoint_daemon_process`` when the checkpoint daemon cannot
-        start): called when the code that ran it returns or raises.
+        start): called when the code that ran it returns or raises. After
+        ``uninstrument()`` (an async upload still running then), torch's ends no
+        longer reach the recorder: a call that returned normally ends with its
+        end unknown (``dcp.end_unknown``), never as a failure.
         """
         try:
             stack = self._stack()
@@ -453,7 +473,11 @@ class SpanRecorder:
             while len(stack) > depth:
                 call = stack.pop()
                 if call.span_id:
-                    call.failure = Failure(exc, None if exc is not None else "did not return", _rank_of(call))
+                    if exc is None and self.closed:
+                        call.extra = {**(call.extra or {}), semconv.ATTR_END_UNKNOWN: True}
+                    else:
+                        call.failure = Failure(exc, None if exc is not None else "did not return", _rank_of(call),
+                                               _to_global(call))  # fmt: skip
                     call.inferred = True
                     self._close(call, now, stack[-1] if stack else None)
                 else:
@@ -534,7 +558,7 @@ class SpanRecorder:
         failed = kind == "exception"
         if failed and exc is None and error is None:
             error = "exception (not described by torch)"
-        failure = Failure(exc, error, _rank_of(stack[index])) if failed else None
+        failure = Failure(exc, error, _rank_of(stack[index]), _to_global(stack[index])) if failed else None
         # Calls above it on the stack raised without torch logging it (a
         # success end can only come after they returned or raised).
         cause = failure.description if failure is not None else "exception not logged by torch; see parent span"

@@ -27,7 +27,16 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.tracing.operations import OPERATION_KEY
-from dcp_otel.tracing.records import KIND_STAGING, KIND_UPLOAD, Call, Failure, Operation, new_span_id
+from dcp_otel.tracing.records import (
+    KIND_STAGING,
+    KIND_UPLOAD,
+    Call,
+    Failure,
+    GlobalRank,
+    Operation,
+    global_rank_of,
+    new_span_id,
+)
 
 if TYPE_CHECKING:
     from dcp_otel.tracing.tracker import SpanRecorder
@@ -82,9 +91,10 @@ def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseExceptio
     if not recorder.uploads.claim(call):  # ended already: the process was ending (SIGINT, caught)
         return
     try:
-        call.failure = outcome_failure(outcome, call.op.rank if call.op is not None else None)
-        call.end_ns = end_ns = time.time_ns()
         op = call.op
+        call.failure = outcome_failure(outcome, op.rank if op is not None else None,
+                                       global_rank_of(op.group) if op is not None else None)  # fmt: skip
+        call.end_ns = end_ns = time.time_ns()
         if op is not None:
             op.calls.append(call)
             if op.part_done(end_ns, call.failure.description if call.failure is not None else None):
@@ -134,11 +144,12 @@ class InFlight:
             return self._cond.wait_for(lambda: not self._open and not self._ending, timeout)
 
 
-def outcome_failure(outcome: Future[Any] | BaseException, rank: int | None = None) -> Failure | None:
+def outcome_failure(outcome: Future[Any] | BaseException, rank: int | None = None,
+                    to_global: GlobalRank | None = None) -> Failure | None:  # fmt: skip
     """The failure of a future's outcome (or an exception) on ``rank``, if any."""
     if isinstance(outcome, BaseException):
-        return Failure(outcome, None, rank)
+        return Failure(outcome, None, rank, to_global)
     if outcome.cancelled():
         return Failure(None, "cancelled")
     exc = outcome.exception()
-    return Failure(exc, None, rank) if exc is not None else None
+    return Failure(exc, None, rank, to_global) if exc is not None else None

@@ -1,7 +1,7 @@
 """A training script under ``opentelemetry-instrument dcp-otel-run``, metrics pushed over OTLP.
 
 It checkpoints as users do (a save, a load, an async save in torch's
-checkpoint daemon process) and reports to torchelastic's metrics API through
+checkpoint daemon process, and a save that fails on every rank) and reports to torchelastic's metrics API through
 ``OTelMetricHandler``: a timed phase (``@prof``), a counted event, and one
 value that is not a number (dropped and counted). It writes
 ``$OUT_DIR/rank-<rank>.json``: what each call returned, and whether any
@@ -46,6 +46,15 @@ if __name__ == "__main__":
     response = dcp.async_save(state(1.0), checkpoint_id=ckpt + "-async",
                               async_checkpointer_type=AsyncCheckpointerType.PROCESS)  # fmt: skip
     uploaded = getattr(response, "upload_completion", response).result(timeout=120)
+    # A save that fails on every rank, each on its own (its folder is a file): counted where it started.
+    if rank == 0:
+        with open(ckpt + "-a-file", "w") as blocker:
+            blocker.write("not a folder")
+    dist.barrier()
+    try:
+        dcp.save(state(2.0), checkpoint_id=ckpt + "-a-file/c")
+    except BaseException:  # noqa: BLE001, S110 - torch's CheckpointException, on every rank: expected
+        pass
     result = {
         "saved": type(saved).__name__,
         "uploaded": type(uploaded).__name__,
