@@ -274,3 +274,19 @@ def test_a_large_runs_html_page_opens_on_its_summary_with_the_worst_checkpoints_
         details.addEventListener('toggle', () => done(document.querySelectorAll('.timeline-host svg').length));
         details.open = true;  // the page's own toggle listener was added first: it has drawn when this one runs""")
     assert drawn == 6
+
+
+def test_the_html_report_marks_the_rank_where_the_failure_started(browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1's own disk filled up: its lane and row say "failed here"; the others' rows name torch's report once."""
+    page = tmp_path / "report.html"
+    assert run_cli(str(RECORDED), "--html", str(page)).returncode == 0
+    browser.get(page.as_uri())
+    seen = browser.execute_script("""
+        const section = document.getElementById('checkpoint-2');
+        return {labels: [...section.querySelectorAll('g.lane .lane-label')].map(t => t.textContent),
+                origin: [...section.querySelectorAll('tr.failed-origin td:first-child')].map(td => td.textContent),
+                errors: [...section.querySelectorAll('table:not(.steps) tr')].slice(1).map(tr => tr.lastChild.textContent),
+                notes: section.innerText}""")
+    assert "rank 1 (failed here)" in seen["labels"] and seen["origin"] == ["1"]
+    assert sorted(seen["errors"])[:2] == ["CheckpointException (rank 1's failure)"] * 2
+    assert "It started on rank 1; every other rank raised torch's CheckpointException reporting it." in seen["notes"]

@@ -26,10 +26,10 @@ import math
 from importlib.resources import files
 
 from dcp_otel import semconv
-from dcp_otel.report.model import Checkpoint
+from dcp_otel.report.model import WRAPPER, Checkpoint
 from dcp_otel.report.page_data import page_data
 from dcp_otel.report.summary import FAILURES_SHOWN, Summary, summarize, worst_first
-from dcp_otel.report.terminal import format_bytes, innermost_frames, ranks_worth_showing, skew_line
+from dcp_otel.report.terminal import error_cell, format_bytes, innermost_frames, ranks_worth_showing, skew_line
 
 #: The page's style and script, beside this module (package data), embedded whole: the page works offline.
 _ASSETS = files("dcp_otel.report")
@@ -60,12 +60,13 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
     shown = ranks_worth_showing(ckpt)
     for r in (r for r in ckpt.ranks if r.rank in shown):
         mbps = f"{r.throughput_bps / 1e6:.1f}" if r.throughput_bps else "-"
-        cls = ' class="straggler"' if r.rank == ckpt.straggler else ""
+        classes = [c for c, on in (("straggler", r.rank == ckpt.straggler), ("failed-origin", r.rank in ckpt.origins)) if on]
+        cls = f' class="{" ".join(classes)}"' if classes else ""
         cells = [str(r.rank), f"{r.duration_s:.3f}", f"{r.busy_s:.3f}", f"{r.wait_s:.3f}"]
         if is_async:
             upload = f"{r.upload_s:.3f} {r.upload}" if r.upload else "-"
             cells += [f"{r.staging_s:.3f}", upload, f"{r.upload_busy_s:.3f}", f"{r.io_s:.3f}"]
-        cells += [format_bytes(r.bytes), mbps, r.error or ""]
+        cells += [format_bytes(r.bytes), mbps, error_cell(r, ckpt)]
         rows.append(f"<tr{cls}>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
     headers = _ASYNC_HEADERS if is_async else _HEADERS
     step_rows = "".join(
@@ -86,6 +87,9 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
     if ckpt.failed_ranks and not ckpt.is_unfinished:
         ranks = ", ".join(map(str, ckpt.failed_ranks))
         notes.append(f'<span class="failed">Failed on rank {ranks}: {e(ckpt.error or "")}</span>')
+        if ckpt.origins:
+            notes.append(f"It started on rank {', '.join(map(str, ckpt.origins))}; every other rank raised torch's "
+                         f"{WRAPPER} reporting it.")  # fmt: skip
     status = ('<span class="failed">UNFINISHED</span>' if ckpt.is_unfinished else
               '<span class="failed">FAILED</span>' if ckpt.error else "ok")  # fmt: skip
     if len(shown) < len(ckpt.ranks):

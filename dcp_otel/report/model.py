@@ -49,6 +49,8 @@ _UPLOAD_PARENTS: Final = _OPERATION_SPANS | {semconv.SPAN_ASYNC_UPLOAD}
 _RAISING_STEPS: Final = semconv.COLLECTIVE_STEPS | semconv.CHECKPOINTER_STEPS
 #: A skew below this is noise, not a straggler.
 STRAGGLER_SKEW: Final = 1.5
+#: How torch's report of the failed ranks, which every rank raises, begins.
+WRAPPER: Final = "CheckpointException"
 
 
 @dataclass
@@ -137,6 +139,8 @@ class Checkpoint:
     error_detail: str | None = None  # that exception in full, from its span's exception event
     #: The ranks that never finished it (empty: it finished, well or not), stuck ones first.
     unfinished: list[Unfinished] = field(default_factory=list)
+    #: The ranks where its failure started: their own step raised their own exception.
+    origins: list[int] = field(default_factory=list)
 
     @property
     def duration_s(self) -> float:
@@ -278,6 +282,8 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         ranks=ranks,
         steps=[StepResult(name, dict(by_rank)) for name, by_rank in steps.items()],
         failed_ranks=sorted(failed),
+        # Where it started: a rank whose own step raised its own exception, not torch's report of another's.
+        origins=sorted({rank for rank, step in raised if not step.status_message.startswith(WRAPPER)}),
         error=root_cause or first_error,
         spans=spans,
         error_detail=cause_detail or root_cause or first_error,

@@ -106,12 +106,14 @@ function draw(ckpt) {
   const svg = el("svg", {class: "timeline", width: WIDTH, height: rows.length * laneHeight + 34}, host);
   const labels = rows.map((r, i) => {
     const lane = r.kind === "lane";
-    const cls = lane ? "lane" + (r.rank === ckpt.straggler ? " straggler" : "") : "band";
+    const origin = lane && ckpt.origins.includes(r.rank);
+    const cls = lane ? "lane" + (r.rank === ckpt.straggler ? " straggler" : "") + (origin ? " failed-origin" : "") : "band";
     const g = el("g", {class: cls, ...(lane ? {"data-rank": r.rank} : {"data-band": r.number})}, svg);
     el("rect", {class: "lane-bg", x: 0, y: 4 + i * laneHeight, width: WIDTH, height: laneHeight,
                 fill: i % 2 ? "#fff" : "#f6f7f9"}, g);
     const text = el("text", {class: "lane-label" + (lane ? "" : " band-label"), x: 6, y: 4 + i * laneHeight + 14}, g);
-    text.textContent = lane ? "rank " + r.rank + (r.rank === ckpt.straggler ? " (straggler)" : "")
+    const marks = lane ? [origin ? "failed here" : "", r.rank === ckpt.straggler ? "straggler" : ""].filter(Boolean) : [];
+    text.textContent = lane ? "rank " + r.rank + (marks.length ? ` (${marks.join(", ")})` : "")
                             : `▸ ranks ${rankRanges(r.band.ranks)} (${r.band.ranks.length})`;
     if (!lane) text.addEventListener("click", () => {
       (expanded[ckpt.index] = expanded[ckpt.index] || new Set()).add(r.number);

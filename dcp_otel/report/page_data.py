@@ -107,7 +107,7 @@ def _checkpoint(index: int, ckpt: Checkpoint, names: _Interned, strings: _Intern
     status = "unfinished" if ckpt.is_unfinished else "failed" if ckpt.error else "ok"
     return {
         "index": index, "operation": ckpt.operation, "id": ckpt.checkpoint_id, "trace": ckpt.trace_id,
-        "status": status, "straggler": ckpt.straggler, "failed": ckpt.failed_ranks,
+        "status": status, "straggler": ckpt.straggler, "failed": ckpt.failed_ranks, "origins": ckpt.origins,
         "unfinished": [u.rank for u in ckpt.unfinished], "duration_ms": (ckpt.end_ns - ckpt.start_ns) / 1e6,
         "common": attrs(common), "lanes": lanes, "bands": bands, "spans": rows,
         "steps": [[s.name, s.median_s, s.by_rank[s.slowest_rank], s.slowest_rank] for s in ckpt.steps],
@@ -145,7 +145,7 @@ def fold(ckpt: Checkpoint) -> tuple[list[int], list[dict[str, Any]]]:
     work = {r.rank: r.work_s for r in ckpt.ranks}
     slowest = sorted(work, key=lambda r: (-work[r], r))[:SLOWEST]
     own_errors = [r.rank for r in ckpt.ranks if r.error and not r.error.startswith("CheckpointException")]
-    keep = {ranks[0], *ckpt.failed_ranks, *slowest, *own_errors, *(u.rank for u in ckpt.unfinished)}
+    keep = {ranks[0], *ckpt.failed_ranks, *ckpt.origins, *slowest, *own_errors, *(u.rank for u in ckpt.unfinished)}
     if ckpt.straggler is not None:
         keep.add(ckpt.straggler)
     rest = sorted((r for r in ranks if r not in keep), key=lambda r: (work.get(r, 0.0), r))

@@ -15,7 +15,7 @@ import textwrap
 
 from dcp_otel import semconv
 from dcp_otel.report import DETAIL_LIMIT
-from dcp_otel.report.model import Checkpoint, RankResult
+from dcp_otel.report.model import WRAPPER, Checkpoint, RankResult
 from dcp_otel.report.summary import FAILURES_SHOWN, Summary, sparkline, summarize, worst_first
 
 #: A save or load: total = busy + waiting.
@@ -59,7 +59,7 @@ def render_one(ckpt: Checkpoint) -> str:
     is_async = ckpt.operation in semconv.ASYNC_OPERATIONS
     rows: list[tuple[str, ...]] = [_ASYNC_COLUMNS if is_async else _COLUMNS]
     shown = ranks_worth_showing(ckpt)
-    rows += [_row(r, r.rank == ckpt.straggler, is_async) for r in ckpt.ranks if r.rank in shown]
+    rows += [_row(r, ckpt, is_async) for r in ckpt.ranks if r.rank in shown]
     lines += _table(rows)
     if len(shown) < len(ckpt.ranks):
         rest = [r for r in ckpt.ranks if r.rank not in shown]
@@ -85,6 +85,9 @@ def render_one(ckpt: Checkpoint) -> str:
             lines.append(f"  ... and {len(ckpt.unfinished) - _RANKS_SHOWN} more unfinished ranks")
     elif ckpt.failed_ranks:
         lines.append(f"  failed on rank {', '.join(map(str, ckpt.failed_ranks))}: {ckpt.error}")
+        if ckpt.origins:
+            lines.append(f"  it started on rank {', '.join(map(str, ckpt.origins))}; every other rank raised torch's "
+                         f"{WRAPPER} reporting it")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -109,10 +112,25 @@ def ranks_worth_showing(ckpt: Checkpoint) -> set[int]:
     return keep
 
 
-def _row(r: RankResult, straggler: bool, is_async: bool) -> tuple[str, ...]:
+def rank_marks(rank: int, ckpt: Checkpoint) -> str:
+    """`` <- failed here``, `` <- straggler``: what a rank was in its checkpoint."""
+    marks = ["failed here"] if rank in ckpt.origins else []
+    marks += ["straggler"] if rank == ckpt.straggler else []
+    return f" <- {', '.join(marks)}" if marks else ""
+
+
+def error_cell(r: RankResult, ckpt: Checkpoint) -> str:
+    """A rank's error; torch's report of another rank's failure (which every rank raises) once, by reference."""
+    if r.error and r.error.startswith(WRAPPER) and ckpt.origins and r.rank not in ckpt.origins:
+        return f"{WRAPPER} (rank {', '.join(map(str, ckpt.origins))}'s failure)"
+    return r.error or ""
+
+
+def _row(r: RankResult, ckpt: Checkpoint, is_async: bool) -> tuple[str, ...]:
     mbps = f"{r.throughput_bps / 1e6:.1f}" if r.throughput_bps else "-"
-    error = textwrap.shorten(r.error, _ERROR_WIDTH, placeholder=" ...") if r.error else ""
-    head = (f"{r.rank}{' <- straggler' if straggler else ''}", f"{r.duration_s:.3f}s", f"{r.busy_s:.3f}s",
+    text = error_cell(r, ckpt)
+    error = textwrap.shorten(text, _ERROR_WIDTH, placeholder=" ...") if text else ""
+    head = (f"{r.rank}{rank_marks(r.rank, ckpt)}", f"{r.duration_s:.3f}s", f"{r.busy_s:.3f}s",
             f"{r.wait_s:.3f}s")  # fmt: skip
     if not is_async:
         return (*head, format_bytes(r.bytes), mbps, error)
