@@ -180,14 +180,22 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
             "Time since the last save or durable async save succeeded on any selected rank.",
             _query(f"time() - max({sc.METRIC_LAST_SUCCESS}{s(SAVES)})", instant=True)))
         .with_panel(_stat(
-            "Failed operations", "short", "Rank-level checkpoint operations that failed in the time range.",
-            _query(f"sum(increase({OPERATIONS_TOTAL}{s(failed)}[{RANGE}]))", instant=True)))
+            "Failed checkpoints", "short",
+            "Checkpoint operations that failed in the time range (each counted once, however many ranks it failed on).",
+            _query(f"sum(max by (operation) (increase({OPERATIONS_TOTAL}{s(failed)}[{RANGE}])))", instant=True)))
         .with_panel(_stat(
             "Async saves in flight", "short", "Async saves handed off and not yet durable.",
             _query(f"sum({sc.METRIC_ASYNC_IN_FLIGHT}{s()})", instant=True)))
         .with_panel(_stat(
             "Bytes written", "bytes", "Bytes all selected ranks wrote to checkpoint storage in the time range.",
             _query(f"sum(increase({WRITTEN_TOTAL}{s()}[{RANGE}]))", instant=True)))
+        .with_row(Row("Failures"))
+        .with_panel(_table(
+            "Where failures started", "short",
+            "Failed checkpoint operations, counted on the rank whose own exception it was (not on the ranks that only "
+            "re-raised torch's CheckpointException), by operation, rank and error type; since each rank started.",
+            _query(f"sort_desc(sum by (operation, rank, error_type) "
+                   f"(max_over_time({sc.METRIC_FAILURES}_total{s()}[{RANGE}])))", instant=True, fmt="table"), w=24))
         .with_row(Row("Operations"))
         .with_panel(_timeseries(
             "Operations by status", "ops",

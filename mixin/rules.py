@@ -105,15 +105,18 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
     alerts = [
         _alert(
             "DCPCheckpointOperationFailed",
+            # Failed checkpoints, not rank-level failures: every rank of a failed checkpoint counts it once,
+            # so the most any rank counted is how many checkpoints failed (not 1,024 for one on 1,024 ranks).
             # A rank's first failure creates its series already at 1, which increase()
             # cannot see: the second term catches series that are new in the window.
-            f"sum by (job, operation) (increase({failures}[{fw}])) > 0\n"
-            f"or\nsum by (job, operation) ({failures} unless {failures} offset {fw}) > 0",
+            f"max by (job, operation) (increase({failures}[{fw}])) > 0\n"
+            f"or\nmax by (job, operation) ({failures} unless {failures} offset {fw}) > 0",
             "0m",
             "warning",
             "A checkpoint {{ $labels.operation }} failed in job {{ $labels.job }}.",
-            "{{ $value | printf \"%.0f\" }} rank-level {{ $labels.operation }} failures in job {{ $labels.job }} in the last "
-            f"{fw}. The checkpoint's trace names the failing rank (dcp.failed_ranks) and the exception.",
+            "{{ $value | printf \"%.0f\" }} failed {{ $labels.operation }} checkpoints in job {{ $labels.job }} in the last "
+            f"{fw}. {sc.METRIC_FAILURES}_total says on which rank each started and its error type; the checkpoint's "
+            "trace has that rank's exception.",
         ),
         _alert(
             "DCPNoRecentSuccessfulSave",

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import dcp_otel
 from dcp_otel import semconv
-from tests.spans_io import SpanRecord, named
+from tests.spans_io import SpanRecord, from_readable, named
 
 
 def assert_bookkeeping_empty() -> None:
@@ -136,3 +136,38 @@ def test_a_failing_metrics_backend_never_breaks_async_save(traced, tmp_path: Pat
     assert traced.recorder().wait_for_uploads(timeout=30)
     assert dcp_otel.diagnostics()["metrics_error"] >= 1
     assert {semconv.SPAN_ASYNC_UPLOAD, "dcp.write_data"} <= {s.name for s in traced.spans()}  # spans unaffected
+
+
+def test_uninstrument_during_an_upload_never_turns_the_successful_save_into_a_failure(tmp_path: Path) -> None:
+    """torch's records stop reaching dcp-otel at uninstrument(); the background save and its write, still
+    running then, end with their end unknown, not as errors, and the checkpoint counts as the success it is."""
+    import threading
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    entered, release = threading.Event(), threading.Event()
+
+    class Held(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            entered.set()
+            release.wait(timeout=60)
+            return super().write_data(plan, planner)
+
+    recorder = dcp_otel.instrument(tracer_provider=provider).recorder
+    assert recorder is not None
+    try:
+        future = dcp.async_save({"w": torch.ones(8)}, storage_writer=Held(str(tmp_path / "c")))
+        assert entered.wait(60)
+    finally:
+        dcp_otel.uninstrument()  # the upload is still writing
+    release.set()
+    future.result(timeout=60)
+    assert recorder.wait_for_uploads(timeout=30)  # (its spans are still built, after uninstrument too)
+    provider.shutdown()
+    spans = {s.name: s for s in from_readable(exporter.get_finished_spans())}
+    assert not [s.name for s in spans.values() if s.status == "ERROR"]
+    for name in ("dcp.save", "dcp.write_data"):  # (the background save and its write)
+        assert spans[name].attributes[semconv.ATTR_END_UNKNOWN] is True
+        assert spans[name].status == "UNSET"
+    assert spans[semconv.SPAN_ASYNC_UPLOAD].status != "ERROR" and semconv.SPAN_CHECKPOINT in spans
