@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import weakref
@@ -399,3 +400,47 @@ def test_opentelemetry_instrument_pushes_every_metric_over_otlp_from_two_ranks_a
                      for e in p.exemplars]  # fmt: skip
         assert exemplars, rank
         assert {(e.trace_id.hex(), e.span_id.hex()) for e in exemplars} == {(span.trace_id, span.span_id)}
+
+
+def test_duration_buckets_resolve_a_trend_from_10_ms_to_an_hour() -> None:
+    """Neighbouring bounds at most 2.5x apart: a checkpoint growing from 100 s to 200 s moves its quantiles
+    (with bounds at 60 s and 300 s, every checkpoint between read p50 = 180 s)."""
+    bounds = semconv.DURATION_BUCKETS
+    inside = [b for b in bounds if 0.01 <= b <= 3600]
+    assert inside[0] == 0.01 and inside[-1] == 3600 and list(bounds) == sorted(bounds)
+    assert max(b / a for a, b in zip(inside, inside[1:], strict=False)) <= 2.5
+    assert bounds[0] <= 0.005 and bounds[-1] >= 7200  # planning in milliseconds, writes of hours
+
+
+def test_over_otlp_the_histograms_can_be_exponential_with_the_standard_variable(
+    tmp_path: Path, meter_and_spans: tuple[MeterProvider, InMemoryMetricReader, TracerProvider]
+) -> None:
+    """OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram makes the OTLP
+    exporter prefer exponential histograms: a reader preferring them gets them, our bucket advisory notwithstanding."""
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.export import ExponentialHistogram
+
+    env = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+    previous = os.environ.get(env)
+    os.environ[env] = "base2_exponential_bucket_histogram"
+    try:
+        preferred = OTLPMetricExporter(endpoint="http://127.0.0.1:9/v1/metrics")._preferred_aggregation[Histogram]
+    finally:
+        if previous is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = previous
+    _, _, tracer = meter_and_spans
+    reader = InMemoryMetricReader(preferred_aggregation={Histogram: preferred})
+    meters = MeterProvider([reader])
+    try:
+        dcp_otel.instrument(tracer_provider=tracer, registry=CollectorRegistry(), meter_provider=meters)
+        dcp.save(state(), checkpoint_id=str(tmp_path / "c"))
+        data = reader.get_metrics_data()
+        kinds = {m.name: type(m.data) for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    finally:
+        dcp_otel.uninstrument()
+        meters.shutdown()
+    assert kinds[semconv.STEP_DURATION.otel] is ExponentialHistogram
+    assert kinds[semconv.OPERATION_DURATION.otel] is ExponentialHistogram
