@@ -8,7 +8,8 @@ no collective, no message to any other rank.
 * ``auto``: every rank exports its operation span (and an async save's upload
   span) carrying a compact summary of its steps: each step's seconds, the
   bytes and throughput, the time it waited for the others. Step spans come
-  only from the ranks worth reading:
+  only from the ranks worth reading, and a checkpoint's expected step spans
+  stay within ``span_budget`` whatever the job does:
 
   - every rank of an operation the process ended while it was open (a job
     stopped with SIGTERM): where each rank was is the answer;
@@ -18,18 +19,31 @@ no collective, no message to any other rank.
     rank on every rank, so each knows its place in that list, and only the
     first ``budget / steps`` failed ranks export steps (a mass failure stays
     within the budget);
-  - a straggler: a rank that waited in the collectives for at most
-    :data:`STRAGGLER_WAIT_SHARE` of its operation. The collectives release
-    every rank when the last one arrives, so the rank that arrived last waited
-    least; every other rank also waits for the coordinator's planning and
-    metadata, so in a balanced job few ranks fall under the bound;
-  - a rank much slower than itself: its own steps took more than
-    :data:`SLOW_FACTOR` times its median over its last :data:`HISTORY`
-    operations of the same kind;
-  - a deterministic 1-in-K sample of ranks, K = ceil(world size x steps per
-    rank / (budget - steps per rank)), the sample drawn afresh for every
-    checkpoint from its trace id. In a balanced job the expected number of
-    step spans is then at most the coordinator's plus the budget.
+  - a *candidate*, if it is in this checkpoint's candidate sample (below). A
+    rank busy (its operation minus its waiting) for less than
+    :data:`FLOOR_S` is never one: the others cannot have waited a second for
+    it. Above the floor, a rank that has :data:`MIN_HISTORY` earlier
+    operations of the kind is a candidate when it was busy more than
+    :data:`SLOW_FACTOR` times its own median of them (``slow``); a rank
+    without that history yet, when it waited in the collectives for at most
+    :data:`STRAGGLER_WAIT_SHARE` of its operation (``straggler``: the
+    collectives release every rank when the last one arrives, so the rank
+    that arrived last waited least);
+  - a deterministic 1-in-K sample of ranks (``sampled``), drawn afresh for
+    every checkpoint from its trace id.
+
+The budget, minus the coordinator's steps, is split: :data:`SAMPLE_SHARE` of it
+for the 1-in-K sample, K = ceil(world x steps / (that share)); the rest caps the
+candidates, C = that rest / steps ranks, each candidate exporting with
+probability min(1, C / world). A rank cannot tell "I was slow and the others
+waited for me" from "we were all equally slow" without asking them, and we add
+no collective; so a slowdown of the whole job (a shared filesystem at half
+speed) makes every rank a candidate, and the cap keeps it within the budget. In
+a balanced job that has its history, nobody is a candidate: only the
+coordinator and the sample export steps, about a quarter of the budget. A lone
+straggler is certain to be detailed while C >= world (the default budget of
+2,000 and 8-step ranks: up to 186 ranks), and with probability C / world
+beyond; its summary names it on every checkpoint.
 
 Usage::
 
@@ -50,13 +64,17 @@ from dcp_otel.tracing.records import Call, Operation
 
 DetailMode = Literal["full", "auto"]
 DETAIL_MODES: Final = ("full", "auto")
-#: A rank that waited for at most this share of its operation was waited for.
+#: Busy for less than this, a rank cannot have held the others up for a second: never a candidate.
+FLOOR_S: Final = 1.0
+#: A rank without history that waited for at most this share of its operation was waited for.
 STRAGGLER_WAIT_SHARE: Final = 0.25
-#: A rank whose steps took this many times its own recent median was slow.
+#: A rank busy for more than this many times its own recent median was slow.
 SLOW_FACTOR: Final = 2.0
 #: Operations of one kind remembered per rank for its median, and the fewest it needs.
 HISTORY: Final = 16
 MIN_HISTORY: Final = 3
+#: The budget's share (after the coordinator's steps) for the 1-in-K sample; the rest caps the candidates.
+SAMPLE_SHARE: Final = 0.25
 
 REASON_FULL: Final = "full"
 REASON_COORDINATOR: Final = "coordinator"
@@ -68,19 +86,39 @@ REASON_SAMPLED: Final = "sampled"
 REASON_SUMMARY: Final = "summary"  # not detailed: the operation span's summary only
 
 
+def _room(steps_per_rank: int, budget: int) -> float:
+    """Step spans left once the coordinator's are counted (they are always exported)."""
+    return max(1.0, budget - max(1, steps_per_rank))
+
+
 def sample_every(world_size: int, steps_per_rank: int, budget: int) -> int:
     """K of the 1-in-K sample: how many ranks share one detailed rank."""
-    steps = max(1, steps_per_rank)
-    room = max(1, budget - steps)  # the coordinator's steps are always exported
-    return max(1, math.ceil(world_size * steps / room))
+    share = max(1.0, _room(steps_per_rank, budget) * SAMPLE_SHARE)
+    return max(1, math.ceil(world_size * max(1, steps_per_rank) / share))
+
+
+def candidate_cap(steps_per_rank: int, budget: int) -> int:
+    """C: how many candidate ranks one checkpoint's budget holds (at least one)."""
+    rest = _room(steps_per_rank, budget) * (1.0 - SAMPLE_SHARE)
+    return max(1, math.floor(rest / max(1, steps_per_rank)))
+
+
+def _position(trace_id: int, rank: int, salt: str) -> int:
+    digest = hashlib.blake2b(f"{trace_id:032x}/{rank}{salt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def in_sample(trace_id: int, rank: int, every: int) -> bool:
     """Whether ``rank`` is in this checkpoint's 1-in-``every`` sample (the same answer on every rank)."""
-    if every <= 1:
+    return every <= 1 or _position(trace_id, rank, "") % every == 0
+
+
+def in_candidate_sample(trace_id: int, rank: int, cap: int, world_size: int) -> bool:
+    """Whether a candidate ``rank`` exports its steps: probability min(1, cap / world), drawn from the trace id
+    independently of :func:`in_sample`, so every rank (and a test) computes the same answer."""
+    if cap >= world_size:
         return True
-    digest = hashlib.blake2b(f"{trace_id:032x}/{rank}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % every == 0
+    return _position(trace_id, rank, "/candidate") % world_size < cap
 
 
 class DetailPolicy:
@@ -105,11 +143,11 @@ class DetailPolicy:
             return True, REASON_COORDINATOR
         if self._failed_here(op, steps, op_call, len(steps)):
             return True, REASON_FAILED
-        waited_for = op_call is not None and op.world_size > 1 and op_call.end_ns > op_call.start_ns
-        if waited_for and op.wait_s <= STRAGGLER_WAIT_SHARE * op_call.duration_s:  # type: ignore[union-attr]
-            return True, REASON_STRAGGLER
-        if median is not None and median > 0 and busy_s > SLOW_FACTOR * median:
-            return True, REASON_SLOW
+        candidate = _candidate(op, op_call, busy_s, median)
+        if candidate is not None and in_candidate_sample(
+            op.trace_id, op.rank, candidate_cap(len(steps), self.span_budget), op.world_size
+        ):
+            return True, candidate
         if in_sample(op.trace_id, op.rank, sample_every(op.world_size, len(steps), self.span_budget)):
             return True, REASON_SAMPLED
         return False, REASON_SUMMARY
@@ -132,6 +170,17 @@ def _busy_s(op: Operation, op_call: Call | None, steps: list[Call]) -> float:
     if op_call is not None:  # what it did not spend waiting for the other ranks
         return max(0.0, op_call.duration_s - op.wait_s)
     return sum(call.duration_s for call in steps)
+
+
+def _candidate(op: Operation, op_call: Call | None, busy_s: float, median: float | None) -> str | None:
+    """Why this rank may be worth reading beyond the sample (``slow``, ``straggler``), or None."""
+    if busy_s < FLOOR_S:
+        return None
+    if median is not None:  # it knows its usual self: only a change from it is news
+        return REASON_SLOW if busy_s > SLOW_FACTOR * median else None
+    if op_call is None or op.world_size <= 1 or op_call.end_ns <= op_call.start_ns:
+        return None
+    return REASON_STRAGGLER if op.wait_s <= STRAGGLER_WAIT_SHARE * op_call.duration_s else None
 
 
 def summary_attributes(op: Operation, steps: list[Call], detailed: bool, reason: str) -> dict[str, object]:
