@@ -56,8 +56,11 @@ class BoundedFlush:
         try:
             millis = max(0, int((self._deadline - time.monotonic()) * 1000))
             self._outcome.append(bool(self._force_flush(millis)))
-        except Exception:  # noqa: BLE001 - a broken exporter must not break the caller
-            report("flush_error", "dcp_otel: the %s provider failed to flush", self._what, exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - a broken exporter must not break the caller
+            # One line: the metrics SDK raises when its readers time out, which is the deadline doing its job.
+            text = str(exc).strip().splitlines()
+            report("flush_error", "dcp_otel: the %s provider failed to flush: %s: %s", self._what, type(exc).__name__,
+                   " ".join(line.strip() for line in text)[:300])  # fmt: skip
             self._outcome.append(False)
 
     def running(self) -> bool:
