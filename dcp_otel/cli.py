@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         result = build(args.traces)
     except (ValueError, SpanFileError) as exc:  # SpanFileError is a ValueError; both are the user's to fix
         parser.exit(2, f"dcp-otel {args.command}: error: {exc}\n")
+    for note in result.damaged:
+        print(f"dcp-otel report: warning: {note}", file=sys.stderr)
     print(result.text(limit=None if args.all else DETAIL_LIMIT), end="")
     if args.html:
         args.html.write_text(result.html(args.trace_url), encoding="utf-8")

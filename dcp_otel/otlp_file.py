@@ -264,12 +264,15 @@ def spans_of_json(document: object) -> Iterable[FileSpan]:
                 )
 
 
-def read_spans(paths: Iterable[str | os.PathLike[str]]) -> list[FileSpan]:
+def read_spans(paths: Iterable[str | os.PathLike[str]], damaged: list[str] | None = None) -> list[FileSpan]:
     """Every span in the files (a folder means its ``*.json`` and ``*.jsonl`` files).
 
+    ``damaged``: read on past what a killed writer leaves (a rank killed mid-checkpoint is the incident
+    the report is for): an empty file, a last line cut short; each is described in that list.
+
     Raises:
-        SpanFileError: a file is missing, empty, not OTLP JSON, or cut short; the
-            message names the file and line.
+        SpanFileError: a file is missing, not OTLP JSON, or (without ``damaged``) empty or cut short;
+            the message names the file and line.
     """
     files: list[Path] = []
     for raw in paths:
@@ -286,7 +289,7 @@ def read_spans(paths: Iterable[str | os.PathLike[str]]) -> list[FileSpan]:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise SpanFileError(f"{path}: cannot read it ({exc})") from None
-        documents = _documents(path, text)
+        documents = _documents(path, text, damaged)
         for line, document in documents:
             try:
                 spans.extend(spans_of_json(document))
@@ -295,10 +298,13 @@ def read_spans(paths: Iterable[str | os.PathLike[str]]) -> list[FileSpan]:
     return spans
 
 
-def _documents(path: Path, text: str) -> list[tuple[int, object]]:
+def _documents(path: Path, text: str, damaged: list[str] | None = None) -> list[tuple[int, object]]:
     """The JSON documents of a file: one per line, or the whole file as one (pretty-printed) document."""
     if not text.strip():
-        raise SpanFileError(f"{path}: the file is empty")
+        if damaged is None:
+            raise SpanFileError(f"{path}: the file is empty")
+        damaged.append(f"{path}: the file is empty (its process ended before it exported a span?); skipped")
+        return []
     try:
         return [(1, json.loads(text))]
     except json.JSONDecodeError:
@@ -310,6 +316,11 @@ def _documents(path: Path, text: str) -> list[tuple[int, object]]:
         try:
             documents.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
-            cut = " (the file looks cut short)" if number == len(text.splitlines()) else ""
+            last = number == len(text.splitlines())
+            if last and damaged is not None and not text.endswith("\n"):  # its writer ended mid-line
+                damaged.append(f"{path}:{number}: the last line is cut short (its writer ended mid-write); "
+                               "read up to it")  # fmt: skip
+                break
+            cut = " (the file looks cut short)" if last else ""
             raise SpanFileError(f"{path}:{number}: not JSON{cut}: {exc.msg}") from None
     return documents

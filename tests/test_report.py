@@ -118,13 +118,32 @@ def test_a_bad_trace_file_is_a_clear_error_not_a_traceback(tmp_path: Path, conte
         build([bad])
 
 
-def test_a_truncated_trace_file_says_it_looks_cut_short(tmp_path: Path) -> None:
+def test_what_a_killed_writer_leaves_is_read_past_with_a_warning(tmp_path: Path) -> None:
+    """A rank killed mid-checkpoint leaves an empty file or a last line cut short: the others' spans are the answer."""
+    whole = run_cli(str(RECORDED))
+    files = tmp_path / "traces"
+    files.mkdir()
+    for rank in range(3):
+        (files / f"rank-{rank}.jsonl").write_text((RECORDED / f"rank-{rank}.jsonl").read_text())
     text = (RECORDED / "rank-0.jsonl").read_text()
-    cut = tmp_path / "rank-0.jsonl"
-    cut.write_text(text[: len(text) - 500])  # a file whose writer died mid-line
-    shown = run_cli(str(cut))
-    assert shown.returncode == 2 and "Traceback" not in shown.stderr
-    assert f"{cut}:{text.count(chr(10))}: not JSON (the file looks cut short)" in shown.stderr
+    lines = text.count(chr(10))
+    (files / "rank-0.jsonl").write_text(text[: len(text) - 500])  # its writer died mid-line
+    (files / "rank-3.jsonl").write_text("")  # a process that died before its first export
+    shown = run_cli(str(files))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stderr.splitlines() == [
+        f"dcp-otel report: warning: {files / 'rank-0.jsonl'}:{lines}: the last line is cut short (its writer ended "
+        "mid-write); read up to it",
+        f"dcp-otel report: warning: {files / 'rank-3.jsonl'}: the file is empty (its process ended before it exported "
+        "a span?); skipped",
+    ]
+    # The checkpoints are all there (rank 0's part of the last, in the line cut short, is not).
+    assert shown.stdout.split(" on ")[0] == whole.stdout.split(" on ")[0]
+    # A cut in the middle of a file is not what a killed writer leaves: an error, with its line.
+    middle = tmp_path / "middle.jsonl"
+    middle.write_text(text.replace(chr(10), "\n{" + chr(10), 1))
+    broken = run_cli(str(middle))
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr and f"{middle}:2: not JSON" in broken.stderr
     missing = run_cli(str(tmp_path / "nowhere.jsonl"))
     assert missing.returncode == 2 and "cannot read it" in missing.stderr
 

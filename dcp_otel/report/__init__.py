@@ -14,7 +14,7 @@ Usage::
     dcp-otel report out/demo/traces --html report.html --trace-url 'https://tempo.example/trace/{trace_id}'
 
     from dcp_otel.report import build
-    report = build(["out/demo/traces"])       # SpanFileError on a malformed file
+    report = build(["out/demo/traces"])       # SpanFileError on a malformed file; report.damaged: read past
     print(report.text())
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dcp_otel.otlp_file import SpanFileError, read_spans
 from dcp_otel.report.model import Checkpoint, checkpoints
@@ -36,6 +36,8 @@ __all__ = ["Report", "SpanFileError", "build"]
 @dataclass
 class Report:
     checkpoints: list[Checkpoint]
+    #: What a killed writer left in the files, read past (an empty file, a last line cut short).
+    damaged: list[str] = field(default_factory=list)
 
     def text(self, limit: int | None = DETAIL_LIMIT) -> str:
         """The summary, then the worst ``limit`` checkpoints in detail (``None``: every one)."""
@@ -67,8 +69,14 @@ class Report:
 
 
 def build(paths: Iterable[str | os.PathLike[str]]) -> Report:
-    """The report of the checkpoints in these trace files (or folders of them)."""
-    found = checkpoints(read_spans(paths))
+    """The report of the checkpoints in these trace files (or folders of them).
+
+    What a killed rank's writer leaves (an empty file, a last line cut short) is read past and listed in
+    :attr:`Report.damaged`: the other ranks' spans are the answer to why it died.
+    """
+    damaged: list[str] = []
+    found = checkpoints(read_spans(paths, damaged))
     if not found:
-        raise SpanFileError("the files hold no dcp-otel checkpoint spans")
-    return Report(found)
+        said = "".join(f"; {note}" for note in damaged)
+        raise SpanFileError(f"the files hold no dcp-otel checkpoint spans{said}")
+    return Report(found, damaged)
