@@ -6,7 +6,7 @@
 Rows come from overhead.py (span cost per step; save, load, async save on 2
 ranks), metric_sinks.py (Prometheus and OpenTelemetry metrics, on the caller's
 thread and on the builder's), metrics_overhead.py (put_metric paths), faults.py (saves with a dead
-or hung OTLP endpoint), process_async.py (the traced checkpoint daemon) and stall_watchdog.py (a save with
+or hung OTLP endpoint), fixed_cost.py (a save that is all fixed cost, in a gloo world of one), process_async.py (the traced checkpoint daemon) and stall_watchdog.py (a save with
 the stall watchdog ticking or stopped, and the watchdog's own CPU).
 Each compares instrumented with uninstrumented runs interleaved in this run
 (medians), never with a number from elsewhere. The series budget is
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import faults  # noqa: E402
+import fixed_cost  # noqa: E402
 import metric_sinks  # noqa: E402
 import metrics_overhead  # noqa: E402
 import overhead  # noqa: E402
@@ -69,6 +70,10 @@ def rows(quick: bool) -> list[Row]:
         plain, traced = faults.save_ratio(kind, repeats=5 if quick else 15)
         what = "exporter healthy" if kind == "healthy" else f"OTLP endpoint {kind}"
         found.append((f"save 64 MB, 1 process, {what}", traced * 1e3, plain * 1e3, 1.005 if kind == "healthy" else 1.01, "ms"))
+    tiny = fixed_cost.measure(blocks=5 if quick else 15)
+    found.append(("tiny save, 1 gloo rank, builder idle (thread's own)", tiny["settled"] * 1e3, tiny["plain"] * 1e3,
+                  None, "ms"))  # fmt: skip
+    found.append(("tiny save, 1 gloo rank, back to back", tiny["back-to-back"] * 1e3, tiny["plain"] * 1e3, None, "ms"))
     daemon = process_async.measure(rounds=2 if quick else 3, saves=3 if quick else 5, mb=16)
     found.append(("process async_save 16 MB, upload (warm daemon)", daemon["upload_traced"] * 1e3,
                   daemon["upload_plain"] * 1e3, None, "ms"))  # fmt: skip
