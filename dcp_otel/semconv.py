@@ -37,6 +37,11 @@ SPAN_ASYNC_STAGING: Final = "dcp.async_staging"
 #: span under the open step (or under the operation, between steps), emitted by the stall
 #: watchdog while the call is still open and exported at once (see dcp_otel.live.watchdog).
 SPAN_STALL: Final = "dcp.stall"
+#: One of DCP's own object collectives (``_DistWrapper.gather_object``, ``scatter_object``,
+#: ``broadcast_object``, ``all_gather_object``, ``barrier``): ``dcp.collective.gather_object``, a child
+#: of the rank's operation span. Its time is waiting for the other ranks (and moving the objects), never
+#: the rank's own work; with ``detail="auto"`` it goes out with the step spans of the ranks that send them.
+SPAN_COLLECTIVE_PREFIX: Final = "dcp.collective."
 
 # --- attribute keys (on every DCP span unless noted) -----------------------
 ATTR_RANK: Final = "dcp.rank"  # int, global rank
@@ -65,6 +70,21 @@ ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
 #: the signal's name (``SIGTERM``, ``SIGINT``) or INTERRUPTED_AT_EXIT.
 ATTR_INTERRUPTED: Final = "dcp.interrupted"
 INTERRUPTED_AT_EXIT: Final = "exit"
+
+# On a dcp.collective.* span:
+#: str: torch's name for the step the collective belongs to (``plan``, ``write``, ``read``; the ``step``
+#: argument of ``_DistWrapper.reduce_scatter``, ``all_reduce``, ``all_gather``, ``broadcast``), absent when
+#: DCP called it directly (the barrier of a save without collectives).
+ATTR_COLLECTIVE_STEP: Final = "dcp.collective.step"
+#: str: the ``_DistWrapper`` method it is part of: ``reduce_scatter``, ``all_reduce``, ``all_gather``, ``broadcast``.
+ATTR_COLLECTIVE_PATTERN: Final = "dcp.collective.pattern"
+#: int: bytes of pickled objects this rank sent, and received, in it (what torch pickled: the plans,
+#: the write results, the metadata). Absent when nothing was pickled (a barrier).
+ATTR_COLLECTIVE_SENT_BYTES: Final = "dcp.collective.sent_bytes"
+ATTR_COLLECTIVE_RECEIVED_BYTES: Final = "dcp.collective.received_bytes"
+#: True on an operation or step span whose exception was raised by one of DCP's collectives (a peer that
+#: went away, a timeout): the failure did not start on this rank.
+ATTR_FAILED_IN_COLLECTIVE: Final = "dcp.failed_in_collective"
 
 # On a dcp.stall span (it also carries the operation's rank, checkpoint id and classes):
 ATTR_STEP: Final = "dcp.step"  # str: the innermost open step, or STEP_NONE between steps
@@ -101,6 +121,8 @@ ATTR_DETAIL_REASON: Final = "dcp.detail.reason"  # str: coordinator, failed, str
 ATTR_STEP_NAMES: Final = "dcp.steps.names"  # str[], in the order they started
 ATTR_STEP_SECONDS: Final = "dcp.steps.seconds"  # float[], summed per name, parallel to ATTR_STEP_NAMES
 ATTR_WAIT_SECONDS: Final = "dcp.wait_seconds"  # float: the operation's time outside its own steps
+#: float: of that wait, the time in DCP's collectives (dcp.collective.* spans); the rest is DCP's own code.
+ATTR_COLLECTIVE_SECONDS: Final = "dcp.collective_seconds"
 ATTR_THROUGHPUT: Final = "dcp.throughput_bytes_per_second"  # float: bytes / seconds in write_data, read_data
 
 #: Resource attribute (``TorchDistributedResourceDetector``); the resource also
@@ -182,6 +204,11 @@ ENV_SLURM_STEP_ID: Final = "SLURM_STEP_ID"
 def span_name(func_name: str) -> str:
     """The span name for a DCP function: ``span_name("save") == "dcp.save"``."""
     return SPAN_PREFIX + func_name
+
+
+def is_collective_span(name: str) -> bool:
+    """Whether a span is one of DCP's collectives (``dcp.collective.gather_object``): waiting, not a step."""
+    return name.startswith(SPAN_COLLECTIVE_PREFIX)
 
 # --- metrics: one catalogue for prometheus-client and the OpenTelemetry metrics API --
 LABEL_OPERATION: Final = "operation"

@@ -88,14 +88,71 @@ def _storage_setup_wrapper(hooks: Hooks) -> Callable[..., Any]:
     return wrapper
 
 
-def _gather_object_wrapper(hooks: Hooks) -> Callable[..., Any]:
-    recorder = hooks.recorder
+def _collective_wrapper(method: str) -> Callable[[Hooks], Callable[..., Any]]:
+    """One of ``_DistWrapper``'s object collectives, as a ``dcp.collective.<method>`` span."""
 
-    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        recorder.on_gathered(args[0] if args else kwargs.get("object"), getattr(instance, "group", None))
-        return wrapped(*args, **kwargs)
+    def make(hooks: Hooks) -> Callable[..., Any]:
+        recorder = hooks.recorder
+        gathers = method == "gather_object"
 
-    return wrapper
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if gathers:  # this rank's write results or read plan, on their way to the coordinator
+                recorder.on_gathered(args[0] if args else kwargs.get("object"), getattr(instance, "group", None))
+            # Without torch.distributed (a single process) DCP's wrapper makes no collective at all.
+            call = recorder.collective_started(method) if getattr(instance, "use_dist", True) else None
+            if call is None:
+                return wrapped(*args, **kwargs)
+            try:
+                result = wrapped(*args, **kwargs)
+            except BaseException as exc:
+                recorder.collective_ended(call, exc)
+                raise
+            recorder.collective_ended(call, None)
+            return result
+
+        return wrapper
+
+    return make
+
+
+def _collective_scope_wrapper(pattern: str) -> Callable[[Hooks], Callable[..., Any]]:
+    """``_DistWrapper.reduce_scatter("plan", ...)`` and its kin: their collectives belong to torch's step."""
+
+    def make(hooks: Hooks) -> Callable[..., Any]:
+        recorder = hooks.recorder
+
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            previous = recorder.collective_scope(pattern, args[0] if args else kwargs.get("step"))
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                recorder.end_collective_scope(previous)
+
+        return wrapper
+
+    return make
+
+
+def _object_bytes_wrapper(sent: bool) -> Callable[[Hooks], Callable[..., Any]]:
+    """torch.distributed pickles (``sent``) or unpickles an object of a collective: its bytes, counted on
+    DCP's collective this thread is in (``_object_to_tensor`` returns the byte tensor; ``_tensor_to_object``
+    is given its ``tensor_size``)."""
+
+    def make(hooks: Hooks) -> Callable[..., Any]:
+        recorder = hooks.recorder
+
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            result = wrapped(*args, **kwargs)
+            try:
+                size = int(result[0].numel() if sent else (args[1] if len(args) > 1 else kwargs["tensor_size"]))
+                recorder.on_object_bytes(size if sent else 0, 0 if sent else size)
+            except Exception:  # noqa: BLE001 - a torch whose functions differ: no bytes, no harm
+                pass
+            return result
+
+        return wrapper
+
+    return make
 
 
 def _state_dict_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:
@@ -107,6 +164,8 @@ def _consolidation_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:
     return lambda hooks: logged_call(hooks.feed, call, consolidated(hooks.recorder.on_gathered))
 
 
+_DCP_UTILS = "torch.distributed.checkpoint.utils"
+_C10D = "torch.distributed.distributed_c10d"
 _NO_STORAGE_CLASS = "no storage class on spans when DCP infers it from checkpoint_id"
 _NO_PROCESS_TRACE = "the save in the async save process is not part of the checkpoint's trace"
 _NO_DAEMON = "the async save process is not traced"
@@ -119,9 +178,19 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "torch.distributed.checkpoint.utils",
         "_DistWrapper.gather_object",
-        "no written/read byte counts",
-        _gather_object_wrapper,
+        "no written/read byte counts, no dcp.collective.gather_object span",
+        _collective_wrapper("gather_object"),
     ),
+    # DCP's other object collectives, and the methods whose step names them ("plan", "write", "read").
+    *(Patch(_DCP_UTILS, f"_DistWrapper.{method}", f"no dcp.collective.{method} span", _collective_wrapper(method))
+      for method in ("scatter_object", "broadcast_object", "all_gather_object", "barrier")),  # fmt: skip
+    *(Patch(_DCP_UTILS, f"_DistWrapper.{pattern}", "dcp.collective.* spans without dcp.collective.step",
+            _collective_scope_wrapper(pattern))
+      for pattern in ("reduce_scatter", "all_reduce", "all_gather", "broadcast")),  # fmt: skip
+    # Where torch.distributed pickles and unpickles the objects of a collective (module-level functions
+    # its collectives call by name): the bytes a collective moved.
+    Patch(_C10D, "_object_to_tensor", "no dcp.collective.sent_bytes", _object_bytes_wrapper(sent=True)),
+    Patch(_C10D, "_tensor_to_object", "no dcp.collective.received_bytes", _object_bytes_wrapper(sent=False)),
     Patch(
         "torch.distributed.checkpoint.utils",
         "_wrap_exception",

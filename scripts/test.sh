@@ -3,8 +3,8 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k multiprocess).
 #
 # A full run (no arguments) then runs the core suites (spans, async, failures, the async save
-# process, metrics, multi-rank, the state-dict API, safetensors, the _experimental checkpointer)
-# again on torch 2.14.1, the other tested release. Its environment is cached outside the checkout
+# process, metrics, multi-rank, the state-dict API, safetensors, the _experimental checkpointer, hung
+# checkpoints, DCP's collectives) again on torch 2.14.1, the other tested release. Its environment is cached outside the checkout
 # (first time: about 6 minutes to install, 5.7 GB), in $DCP_OTEL_CACHE (default ~/.cache/dcp-otel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +20,4 @@ VENV="$compat" TORCH_VERSION="$COMPAT_TORCH" bash scripts/setup.sh
 exec "$compat/bin/python" -m pytest -p no:cacheprovider tests/test_spans.py tests/test_async_save.py \
     tests/test_failures.py tests/test_process_async.py tests/test_metrics.py tests/test_multiprocess.py \
     tests/test_state_dict_api.py tests/test_hf_storage.py tests/test_checkpointer.py tests/test_instrumentor.py \
-    tests/test_otel_metrics.py tests/test_live.py tests/test_hung_checkpoints.py
+    tests/test_otel_metrics.py tests/test_live.py tests/test_hung_checkpoints.py tests/test_dcp_collectives.py

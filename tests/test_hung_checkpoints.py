@@ -206,9 +206,14 @@ def test_while_a_save_hangs_prometheus_and_otlp_show_every_ranks_step_and_its_st
     seen = save_jobs[0].seen
     where = {r["metric"]["rank"]: (r["metric"]["operation"], r["metric"]["step"]) for r in seen["in_progress"]}
     assert where == {str(HUNG): ("save", "write_data"), str(WAITING): ("save", semconv.STEP_NONE)}
-    # The value is the Unix time the rank last made progress: rank 1 entered write_data before rank 0 ended its own.
+    # The value is the Unix time the rank last made progress: when rank 1 entered its write_data, when rank 0
+    # ended its own (the collective it waits in since is not progress).
     since = {r["metric"]["rank"]: float(r["value"][1]) for r in seen["in_progress"]}
-    assert since[str(HUNG)] < since[str(WAITING)]
+    hung_write = interrupted(save_jobs[0].spans, "dcp.write_data", HUNG)
+    (waiting_write,) = [s for s in save_jobs[0].spans if s.name == "dcp.write_data" and s.trace_id == hung_write.trace_id
+                        and s.attributes[semconv.ATTR_RANK] == WAITING]  # fmt: skip
+    assert since[str(HUNG)] == pytest.approx(hung_write.start_ns / 1e9, abs=1e-3)
+    assert since[str(WAITING)] == pytest.approx(waiting_write.end_ns / 1e9, abs=1e-3)
     counted = {(r["metric"]["rank"], r["metric"]["step"]) for r in seen["stalls"] if float(r["value"][1]) >= 1}
     assert {(str(HUNG), "write_data"), (str(WAITING), semconv.STEP_NONE)} <= counted
     assert {float(r["value"][1]) for r in seen["threshold"]} == {float(STALL_AFTER_S)}
@@ -260,6 +265,10 @@ def test_after_sigterm_every_ranks_file_holds_the_interrupted_save_and_the_block
     assert "NEVER.wait()" in (write.stacktrace or "")  # where its thread was
     waiting = interrupted(traced.spans, "dcp.save", WAITING)
     assert waiting.status_message == "terminated by SIGTERM while waiting in gather_object (_DistWrapper.all_reduce)"
+    # The collective it was in is a span of its own, ended as the process ended: the write's gather.
+    collective = interrupted(traced.spans, semconv.SPAN_COLLECTIVE_PREFIX + "gather_object", WAITING)
+    assert collective.parent_id == waiting.span_id and collective.error
+    assert collective.attributes[semconv.ATTR_COLLECTIVE_STEP] == "write"
     (root,) = [s for s in traced.spans if s.name == semconv.SPAN_CHECKPOINT and s.trace_id == write.trace_id]
     assert root.error  # the checkpoint's trace says it never finished
 

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint.state_dict as dcp_state_dict
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 import torch.distributed.checkpoint.utils as dcp_utils
+import torch.distributed.distributed_c10d as c10d
 from opentelemetry.sdk.trace import TracerProvider
 
 import dcp_otel
@@ -42,7 +43,11 @@ def originals() -> dict[str, object]:
     process = process_executor
     return {
         "wrap_exception": dcp_utils.__dict__["_wrap_exception"],
-        "gather_object": dcp_utils._DistWrapper.__dict__["gather_object"],
+        **{f"dist_wrapper.{name}": dcp_utils._DistWrapper.__dict__[name]
+           for name in ("gather_object", "scatter_object", "broadcast_object", "all_gather_object", "barrier",
+                        "reduce_scatter", "all_reduce", "all_gather", "broadcast")},  # fmt: skip
+        "object_to_tensor": c10d.__dict__["_object_to_tensor"],
+        "tensor_to_object": c10d.__dict__["_tensor_to_object"],
         "execute_save": thread_executor._ThreadBasedAsyncCheckpointExecutor.__dict__["execute_save"],
         "save_wrapper": thread_executor.__dict__["save_wrapper"],
         "saver_storage_setup": dcp_saver.__dict__["_storage_setup"],

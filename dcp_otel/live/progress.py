@@ -42,7 +42,7 @@ from typing import Final
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.metrics import LiveEntry
-from dcp_otel.tracing.records import KIND_OPERATION, KIND_UPLOAD, Call, DurationHistory, Operation
+from dcp_otel.tracing.records import KIND_COLLECTIVE, KIND_OPERATION, KIND_UPLOAD, Call, DurationHistory, Operation
 from dcp_otel.tracing.tracker import SpanRecorder
 
 #: The stall threshold from history: this many times the slowest recent successful run ...
@@ -131,7 +131,9 @@ class LiveState:
 def _local(open_calls: list[tuple[Call, int | None]]) -> list[Progress]:
     by_op: dict[int, list[tuple[Call, int | None]]] = {}
     for call, ident in open_calls:
-        if call.op is not None and not call.end_ns:
+        # In one of DCP's collectives a rank is between steps, waiting: the stall report names the
+        # collective from the thread's stack.
+        if call.op is not None and not call.end_ns and call.kind != KIND_COLLECTIVE:
             by_op.setdefault(id(call.op), []).append((call, ident))
     found = []
     for calls in by_op.values():

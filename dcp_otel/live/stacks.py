@@ -35,6 +35,8 @@ _C10D_FILE: Final = "distributed_c10d.py"
 _DCP_DIR: Final = "/distributed/checkpoint/"
 _DIST_WRAPPER: Final = "_DistWrapper."
 _STDLIB: Final = sysconfig.get_paths()["stdlib"] + os.sep
+#: dcp-otel's own frames (its wrappers around DCP's collectives) are left out: they say nothing to the reader.
+_OWN_DIR: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,9 @@ def thread_stack(thread_id: int, frame: FrameType | None = None) -> ThreadStack 
     if frame is None:
         return None
     names = {t.ident: t.name for t in threading.enumerate()}
-    summary = traceback.extract_stack(frame, limit=MAX_FRAMES)
+    summary = traceback.StackSummary.from_list(
+        [f for f in traceback.extract_stack(frame, limit=MAX_FRAMES) if not f.filename.startswith(_OWN_DIR)]
+    )
     text = "Stack (most recent call last):\n" + "".join(summary.format())
     frames = tuple((f.name, f.filename, f.lineno or 0) for f in reversed(summary))
     return ThreadStack(thread_id, names.get(thread_id, f"thread-{thread_id}"), text, frames, collective(frame))

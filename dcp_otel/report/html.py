@@ -90,6 +90,9 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
         if ckpt.origins:
             notes.append(f"It started on rank {', '.join(map(str, ckpt.origins))}; every other rank raised torch's "
                          f"{WRAPPER} reporting it.")  # fmt: skip
+        lost = ckpt.lost_peer()
+        if lost:
+            notes.append(e(lost[0].upper() + lost[1:]) + ".")
     status = ('<span class="failed">UNFINISHED</span>' if ckpt.is_unfinished else
               '<span class="failed">FAILED</span>' if ckpt.error else "ok")  # fmt: skip
     if len(shown) < len(ckpt.ranks):
@@ -112,7 +115,8 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
 
 #: Every colour a timeline uses, and what it means (the straggler's write/read bars are orange).
 LEGEND = (("operation", "#8ab8ff"), ("write/read", "#3274d9"), ("straggler's write/read", "#d45b00"),
-          ("async upload/staging", "#a78bfa"), ("other steps", "#73bf69"), ("stall report", "#e0b400"))  # fmt: skip
+          ("async upload/staging", "#a78bfa"), ("other steps", "#73bf69"), ("stall report", "#e0b400"),
+          ("DCP's collectives (waiting)", "#b7bcc4"))  # fmt: skip
 #: Sections open when the page loads (the worst first); the others draw their timeline when opened.
 OPEN_SECTIONS = 5
 #: Unfinished ranks named in a checkpoint's section (the timeline shows every one).
@@ -191,7 +195,8 @@ def _run_summary(summary: Summary, checkpoints: list[Checkpoint]) -> str:
         ranks = ", ".join(map(str, f.ranks)) or "?"
         parts.append(f'<p class="failed"><a href="#checkpoint-{f.index}">{e(f.operation)} {e(f.checkpoint_id)}</a> '
                      f"(operation {f.index + 1} of {summary.operations}) failed on rank {ranks}:</p>"
-                     f'<pre class="cause">{e(f.cause)}</pre>')  # fmt: skip
+                     + (f'<p class="lost-peer">{e(f.lost_peer[0].upper() + f.lost_peer[1:])}.</p>' if f.lost_peer else "")
+                     + f'<pre class="cause">{e(f.cause)}</pre>')  # fmt: skip
     if len(summary.failures) > FAILURES_SHOWN:
         parts.append(f"<p>... and {len(summary.failures) - FAILURES_SHOWN} more failed operations, first below.</p>")
     st = summary.straggler

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -68,6 +68,7 @@ class RankResult:
     upload_busy_s: float = 0.0  # async save: in the background save's steps (part of upload_s)
     staging_s: float = 0.0  # async save: copying the state dict for the upload (part of busy_s)
     error: str | None = None  # the first error among this rank's spans
+    collective_s: float = 0.0  # of wait_s, in DCP's collectives (dcp.collective.* spans, or the summary)
 
     @property
     def work_s(self) -> float:
@@ -123,6 +124,31 @@ class StepResult:
 
 
 @dataclass
+class CollectiveResult:
+    """One of DCP's collectives across the ranks that sent their spans (``gather_object`` of ``plan``)."""
+
+    method: str  # gather_object, scatter_object, broadcast_object, all_gather_object, barrier
+    step: str  # torch's step: plan, write, read ("" when DCP called it directly)
+    by_rank: dict[int, float]
+    moved_bytes: int  # the most any rank pickled or unpickled in it: the coordinator's side, all ranks' objects
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} ({self.step})" if self.step else self.method
+
+    @property
+    def longest_rank(self) -> int:
+        return max(self.by_rank, key=lambda r: (self.by_rank[r], -r))
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.by_rank.values())
+
+
+_SILENT_SHOWN = 8
+
+
+@dataclass
 class Checkpoint:
     """One checkpoint operation: one trace."""
 
@@ -141,6 +167,32 @@ class Checkpoint:
     unfinished: list[Unfinished] = field(default_factory=list)
     #: The ranks where its failure started: their own step raised their own exception.
     origins: list[int] = field(default_factory=list)
+    #: DCP's collectives, in the order they ran (from the ranks that sent step spans).
+    collectives: list[CollectiveResult] = field(default_factory=list)
+    #: The ranks whose failure one of DCP's collectives raised (a peer gone, a timeout), not their own code.
+    failed_in_collective: list[int] = field(default_factory=list)
+    #: The first collective that raised, as :attr:`CollectiveResult.name` says it (``gather_object (write)``).
+    failing_collective: str | None = None
+    #: Ranks of the job that sent no operation span for it (a killed process exports nothing); known only
+    #: for a checkpoint of the whole world, whose ranks are 0..world_size-1.
+    silent_ranks: list[int] = field(default_factory=list)
+
+    def lost_peer(self) -> str | None:
+        """Said when ranks failed in DCP's collectives and none in its own code: which peer they lost.
+
+        ``"rank 0, 1 failed in DCP's gather_object (write), waiting for a peer that went away; rank 2 sent
+        no spans: it likely started there (a killed process: see its log)"``
+        """
+        if self.origins or not self.failed_in_collective:
+            return None
+        where = f"DCP's {self.failing_collective}" if self.failing_collective else "DCP's collectives"
+        ranks = ", ".join(map(str, self.failed_in_collective))
+        if not self.silent_ranks:
+            return f"rank {ranks} failed in {where}: a peer went away or the collective timed out"
+        silent = ", ".join(map(str, self.silent_ranks[:_SILENT_SHOWN]))
+        more = f" and {len(self.silent_ranks) - _SILENT_SHOWN} more" if len(self.silent_ranks) > _SILENT_SHOWN else ""
+        return (f"rank {ranks} failed in {where}, waiting for a peer that went away; rank {silent}{more} sent no "
+                "spans: it likely started there (a killed process: see its log)")
 
     @property
     def duration_s(self) -> float:
@@ -213,21 +265,26 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
     raised: list[tuple[int, FileSpan]] = []  # (rank, the step that raised) of every rank
     ranks: list[RankResult] = []
     steps: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    collectives: dict[tuple[str, str], CollectiveResult] = {}
     failed: set[int] = set()
+    in_collective: list[int] = []
     first_error: str | None = None  # what the first rank to fail said
     for op_span in sorted((s for s in spans if is_operation_span(s)), key=lambda s: _rank_of(s) or 0):
         rank = _rank_of(op_span)
         if rank is None:
             continue
         subtree = _subtree(op_span, children)
-        own_steps = [s for s in subtree if s.name not in _NOT_STEPS and s.name not in _OPERATION_SPANS]
+        own_collectives = [s for s in subtree if semconv.is_collective_span(s.name)]
+        own_steps = [s for s in subtree if s.name not in _NOT_STEPS and s.name not in _OPERATION_SPANS
+                     and not semconv.is_collective_span(s.name)]  # fmt: skip
         # Busy: in steps run right under the rank's operation span; the rest of it is waiting for
         # the other ranks. An async save's background save (under its upload) is the upload's side.
         # The checkpointer's waits are steps (the barrier inside the write): waiting all the same.
         waits = [s for s in own_steps if s.name in _WAITS]
         in_upload = {s.span_id for s in waits if _under(s, semconv.SPAN_ASYNC_UPLOAD, by_id, op_span)}
         caller_wait = sum(s.duration_s for s in waits if s.span_id not in in_upload)
-        direct = sum(s.duration_s for s in children[op_span.span_id] if s.name not in _NOT_STEPS) - caller_wait
+        direct = sum(s.duration_s for s in children[op_span.span_id]
+                     if s.name not in _NOT_STEPS and not semconv.is_collective_span(s.name)) - caller_wait  # fmt: skip
         upload_busy = sum(s.duration_s for s in own_steps if s.parent_id != op_span.span_id
                           and by_id[s.parent_id].name in _UPLOAD_PARENTS)  # fmt: skip
         upload_busy -= sum(s.duration_s for s in waits if s.span_id in in_upload)
@@ -247,7 +304,10 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
                       default=0),  # fmt: skip
             io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)
             - io_waits,
+            collective_s=sum(s.duration_s for s in own_collectives if s.parent_id == op_span.span_id),
         )
+        for span in sorted(own_collectives, key=lambda s: s.start_ns):  # the coordinator's first: in their order
+            _add_collective(collectives, rank, span)
         if op_span.attributes.get(semconv.ATTR_DETAIL) == semconv.DETAIL_SUMMARY:
             _from_summary(result, op_span, steps, is_async)  # no step spans (detail="auto")
         for step in own_steps:
@@ -265,13 +325,19 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
             failed.add(rank)
             raised.append((rank, raising[0]))
         failed.update(int(r) for r in op_span.attributes.get(semconv.ATTR_FAILED_RANKS, []) or [])
+        if op_span.attributes.get(semconv.ATTR_FAILED_IN_COLLECTIVE):
+            failed.add(rank)
+            in_collective.append(rank)
         ranks.append(result)
     # The root cause: the step that raised first (a barrier fails only after the rank it waits for did).
     first = min(raised, key=lambda pair: (pair[1].end_ns, pair[0]), default=None)
     root_cause = (first[1].status_message or None) if first is not None else None
     cause_detail = (first[1].exception or root_cause) if first is not None else None
+    raised_in = min((s for s in spans if s.error and semconv.is_collective_span(s.name)), key=lambda s: s.end_ns,
+                    default=None)  # fmt: skip
+    unfinished = _unfinished(spans, {r.rank for r in ranks})
     return Checkpoint(
-        unfinished=_unfinished(spans, {r.rank for r in ranks}),
+        unfinished=unfinished,
         trace_id=trace_id,
         operation=operation,
         # Summary-only operation spans (detail="auto") leave what every rank shares to the root.
@@ -284,10 +350,42 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         failed_ranks=sorted(failed),
         # Where it started: a rank whose own step raised its own exception, not torch's report of another's.
         origins=sorted({rank for rank, step in raised if not step.status_message.startswith(WRAPPER)}),
+        collectives=list(collectives.values()),
+        failed_in_collective=in_collective,
+        failing_collective=_collective_name(raised_in) if raised_in is not None else None,
+        silent_ranks=_silent(spans, is_operation_span, {r.rank for r in ranks} | {u.rank for u in unfinished}),
         error=root_cause or first_error,
         spans=spans,
         error_detail=cause_detail or root_cause or first_error,
     )
+
+
+def _silent(spans: list[FileSpan], is_operation_span: Callable[[FileSpan], bool], heard: set[int]) -> list[int]:
+    """The world's ranks that sent nothing of a checkpoint every rank took part in (each rank's group rank is its
+    global rank: the default group); a sub-group's checkpoint does not say which ranks it had."""
+    ops = [s for s in spans if is_operation_span(s)]
+    if not ops or any(s.attributes.get(semconv.ATTR_GROUP_RANK) != s.attributes.get(semconv.ATTR_RANK) for s in ops):
+        return []
+    world = max(int(s.attributes.get(semconv.ATTR_WORLD_SIZE) or 0) for s in ops)
+    return [rank for rank in range(world) if rank not in heard]
+
+
+def _collective_key(span: FileSpan) -> tuple[str, str]:
+    return span.name.removeprefix(semconv.SPAN_COLLECTIVE_PREFIX), str(span.attributes.get(semconv.ATTR_COLLECTIVE_STEP) or "")
+
+
+def _collective_name(span: FileSpan) -> str:
+    method, step = _collective_key(span)
+    return CollectiveResult(method, step, {}, 0).name
+
+
+def _add_collective(found: dict[tuple[str, str], CollectiveResult], rank: int, span: FileSpan) -> None:
+    method, step = _collective_key(span)
+    result = found.setdefault((method, step), CollectiveResult(method, step, {}, 0))
+    result.by_rank[rank] = result.by_rank.get(rank, 0.0) + span.duration_s
+    moved = max(int(span.attributes.get(semconv.ATTR_COLLECTIVE_SENT_BYTES) or 0),
+                int(span.attributes.get(semconv.ATTR_COLLECTIVE_RECEIVED_BYTES) or 0))  # fmt: skip
+    result.moved_bytes = max(result.moved_bytes, moved)
 
 
 def _unfinished(spans: list[FileSpan], ended: set[int]) -> list[Unfinished]:
@@ -313,7 +411,9 @@ def _unfinished(spans: list[FileSpan], ended: set[int]) -> list[Unfinished]:
 def _interrupted_rank(rank: int, mine: list[FileSpan], interrupted: list[FileSpan], stalls: list[FileSpan],
                       by_id: dict[str, FileSpan]) -> Unfinished:  # fmt: skip
     # The innermost call it was in is the latest to start: a call nests in the one open when it began.
-    inner = max(interrupted, key=lambda s: s.start_ns)
+    # In one of DCP's collectives it was between steps, waiting: the call that made it is the one.
+    collective = next((s for s in interrupted if semconv.is_collective_span(s.name)), None)
+    inner = max((s for s in interrupted if s is not collective), key=lambda s: s.start_ns, default=interrupted[0])
     parent = by_id.get(inner.parent_id)
     own_operation = inner.name in _OPERATION_SPANS and (parent is None or parent.name == semconv.SPAN_CHECKPOINT)
     step = semconv.STEP_NONE if own_operation else inner.name.removeprefix(semconv.SPAN_PREFIX)
@@ -325,6 +425,8 @@ def _interrupted_rank(rank: int, mine: list[FileSpan], interrupted: list[FileSpa
     description = inner.status_message or inner.exception or "interrupted"
     waiting = _WAITING_IN.search(description)
     waiting_in = waiting.group(1) if waiting else _collective(stall)
+    if waiting_in is None and collective is not None:
+        waiting_in = _collective_name(collective)
     if waiting_in is None and step in semconv.WAIT_STEPS:
         waiting_in = step
     return Unfinished(rank=rank, step=step, seconds=(inner.end_ns - max(inner.start_ns, last_end)) / 1e9,
@@ -384,6 +486,9 @@ def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[i
     if isinstance(wait, (int, float)):
         result.wait_s = min(float(wait), op_span.duration_s)
         result.busy_s = op_span.duration_s - result.wait_s
+    collective = attrs.get(semconv.ATTR_COLLECTIVE_SECONDS)
+    if isinstance(collective, (int, float)):
+        result.collective_s = min(float(collective), result.wait_s)
     result.io_s = total = 0.0
     for name, value in zip(names, seconds, strict=False):  # a malformed file: what pairs up
         if isinstance(name, str) and isinstance(value, (int, float)):

@@ -4,7 +4,7 @@
 // a double click resets; the compare view sets two checkpoints side by side. See dcp_otel/report/page_data.py.
 "use strict";
 const data = JSON.parse(document.getElementById("report-data").textContent);
-const colors = {operation: "#8ab8ff", io: "#3274d9", upload: "#a78bfa", other: "#73bf69", stall: "#e0b400"};
+const colors = {operation: "#8ab8ff", io: "#3274d9", upload: "#a78bfa", other: "#73bf69", stall: "#e0b400", collective: "#b7bcc4"};
 const NS = "http://www.w3.org/2000/svg";
 const WIDTH = 1100, ROW = 14;
 const views = {};      // checkpoint index -> [t0, t1] in ms, the time window shown

@@ -39,7 +39,7 @@ FOLD_ABOVE: Final = 32
 BANDS: Final = 6
 SLOWEST: Final = 5
 #: Bar kinds, as the page colours them.
-KINDS: Final = ("operation", "io", "upload", "other", "stall")
+KINDS: Final = ("operation", "io", "upload", "other", "stall", "collective")
 _OPERATION_SPANS: Final = frozenset(semconv.span_name(op) for op in semconv.OPERATIONS)
 #: Where a trace template puts the ids.
 TRACE_ID: Final = "{trace_id}"
@@ -47,7 +47,10 @@ SPAN_ID: Final = "{span_id}"
 
 
 def kind(name: str) -> str:
-    """How a span's bar is coloured: the operation, a step that moves bytes, the upload, a stall, the rest."""
+    """How a span's bar is coloured: the operation, a step that moves bytes, the upload, a stall, one of DCP's
+    collectives (waiting for the others), the rest."""
+    if semconv.is_collective_span(name):
+        return "collective"
     step = name.removeprefix(semconv.SPAN_PREFIX)
     if step in semconv.IO_STEPS:
         return "io"

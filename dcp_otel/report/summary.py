@@ -39,6 +39,7 @@ class Failure:
     checkpoint_id: str
     ranks: list[int]
     cause: str  # the failing rank's own exception, in full when the spans carry it
+    lost_peer: str | None = None  # :meth:`Checkpoint.lost_peer`: failed in DCP's collectives, a peer gone
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class Summary:
 def summarize(checkpoints: list[Checkpoint]) -> Summary:
     """The run's summary (``checkpoints`` oldest first, as :func:`~dcp_otel.report.model.checkpoints` gives them)."""
     failures = [
-        Failure(i, c.operation, c.checkpoint_id, c.failed_ranks, c.error_detail or c.error or "failed")
+        Failure(i, c.operation, c.checkpoint_id, c.failed_ranks, c.error_detail or c.error or "failed", c.lost_peer())
         for i, c in enumerate(checkpoints)
         if c.error and not c.is_unfinished
     ]

@@ -71,6 +71,11 @@ def render_one(ckpt: Checkpoint) -> str:
             steps.append((step.name, str(step.slowest_rank), f"{step.by_rank[step.slowest_rank]:.3f}s",
                           f"{step.median_s:.3f}s", f"{step.skew:.1f}x"))  # fmt: skip
         lines += _table(steps)
+    if ckpt.collectives and len(ckpt.ranks) > 1:  # waiting for the others, and the objects DCP moved
+        rows = [("DCP collective (step)", "longest on rank", "its time", "median", "objects moved")]
+        rows += [(c.name, str(c.longest_rank), f"{c.by_rank[c.longest_rank]:.3f}s", f"{c.median_s:.3f}s",
+                  format_bytes(c.moved_bytes) if c.moved_bytes else "-") for c in ckpt.collectives]  # fmt: skip
+        lines += _table(rows)
     if ckpt.straggler is not None:
         lines.append(f"  straggler: rank {ckpt.straggler}, busy {ckpt.straggler_skew:.1f}x the median rank"
                      + (" (caller and upload)" if ckpt.operation in semconv.ASYNC_OPERATIONS else ""))
@@ -88,6 +93,9 @@ def render_one(ckpt: Checkpoint) -> str:
         if ckpt.origins:
             lines.append(f"  it started on rank {', '.join(map(str, ckpt.origins))}; every other rank raised torch's "
                          f"{WRAPPER} reporting it")  # fmt: skip
+        lost = ckpt.lost_peer()
+        if lost:
+            lines.append(f"  {lost}")
     return "\n".join(lines)
 
 
@@ -158,6 +166,8 @@ def render_summary(summary: Summary) -> str:
         ranks = ", ".join(map(str, f.ranks)) or "?"
         lines.append(f"FAILED  {f.operation} {f.checkpoint_id or '(no id)'} (operation {f.index + 1} of "
                      f"{summary.operations}) on rank {ranks}:")  # fmt: skip
+        if f.lost_peer:
+            lines.append(f"        {f.lost_peer}")
         lines += [f"        {line}" for line in f.cause.strip().splitlines()[:_CAUSE_LINES]]
     if len(summary.failures) > FAILURES_SHOWN:
         lines.append(f"        ... and {len(summary.failures) - FAILURES_SHOWN} more failed operations (details below)")

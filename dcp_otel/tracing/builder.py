@@ -46,6 +46,7 @@ from dcp_otel.metrics import MetricsSink
 from dcp_otel.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
 from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
 from dcp_otel.tracing.records import (
+    KIND_COLLECTIVE,
     KIND_OPERATION,
     KIND_STEP,
     MAX_STATUS_TEXT,
@@ -191,25 +192,30 @@ class SpanBuilder:
 
     def _build(self, op: Operation, calls: list[Call], late: bool) -> None:
         steps = [call for call in calls if call.kind == KIND_STEP and call.span_id]
+        collectives = [call for call in calls if call.kind == KIND_COLLECTIVE]
         op_call = next((call for call in calls if call.kind == KIND_OPERATION), None)
         if late:
             detailed, summary = True, None
         else:
-            detailed, reason = self.policy.decide(op, steps, op_call)
-            summary = summary_attributes(op, steps, detailed, reason) if op_call is not None else None
+            detailed, reason = self.policy.decide(op, steps, op_call, len(collectives))
+            summary = summary_attributes(op, steps, detailed, reason, collectives) if op_call is not None else None
         if not op.sampled:
             return
         emit = _Emitter(op, self._twin(op.tracer))
         if op.root_span_id and not late:
             emit.root()
         for call in calls:
-            if call.kind == KIND_STEP and not detailed:
+            if not detailed and call.kind in _DETAIL_KINDS:
                 continue
             emit.span(call, summary if call is op_call else None)
             # Let other threads have the interpreter between spans: the training thread never
             # waits a whole switch interval (5 ms) for it, and the SDK's batch worker takes
             # its batches as they come, as when spans ended one by one during the checkpoint.
             _yield()
+
+
+#: The calls only a detailed rank exports: its steps, and DCP's collectives between them.
+_DETAIL_KINDS = frozenset({KIND_STEP, KIND_COLLECTIVE})
 
 
 class _Emitter:
@@ -248,7 +254,8 @@ class _Emitter:
     def span(self, call: Call, summary: dict[str, object] | None) -> None:
         op = self.op
         is_op = call.kind == KIND_OPERATION
-        if summary and summary[semconv.ATTR_DETAIL] == semconv.DETAIL_SUMMARY:
+        summary_only = bool(summary) and summary[semconv.ATTR_DETAIL] == semconv.DETAIL_SUMMARY  # type: ignore[index]
+        if summary_only:
             # A summary-only rank (most ranks of a large job): only what differs per rank;
             # what every rank shares (checkpoint id, run id, classes) is on the root and on
             # the detailed ranks' spans of the same trace.
@@ -259,6 +266,8 @@ class _Emitter:
             attributes.update(summary)
         if call.extra:
             attributes.update(call.extra)
+            if summary_only:  # its bytes over its write_data's (read_data's) seconds, both on the span: 46 B
+                attributes.pop(semconv.ATTR_THROUGHPUT, None)
         if call.keys is not None:
             attributes.update(call.keys.to_attributes())
         failure = call.failure
@@ -266,6 +275,8 @@ class _Emitter:
             attributes[semconv.ATTR_FAILED_RANKS] = failure.failed_ranks
         if call.inferred:
             attributes[semconv.ATTR_END_INFERRED] = True
+        if failure is not None and failure.in_collective and call.kind != KIND_COLLECTIVE:
+            attributes[semconv.ATTR_FAILED_IN_COLLECTIVE] = True
         links = []
         if is_op and op.caller is not None:
             links.append(Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER}))

@@ -129,8 +129,12 @@ class DetailPolicy:
         self.span_budget = span_budget
         self._busy: dict[str, deque[float]] = {}
 
-    def decide(self, op: Operation, steps: list[Call], op_call: Call | None) -> tuple[bool, str]:
-        """(whether this rank exports its step spans, why)."""
+    def decide(self, op: Operation, steps: list[Call], op_call: Call | None, collectives: int = 0) -> tuple[bool, str]:
+        """(whether this rank exports its step spans, and its ``collectives`` collective spans, why).
+
+        The budget counts both: a rank's spans below its operation span.
+        """
+        spans = len(steps) + collectives
         busy_s = _busy_s(op, op_call, steps)
         history = self._busy.setdefault(op.name, deque(maxlen=HISTORY))
         median = statistics.median(history) if len(history) >= MIN_HISTORY else None
@@ -141,21 +145,23 @@ class DetailPolicy:
             return True, REASON_INTERRUPTED
         if op.coordinator or (op.adopted and op.rank == 0):  # adopted: continued in the async save process
             return True, REASON_COORDINATOR
-        if self._failed_here(op, steps, op_call, len(steps)):
+        if self._failed_here(op, steps, op_call, spans):
             return True, REASON_FAILED
         candidate = _candidate(op, op_call, busy_s, median)
         if candidate is not None and in_candidate_sample(
-            op.trace_id, op.rank, candidate_cap(len(steps), self.span_budget), op.world_size
+            op.trace_id, op.rank, candidate_cap(spans, self.span_budget), op.world_size
         ):
             return True, candidate
-        if in_sample(op.trace_id, op.rank, sample_every(op.world_size, len(steps), self.span_budget)):
+        if in_sample(op.trace_id, op.rank, sample_every(op.world_size, spans, self.span_budget)):
             return True, REASON_SAMPLED
         return False, REASON_SUMMARY
 
     def _failed_here(self, op: Operation, steps: list[Call], op_call: Call | None, steps_per_rank: int) -> bool:
-        """A call of this rank failed; of a multi-rank failure, only the first failed ranks say so."""
+        """A call of this rank failed; of a multi-rank failure, only the first failed ranks say so. A collective
+        that raised (a peer gone: every other rank sees the same) is not a failure of this rank's own."""
         calls = steps if op_call is None else [*steps, op_call]
-        failures = [call.failure for call in calls if call.failure is not None and not call.inferred]
+        failures = [call.failure for call in calls
+                    if call.failure is not None and not call.inferred and not call.failure.in_collective]  # fmt: skip
         if not failures:
             return False
         ranks = next((f.failed_ranks for f in failures if f.failed_ranks), None)
@@ -183,7 +189,9 @@ def _candidate(op: Operation, op_call: Call | None, busy_s: float, median: float
     return REASON_STRAGGLER if op.wait_s <= STRAGGLER_WAIT_SHARE * op_call.duration_s else None
 
 
-def summary_attributes(op: Operation, steps: list[Call], detailed: bool, reason: str) -> dict[str, object]:
+def summary_attributes(
+    op: Operation, steps: list[Call], detailed: bool, reason: str, collectives: list[Call] | None = None
+) -> dict[str, object]:
     """The compact per-step summary every rank's operation span carries."""
     seconds: dict[str, float] = {}
     for call in sorted(steps, key=lambda c: c.start_ns):
@@ -194,6 +202,11 @@ def summary_attributes(op: Operation, steps: list[Call], detailed: bool, reason:
         semconv.ATTR_STEP_SECONDS: list(seconds.values()),
         semconv.ATTR_WAIT_SECONDS: max(0.0, op.wait_s),
     }
+    # Of that wait, the time in DCP's collectives run right under the operation (an async save's are the
+    # background save's, on the upload's side).
+    under_op = [c.duration_s for c in collectives or () if (p := c.parent_context) is not None and p.span_id == op.span_id]
+    if under_op:
+        attrs[semconv.ATTR_COLLECTIVE_SECONDS] = sum(under_op)
     if detailed:  # a summary-only span says why by its ATTR_DETAIL alone
         attrs[semconv.ATTR_DETAIL_REASON] = reason
     return attrs

@@ -52,6 +52,8 @@ KIND_OPERATION: Final = "operation"
 KIND_STEP: Final = "step"
 KIND_UPLOAD: Final = "upload"
 KIND_STAGING: Final = "staging"
+#: One of DCP's object collectives: exported with the steps, but waiting, not the rank's own work.
+KIND_COLLECTIVE: Final = "collective"
 
 
 @dataclass
@@ -106,10 +108,11 @@ class Failure:
 
     ``origin``: the exception is this rank's own (not torch's report of the
     failed ranks, nor one inferred), with its type in ``origin``: where a
-    failure started is counted there, once.
+    failure started is counted there, once. :meth:`came_from_collective` takes
+    it back for an exception one of DCP's collectives raised (a peer gone).
     """
 
-    __slots__ = ("description", "event", "failed_ranks", "origin")
+    __slots__ = ("description", "event", "failed_ranks", "origin", "in_collective")
 
     def __init__(self, exc: BaseException | None, error: str | None, rank: int | None = None,
                  to_global: GlobalRank | None = None) -> None:  # fmt: skip
@@ -118,6 +121,7 @@ class Failure:
         self.description = redact_text(describe(exc, error, rank, to_global) if exc is not None else (error or "exception"))
         self.failed_ranks = failed_ranks(exc, to_global) if exc is not None else None
         self.origin: str | None = None
+        self.in_collective = False
         if exc is None:
             self.event: dict[str, Any] = {"exception.message": capped(redact_text(error or self.description))}
             return
@@ -130,6 +134,12 @@ class Failure:
             "exception.stacktrace": capped(redact_text(stacktrace), MAX_STACKTRACE_TEXT),
             "exception.escaped": "False",
         }
+
+    def came_from_collective(self) -> None:
+        """The exception was raised by one of DCP's collectives: another rank's failure (it went away,
+        the collective timed out waiting for it), not where the failure started."""
+        self.in_collective = True
+        self.origin = None
 
     @classmethod
     def interrupted(cls, description: str, stack: str | None) -> Failure:
@@ -279,6 +289,8 @@ class Call:
             return semconv.SPAN_ASYNC_UPLOAD
         if self.kind == KIND_STAGING:
             return semconv.SPAN_ASYNC_STAGING
+        if self.kind == KIND_COLLECTIVE:
+            return semconv.SPAN_COLLECTIVE_PREFIX + self.func_name
         return semconv.SPAN_PREFIX + self.func_name
 
     @property
@@ -308,7 +320,7 @@ class Operation:
         "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
         "wait_s", "lock", "storage", "exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
-        "group",
+        "group", "collective_error",
     )  # fmt: skip
 
     def __init__(
@@ -352,6 +364,7 @@ class Operation:
         self.adopted = False  # continued in the async save process from a carried context
         self.interrupted: str | None = None  # ended by the process ending (SIGTERM, exit) while open
         self.group: object | None = None  # the process group DCP ran it on, once seen (None: the default)
+        self.collective_error = 0  # id() of the exception one of its collectives raised, while it propagates
         self.lock = threading.Lock()
 
     @property

@@ -49,6 +49,7 @@ from dcp_otel.tracing.light import get_current as light_get_current
 from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
 from dcp_otel.tracing.records import (
+    KIND_COLLECTIVE,
     KIND_OPERATION,
     KIND_STAGING,
     KIND_UPLOAD,
@@ -455,6 +456,84 @@ class SpanRecorder:
         except Exception:  # noqa: BLE001
             report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)
 
+    # --- DCP's collectives (_DistWrapper's object collectives) -----------
+    def collective_scope(self, pattern: str, step: object) -> object:
+        """``_DistWrapper.<pattern>(step, ...)`` begins: the collectives it makes belong to torch's ``step``.
+
+        Returns what :meth:`end_collective_scope` restores.
+        """
+        local = self._local
+        previous = getattr(local, "collective", None)
+        local.collective = (pattern, step if type(step) is str else None)
+        return previous
+
+    def end_collective_scope(self, previous: object) -> None:
+        self._local.collective = previous
+
+    def collective_started(self, method: str) -> Call | None:
+        """One of DCP's object collectives begins on this thread, inside an operation (else ``None``).
+
+        It goes on the thread's stack, so the collective a rank is in when the process ends is ended
+        with the rest; it is not made current (nothing runs inside it but torch.distributed).
+        """
+        try:
+            stack = self._stack()
+            parent = stack[-1] if stack else None
+            op = parent.op if parent is not None else None
+            if op is None or not parent.span_id or parent.kind == KIND_COLLECTIVE or op.interrupted is not None:  # type: ignore[union-attr]
+                return None
+            span_id = new_span_id()
+            parent_ctx = light_span_context(op.trace_id, parent.span_id, op.flags)  # type: ignore[union-attr]
+            call = Call(f"collective-{span_id:016x}", method, time.time_ns(), span_id, parent_ctx, op,
+                        op.step_attributes, KIND_COLLECTIVE)  # fmt: skip
+            scope = getattr(self._local, "collective", None)
+            if scope is not None:
+                pattern, step = scope
+                call.extra = {semconv.ATTR_COLLECTIVE_PATTERN: pattern}
+                if step:
+                    call.extra[semconv.ATTR_COLLECTIVE_STEP] = step
+            stack.append(call)
+            self._open[call.uuid] = call
+            return call
+        except Exception:  # noqa: BLE001 - telemetry never raises into training
+            report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
+            return None
+
+    def collective_ended(self, call: Call, exc: BaseException | None) -> None:
+        """The collective returned, or raised ``exc`` (which then propagates out of the operation)."""
+        try:
+            stack = self._stack()
+            if call not in stack:  # ended already: the process was ending (SIGINT, caught)
+                return
+            while stack and stack[-1] is not call:  # nothing nests in a collective; never drop the rest
+                stack.pop()
+            stack.pop()
+            if exc is not None and call.op is not None:
+                call.failure = Failure(exc, None, _rank_of(call), _to_global(call))
+                call.failure.came_from_collective()
+                call.op.collective_error = id(exc)
+            self._close(call, time.time_ns(), stack[-1] if stack else None)
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
+
+    def on_object_bytes(self, sent: int, received: int) -> None:
+        """torch pickled (``sent``) or unpickled (``received``) an object of that many bytes: counted on
+        the collective this thread is in, if it is one of DCP's."""
+        try:
+            stack = self._local.stack
+        except AttributeError:
+            return
+        if not stack or stack[-1].kind != KIND_COLLECTIVE:
+            return
+        call = stack[-1]
+        extra = call.extra if call.extra is not None else {}
+        if sent:
+            extra[semconv.ATTR_COLLECTIVE_SENT_BYTES] = extra.get(semconv.ATTR_COLLECTIVE_SENT_BYTES, 0) + sent
+        if received:
+            key = semconv.ATTR_COLLECTIVE_RECEIVED_BYTES
+            extra[key] = extra.get(key, 0) + received
+        call.extra = extra
+
     def close_unfinished(self, depth: int, exc: BaseException | None) -> None:
         """End, as failed, the calls this thread left open above ``depth``.
 
@@ -559,6 +638,9 @@ class SpanRecorder:
         if failed and exc is None and error is None:
             error = "exception (not described by torch)"
         failure = Failure(exc, error, _rank_of(stack[index]), _to_global(stack[index])) if failed else None
+        op = stack[index].op
+        if failure is not None and exc is not None and op is not None and op.collective_error == id(exc):
+            failure.came_from_collective()  # a peer went away: the failure did not start here
         # Calls above it on the stack raised without torch logging it (a
         # success end can only come after they returned or raised).
         cause = failure.description if failure is not None else "exception not logged by torch; see parent span"
@@ -583,7 +665,7 @@ class SpanRecorder:
         if call.token is not None:
             _detach(call.token)  # type: ignore[arg-type]
             call.token = None
-        if parent is not None:
+        if parent is not None and call.kind != KIND_COLLECTIVE:  # a collective's time stays waiting
             parent.children_ns += end_ns - call.start_ns
         op = call.op
         if op is None:
