@@ -61,13 +61,15 @@ class DCPLoggerTap:
 
     # torch calls exactly these two: debug (start, end) and error (exception). Any other
     # method is the logger's own (``__getattr__``), as for code that is not DCP's.
+    # One stack level more than the caller asked for: the record names torch's line that logged it
+    # (``%(filename)s:%(lineno)s``), not this tap.
     def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         self.feed(msg)
-        self.logger.debug(msg, *args, **kwargs)
+        self.logger.debug(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
 
     def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         self.feed(msg)
-        self.logger.error(msg, *args, **kwargs)
+        self.logger.error(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
 
     def feed(self, msg: Any) -> None:
         """Hand one DCP record (torch's dict) to the recorder."""

@@ -62,7 +62,8 @@ dcp_otel.instrument(tracer_provider=provider, registry=registry)
 if order == "instrument-first":
     configure_logging()
 
-torch_logger = logging.getLogger("c10d-NullHandler-dcp")
+import torch.distributed.checkpoint.logger as dcp_logging
+torch_logger = dcp_logging._dcp_logger.logger  # torch's own logger, behind dcp-otel's tap
 state = {"w": torch.arange(8.0)}
 with tempfile.TemporaryDirectory() as tmp:
     dcp.save(state, checkpoint_id=tmp)
@@ -105,3 +106,31 @@ def test_a_logging_configuration_that_silences_torchs_logger_loses_no_checkpoint
     assert "dcp.write_data" in result["spans"] and "dcp.read_data" in result["spans"]
     assert result["saves"] == 1.0 and result["loads"] == 1.0
     assert result["torch_logger_enabled"] is False  # still silenced for the application, as it asked
+
+
+def test_torchs_own_log_lines_keep_the_file_and_line_torch_logged_them_from(traced, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The tap passes each record on with the caller's stack level: a ``%(filename)s:%(lineno)s`` format shows
+    torch's ``logger.py``, as without dcp-otel, never dcp-otel's handler."""
+    import logging
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    seen: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.filename, record.funcName))
+
+    torch_logger = dcp_logging._dcp_logger.logger  # torch's own logger, behind dcp-otel's tap
+    keep, level = Keep(), torch_logger.level
+    torch_logger.addHandler(keep)
+    torch_logger.setLevel(logging.DEBUG)
+    try:
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "c"))
+    finally:
+        torch_logger.removeHandler(keep)
+        torch_logger.setLevel(level)
+    assert traced.spans(), "the save was traced: the tap was in place"
+    assert seen and set(seen) == {("logger.py", "wrapper")}, set(seen)
