@@ -309,12 +309,16 @@ def _documents(path: Path, text: str, damaged: list[str] | None = None) -> list[
         return [(1, json.loads(text))]
     except json.JSONDecodeError:
         pass
+    except RecursionError:  # JSON nested deeper than Python's parser goes: not a trace file
+        raise SpanFileError(f"{path}: not an OTLP JSON trace request (JSON nested too deep)") from None
     documents = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             documents.append((number, json.loads(line)))
+        except RecursionError:
+            raise SpanFileError(f"{path}:{number}: not an OTLP JSON trace request (JSON nested too deep)") from None
         except json.JSONDecodeError as exc:
             last = number == len(text.splitlines())
             if last and damaged is not None and not text.endswith("\n"):  # its writer ended mid-line

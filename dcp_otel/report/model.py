@@ -237,6 +237,21 @@ def _rank_of(span: FileSpan) -> int | None:
     return int(rank) if isinstance(rank, int) else None
 
 
+# A span file can hold anything: an attribute of the wrong type reads as absent, never as a traceback.
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _count(span: FileSpan, key: str) -> int:
+    """An integer attribute (bytes, a size), 0 when absent or not a number."""
+    value = _number(span.attributes.get(key))
+    return int(value) if value is not None else 0
+
+
+def _list(value: object) -> list[object]:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
 def checkpoints(spans: list[FileSpan]) -> list[Checkpoint]:
     """Every checkpoint operation in ``spans`` (DCP spans only), oldest first."""
     by_trace: dict[str, list[FileSpan]] = defaultdict(list)
@@ -299,7 +314,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
             staging_s=sum(s.duration_s for s in children[op_span.span_id]
                           if s.name.removeprefix(semconv.SPAN_PREFIX) in semconv.STAGING_STEPS),  # fmt: skip
             # On the operation span; for an async save, on its background save or the checkpoint process's write.
-            bytes=max((int(s.attributes.get(bytes_key) or 0) for s in subtree
+            bytes=max((_count(s, bytes_key) for s in subtree
                        if s.name in _OPERATION_SPANS or s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
                       default=0),  # fmt: skip
             io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)
@@ -324,7 +339,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         if raising:
             failed.add(rank)
             raised.append((rank, raising[0]))
-        failed.update(int(r) for r in op_span.attributes.get(semconv.ATTR_FAILED_RANKS, []) or [])
+        failed.update(int(r) for r in map(_number, _list(op_span.attributes.get(semconv.ATTR_FAILED_RANKS))) if r is not None)
         if op_span.attributes.get(semconv.ATTR_FAILED_IN_COLLECTIVE):
             failed.add(rank)
             in_collective.append(rank)
@@ -366,7 +381,7 @@ def _silent(spans: list[FileSpan], is_operation_span: Callable[[FileSpan], bool]
     ops = [s for s in spans if is_operation_span(s)]
     if not ops or any(s.attributes.get(semconv.ATTR_GROUP_RANK) != s.attributes.get(semconv.ATTR_RANK) for s in ops):
         return []
-    world = max(int(s.attributes.get(semconv.ATTR_WORLD_SIZE) or 0) for s in ops)
+    world = max(_count(s, semconv.ATTR_WORLD_SIZE) for s in ops)
     return [rank for rank in range(world) if rank not in heard]
 
 
@@ -383,8 +398,7 @@ def _add_collective(found: dict[tuple[str, str], CollectiveResult], rank: int, s
     method, step = _collective_key(span)
     result = found.setdefault((method, step), CollectiveResult(method, step, {}, 0))
     result.by_rank[rank] = result.by_rank.get(rank, 0.0) + span.duration_s
-    moved = max(int(span.attributes.get(semconv.ATTR_COLLECTIVE_SENT_BYTES) or 0),
-                int(span.attributes.get(semconv.ATTR_COLLECTIVE_RECEIVED_BYTES) or 0))  # fmt: skip
+    moved = max(_count(span, semconv.ATTR_COLLECTIVE_SENT_BYTES), _count(span, semconv.ATTR_COLLECTIVE_RECEIVED_BYTES))
     result.moved_bytes = max(result.moved_bytes, moved)
 
 
@@ -439,7 +453,7 @@ def _stalled_rank(rank: int, stalls: list[FileSpan]) -> Unfinished:
     """A rank that never ended the operation, as its last stall report saw it (SIGKILL leaves no more)."""
     last = stalls[-1]
     step = str(last.attributes.get(semconv.ATTR_STEP, semconv.STEP_NONE))
-    seconds = float(last.attributes.get(semconv.ATTR_STALL_SECONDS) or 0.0)
+    seconds = _number(last.attributes.get(semconv.ATTR_STALL_SECONDS)) or 0.0
     where = "between steps" if step == semconv.STEP_NONE else f"in {step}"
     return Unfinished(rank=rank, step=step, seconds=seconds, cause=None,
                       description=f"no end recorded; last reported stalled {where} after {seconds:.1f} s",
@@ -481,23 +495,24 @@ def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[i
     caller's side did not spend (``busy_s``) is the upload's.
     """
     attrs = op_span.attributes
-    names, seconds = attrs.get(semconv.ATTR_STEP_NAMES) or [], attrs.get(semconv.ATTR_STEP_SECONDS) or []
-    wait = attrs.get(semconv.ATTR_WAIT_SECONDS)
-    if isinstance(wait, (int, float)):
-        result.wait_s = min(float(wait), op_span.duration_s)
+    names, seconds = _list(attrs.get(semconv.ATTR_STEP_NAMES)), _list(attrs.get(semconv.ATTR_STEP_SECONDS))
+    wait = _number(attrs.get(semconv.ATTR_WAIT_SECONDS))
+    if wait is not None:
+        result.wait_s = min(wait, op_span.duration_s)
         result.busy_s = op_span.duration_s - result.wait_s
-    collective = attrs.get(semconv.ATTR_COLLECTIVE_SECONDS)
-    if isinstance(collective, (int, float)):
-        result.collective_s = min(float(collective), result.wait_s)
+    collective = _number(attrs.get(semconv.ATTR_COLLECTIVE_SECONDS))
+    if collective is not None:
+        result.collective_s = min(collective, result.wait_s)
     result.io_s = total = 0.0
     for name, value in zip(names, seconds, strict=False):  # a malformed file: what pairs up
-        if isinstance(name, str) and isinstance(value, (int, float)):
-            steps[name][result.rank] += float(value)
-            total += float(value)
+        number = _number(value)
+        if isinstance(name, str) and number is not None:
+            steps[name][result.rank] += number
+            total += number
             if name in _IO_STEP:
-                result.io_s += float(value)
+                result.io_s += number
             if name in semconv.STAGING_STEPS:
-                result.staging_s += float(value)
+                result.staging_s += number
     if is_async:
         result.upload_busy_s = max(0.0, total - result.busy_s)
 
