@@ -17,10 +17,12 @@ from dcp_otel import demo
 from dcp_otel.otlp_file import SpanFileError
 from dcp_otel.report import DETAIL_LIMIT, build
 from dcp_otel.report.page_data import check_trace_url
+from dcp_otel.version import __version__
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dcp-otel", description="Observability for PyTorch Distributed Checkpoint.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="run a small multi-rank training job that checkpoints, and report")
     demo.add_arguments(run_demo)
@@ -42,18 +44,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return demo.run(args)
         check_trace_url(args.trace_url)
+        for path in (args.html, args.perfetto):  # before the work, not after it
+            if path is not None and not path.resolve().parent.is_dir():
+                raise ValueError(f"cannot write {path}: its folder {path.resolve().parent} does not exist")
         result = build(args.traces)
     except (ValueError, SpanFileError) as exc:  # SpanFileError is a ValueError; both are the user's to fix
         parser.exit(2, f"dcp-otel {args.command}: error: {exc}\n")
     for note in result.damaged:
         print(f"dcp-otel report: warning: {note}", file=sys.stderr)
     print(result.text(limit=None if args.all else DETAIL_LIMIT), end="")
-    if args.html:
-        args.html.write_text(result.html(args.trace_url), encoding="utf-8")
-        print(f"report (HTML): {args.html}")
-    if args.perfetto:
-        args.perfetto.write_text(json.dumps(result.perfetto()), encoding="utf-8")
-        print(f"trace (Perfetto): {args.perfetto}")
+    for path, what, render in ((args.html, "report (HTML)", lambda: result.html(args.trace_url)),
+                               (args.perfetto, "trace (Perfetto)", lambda: json.dumps(result.perfetto()))):  # fmt: skip
+        if path is None:
+            continue
+        try:
+            path.write_text(render(), encoding="utf-8")
+        except OSError as exc:  # a folder that is not there, not writable, a full disk: the user's to fix
+            parser.exit(2, f"dcp-otel {args.command}: error: cannot write {path}: {exc.strerror or exc}\n")
+        print(f"{what}: {path}")
     return 0
 
 

@@ -106,6 +106,7 @@ def test_the_perfetto_trace_has_one_process_per_rank_and_nested_events(tmp_path:
         ('{"something": "else"}\n', "not an OTLP JSON trace request"),
         ("[1, 2]\n", "expected a JSON object"),
         ('{"resourceSpans": []}\n', "no dcp-otel checkpoint spans"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deep"),
     ],
 )  # fmt: skip
 def test_a_bad_trace_file_is_a_clear_error_not_a_traceback(tmp_path: Path, content: str, expected: str) -> None:
@@ -116,6 +117,47 @@ def test_a_bad_trace_file_is_a_clear_error_not_a_traceback(tmp_path: Path, conte
     assert expected in shown.stderr and "Traceback" not in shown.stderr
     with pytest.raises(SpanFileError, match=expected.split(":")[-1].strip()):
         build([bad])
+
+
+def test_an_output_path_that_cannot_be_written_is_a_one_line_error(tmp_path: Path) -> None:
+    nowhere = run_cli(str(RECORDED), "--html", str(tmp_path / "missing" / "report.html"))
+    assert nowhere.returncode == 2 and nowhere.stdout == "", nowhere.stdout  # said before any work is done
+    assert nowhere.stderr == f"dcp-otel report: error: cannot write {tmp_path / 'missing' / 'report.html'}: its folder " \
+        f"{tmp_path / 'missing'} does not exist\n"
+    (tmp_path / "taken").mkdir()  # a folder where the file should go
+    taken = run_cli(str(RECORDED), "--perfetto", str(tmp_path / "taken"))
+    assert taken.returncode == 2 and "Traceback" not in taken.stderr
+    assert taken.stderr.splitlines() == [f"dcp-otel report: error: cannot write {tmp_path / 'taken'}: Is a directory"]
+
+
+def test_version_prints_the_packages_version() -> None:
+    from dcp_otel.version import __version__
+
+    shown = subprocess.run([sys.executable, "-m", "dcp_otel", "--version"], capture_output=True, text=True, timeout=60,
+                           cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert shown.returncode == 0 and shown.stdout == f"dcp-otel {__version__}\n"
+
+
+def test_attributes_of_the_wrong_type_read_as_absent_not_as_a_traceback(tmp_path: Path) -> None:
+    """A summary whose step names are a number, failed ranks that are not a list, a world size that is text."""
+
+    def span(name: str, span_id: str, parent: str, attributes: dict[str, dict[str, str]]) -> dict[str, object]:
+        return {"traceId": "0" * 31 + "1", "spanId": span_id, "parentSpanId": parent, "name": name,
+                "startTimeUnixNano": "1000000000", "endTimeUnixNano": "2000000000", "status": {"code": 2, "message": "x"},
+                "attributes": [{"key": k, "value": v} for k, v in attributes.items()]}  # fmt: skip
+
+    odd = {"dcp.operation": {"stringValue": "save"}, "dcp.rank": {"intValue": "0"}, "dcp.group_rank": {"intValue": "0"},
+           "dcp.detail": {"stringValue": "summary"}, "dcp.steps.names": {"intValue": "5"},
+           "dcp.steps.seconds": {"stringValue": "no"}, "dcp.failed_ranks": {"intValue": "3"},
+           "dcp.wait_seconds": {"stringValue": "x"}, "dcp.world_size": {"stringValue": "many"},
+           "dcp.collective_seconds": {"boolValue": True}, "dcp.written_bytes": {"stringValue": "lots"}}  # fmt: skip
+    spans = [span("dcp.checkpoint", "0000000000000001", "", {"dcp.operation": {"stringValue": "save"}}),
+             span("dcp.save", "0000000000000002", "0000000000000001", odd)]  # fmt: skip
+    odd_file = tmp_path / "odd.jsonl"
+    odd_file.write_text(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}) + "\n")
+    shown = run_cli(str(odd_file))
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    assert shown.stdout.splitlines()[0] == "1 checkpoint operations (1 save) on 1 ranks: 1 failed"
 
 
 def test_what_a_killed_writer_leaves_is_read_past_with_a_warning(tmp_path: Path) -> None:
