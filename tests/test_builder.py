@@ -133,6 +133,14 @@ def test_a_full_build_queue_drops_and_counts_and_the_saves_are_unaffected(tmp_pa
         # A scrape waits at most a second for the stuck builder, then answers with what it has.
         problems = {"reason": "build_queue_full", "rank": "0"}
         assert registry.get_sample_value("dcp_otel_telemetry_problems_total", problems) == 4
+        # Metrics never depend on spans: the dropped operations (saves c2 to c4, the load) are counted already;
+        # the two queued saves wait for the builder.
+        saves = {"operation": "save", "status": "success", "rank": "0"}
+        assert registry.get_sample_value("dcp_operations_total", saves) == 1 + 3
+        assert registry.get_sample_value("dcp_operations_total", {**saves, "operation": "load"}) == 1
+        exporter.release.set()
+        assert dcp_otel.flush(timeout_s=30)
+        assert registry.get_sample_value("dcp_operations_total", saves) == 6  # every save once, none twice
     finally:
         exporter.release.set()
         dcp_otel.uninstrument()

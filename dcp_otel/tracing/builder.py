@@ -110,9 +110,12 @@ class SpanBuilder:
                 self._cond.notify()
             thread = self._thread
         if full:
-            report("build_queue_full", "dcp_otel dropped a finished operation's telemetry: %d operations wait "
+            report("build_queue_full", "dcp_otel dropped a finished operation's spans: %d operations wait "
                    "to be built (raise DCP_OTEL_MAX_QUEUED_OPERATIONS, or check the span exporter)",
                    self._max_queued)  # fmt: skip
+            # Metrics never depend on spans: its metrics are recorded here, on the caller's thread, which
+            # pays that (no span, no exporter) only while the builder is this far behind.
+            self._record_metrics(*item)
             return
         if thread is None:
             self._start_thread()
@@ -161,13 +164,7 @@ class SpanBuilder:
                     self._cond.wait()
                 op, calls = self._queue.popleft()
             started = time.thread_time_ns()  # CPU time: not the waits for the interpreter lock
-            try:
-                if self._metrics is not None:
-                    measure(op, calls, self._metrics, late=calls is not op.calls)
-                else:
-                    count_bytes(op, None)
-            except Exception:  # noqa: BLE001 - telemetry never raises, not even here
-                report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
+            self._record_metrics(op, calls)
             with self._cond:
                 self._unmeasured -= 1
                 self._cond.notify_all()
@@ -183,6 +180,15 @@ class SpanBuilder:
                 self.busy_ns += time.thread_time_ns() - started
                 self.built += 1
                 self._cond.notify_all()
+
+    def _record_metrics(self, op: Operation, calls: list[Call]) -> None:
+        try:
+            if self._metrics is not None:
+                measure(op, calls, self._metrics, late=calls is not op.calls)
+            else:
+                count_bytes(op, None)
+        except Exception:  # noqa: BLE001 - telemetry never raises, not even here
+            report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
 
     def _twin(self, tracer: trace.Tracer) -> Any:
         found = self._tracers.get(id(tracer))
