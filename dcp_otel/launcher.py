@@ -99,13 +99,15 @@ def publish_generation(wrapped: Callable[..., Any], instance: Any, args: tuple[A
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with ``argv`` (default: this process's arguments)."""
     from torch.distributed.elastic.agent.server import local_elastic_agent
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.run import parse_args, run
 
+    # torchrun's own arguments first: --help, --version or a bad option ends here, before any server starts.
+    args = parse_args(argv)
     wrapt.wrap_function_wrapper(local_elastic_agent, "LocalElasticAgent._start_workers", publish_generation)
     enable_resource_detector()
     endpoint = observe_agent()
     try:
-        torchrun_main(argv)
+        run(args)
     finally:
         if endpoint is not None:
             endpoint.finish()  # the run results are recorded last: let Prometheus take them

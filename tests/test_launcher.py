@@ -32,11 +32,12 @@ def test_the_agents_prof_metrics_are_served_while_its_workers_run(tmp_path: Path
     assert f"torchelastic_duration_seconds_count{{{rendezvous}}} 1.0" in text
 
 
-def test_the_console_script_is_torchrun() -> None:
+def test_the_console_script_is_torchrun_and_its_help_starts_nothing() -> None:
     script = Path(sys.executable).with_name("dcp-otel-run")
     env = {**os.environ, semconv.ENV_AGENT_METRICS_PORT: "0", semconv.ENV_METRICS_ADDR: "127.0.0.1"}
     shown = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=env)
     assert shown.returncode == 0 and "--nproc-per-node" in shown.stdout  # torchrun's own arguments
+    assert "metrics at" not in shown.stderr, shown.stderr  # no agent endpoint was started for it
 
 
 def test_every_round_of_workers_gets_its_own_generation_shared_by_its_ranks(tmp_path: Path) -> None:
