@@ -26,6 +26,7 @@ import os
 import threading
 import uuid
 import weakref
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from opentelemetry import context as context_api
@@ -154,12 +155,20 @@ def derive_ids(key: CheckpointKey, seq: int) -> DerivedIds:
     return DerivedIds(trace_id, span_id)
 
 
-class SequenceCounter:
-    """Per-process count of operations by key; thread-safe."""
+#: Checkpoint keys a process remembers the count of. Most ids are saved once (``step-2000``), so the
+#: table would grow by one entry per checkpoint, forever; the least recently used is forgotten past
+#: this. An id saved again after this many other ids starts at 0 again (its trace id repeats its first
+#: save's); one that keeps being reused (``latest``) stays remembered.
+MAX_KEYS = 16_384
 
-    def __init__(self) -> None:
+
+class SequenceCounter:
+    """Per-process count of operations by key, the :data:`MAX_KEYS` most recently used; thread-safe."""
+
+    def __init__(self, max_keys: int = MAX_KEYS) -> None:
         self._lock = threading.Lock()
-        self._next: dict[CheckpointKey, int] = {}
+        self._next: OrderedDict[CheckpointKey, int] = OrderedDict()
+        self._max_keys = max_keys
 
     def reset_lock(self) -> None:
         """After ``fork``: a lock no thread of the child holds (the counts stay)."""
@@ -167,9 +176,14 @@ class SequenceCounter:
 
     def next(self, key: CheckpointKey) -> int:
         with self._lock:
-            seq = self._next.get(key, 0)
-            self._next[key] = seq + 1
+            seq = self._next.pop(key, 0)
+            self._next[key] = seq + 1  # the most recently used, last
+            if len(self._next) > self._max_keys:
+                self._next.popitem(last=False)
             return seq
+
+    def __len__(self) -> int:
+        return len(self._next)
 
 
 class _OverridableIds:

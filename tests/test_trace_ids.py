@@ -38,6 +38,21 @@ def test_sequence_numbers_count_per_operation_and_checkpoint() -> None:
     assert counter.next(KEY._replace(operation="load")) == 0
 
 
+def test_the_sequence_table_is_bounded_and_keeps_the_ids_in_use() -> None:
+    """A job saves to a new id every time: the table forgets the oldest, never the id it keeps reusing."""
+    counter = SequenceCounter(max_keys=100)
+    latest = KEY._replace(checkpoint_id="/ckpt/latest")
+    for step in range(2_200):
+        counter.next(KEY._replace(checkpoint_id=f"/ckpt/step-{step}"))
+        if step % 50 == 0:
+            counter.next(latest)
+    assert len(counter) == 100
+    assert counter.next(latest) == 44  # saved 44 times before, never forgotten
+    assert counter.next(KEY._replace(checkpoint_id="/ckpt/step-2199")) == 1  # recent: remembered
+    assert counter.next(KEY._replace(checkpoint_id="/ckpt/step-0")) == 0  # long forgotten: starts again
+    assert len(counter) == 100
+
+
 @pytest.mark.parametrize(
     ("env", "explicit", "world", "expected"),
     [
