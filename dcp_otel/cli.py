@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from dcp_otel import demo
@@ -53,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     for note in result.damaged:
         print(f"dcp-otel report: warning: {note}", file=sys.stderr)
     print(result.text(limit=None if args.all else DETAIL_LIMIT), end="")
-    for path, what, render in ((args.html, "report (HTML)", lambda: result.html(args.trace_url)),
-                               (args.perfetto, "trace (Perfetto)", lambda: json.dumps(result.perfetto()))):  # fmt: skip
+    outputs: list[tuple[Path | None, str, Callable[[], str]]] = [
+        (args.html, "report (HTML)", lambda: result.html(args.trace_url)),
+        (args.perfetto, "trace (Perfetto)", lambda: json.dumps(result.perfetto())),
+    ]
+    for path, what, render in outputs:
         if path is None:
             continue
         try:

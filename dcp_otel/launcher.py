@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import parse_args, run
 
     # torchrun's own arguments first: --help, --version or a bad option ends here, before any server starts.
-    args = parse_args(argv)
+    args = parse_args(argv)  # type: ignore[no-untyped-call]
     wrapt.wrap_function_wrapper(local_elastic_agent, "LocalElasticAgent._start_workers", publish_generation)
     enable_resource_detector()
     endpoint = observe_agent()
     try:
-        run(args)
+        run(args)  # type: ignore[no-untyped-call]
     finally:
         if endpoint is not None:
             endpoint.finish()  # the run results are recorded last: let Prometheus take them
