@@ -3,6 +3,9 @@
 Each line of a file is one ``ExportTraceServiceRequest`` in the OTLP/JSON
 encoding (the OpenTelemetry protocol's JSON mapping: hex trace and span ids,
 integer enums), which is also what the Collector's ``file`` exporter writes.
+Reading also takes what trace backends' APIs answer for a trace: Tempo's
+``/api/traces/<id>`` (``batches``, base64 ids) and ``/api/v2/traces/<id>``
+(``trace``), and Jaeger's ``/api/v3/traces/<id>`` (``result``).
 Encoding goes through the official protobuf messages
 (``opentelemetry-proto``), so a file we write is one any OTLP tool reads.
 Reading walks the JSON directly, checking the type of every field it uses
@@ -211,11 +214,43 @@ def _json_attributes(items: list[Any]) -> dict[str, Any]:
 
 
 def _json_id(span: dict[str, Any], key: str, size: int) -> str:
+    """An id as lower-case hex: OTLP JSON writes hex; Tempo's API writes the bytes in base64."""
     value = span.get(key, "")
-    if not isinstance(value, str) or (value and len(value) != size * 2):
-        raise ValueError(f"{key} must be {size * 2} hex digits, got {value!r:.60}")
-    bytes.fromhex(value)  # raises ValueError if not hex
-    return value.lower()
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be {size * 2} hex digits or base64, got {value!r:.60}")
+    if not value or len(value) == size * 2:
+        bytes.fromhex(value)  # raises ValueError if not hex
+        return value.lower()
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        raw = b""
+    if len(raw) != size:
+        raise ValueError(f"{key} must be {size * 2} hex digits or base64 of {size} bytes, got {value!r:.60}")
+    return raw.hex()
+
+
+#: Where each trace API puts the OTLP ``resourceSpans`` (besides an OTLP request's own field):
+#: Tempo's v1 trace by id (``batches``), Tempo's v2 (``trace``), Jaeger v2's ``/api/v3/traces`` (``result``).
+_WRAPPERS: Final = {"trace": "Tempo v2", "result": "Jaeger /api/v3"}
+_ALLOWED_BESIDE: Final = {"status", "message", "metrics"}  # what a trace API says about its answer
+
+
+def _resource_spans(document: dict[str, Any]) -> list[Any]:
+    if "batches" in document:  # Tempo's /api/traces/<id>
+        key, inner = "batches", document
+        extra = set(document) - {key} - _ALLOWED_BESIDE
+    elif wrapper := next((key for key in _WRAPPERS if key in document), None):
+        key, inner = "resourceSpans", document[wrapper]
+        if not isinstance(inner, dict):
+            raise ValueError(f"{wrapper} must be an object, got {type(inner).__name__}")
+        extra = (set(document) - {wrapper} - _ALLOWED_BESIDE) | (set(inner) - {key})
+    else:  # an OTLP request, as we and the Collector's file exporter write it
+        key, inner = "resourceSpans", document
+        extra = set(document) - {key}
+    if extra:
+        raise ValueError(f"not a trace request: unexpected field(s) {sorted(extra)}")
+    return _list(inner, key)
 
 
 def _json_time(span: dict[str, Any], key: str) -> int:
@@ -226,18 +261,18 @@ def _json_time(span: dict[str, Any], key: str) -> int:
 
 
 def spans_of_json(document: object) -> Iterable[FileSpan]:
-    """The spans of one OTLP/JSON ``ExportTraceServiceRequest`` (raises ``ValueError`` if it is not one)."""
+    """The spans of one OTLP/JSON ``ExportTraceServiceRequest``, or of a trace API's answer holding one
+    (Tempo's ``/api/traces/<id>`` and ``/api/v2/traces/<id>``, Jaeger's ``/api/v3/traces/<id>``); raises
+    ``ValueError`` if it is neither."""
     if not isinstance(document, dict):
         raise ValueError(f"expected a JSON object, got {type(document).__name__}")
-    unknown = set(document) - {"resourceSpans"}
-    if unknown:
-        raise ValueError(f"not a trace request: unexpected field(s) {sorted(unknown)}")
-    for resource_spans in _list(document, "resourceSpans"):
+    for resource_spans in _resource_spans(document):
         if not isinstance(resource_spans, dict):
             raise ValueError("resourceSpans must hold objects")
         resource_node = resource_spans.get("resource", {})
         resource = _json_attributes(_list(resource_node, "attributes")) if isinstance(resource_node, dict) else {}
-        for scope_spans in _list(resource_spans, "scopeSpans"):
+        # Older OTLP (and Tempo before 2.0) names them instrumentationLibrarySpans.
+        for scope_spans in _list(resource_spans, "scopeSpans") + _list(resource_spans, "instrumentationLibrarySpans"):
             if not isinstance(scope_spans, dict):
                 raise ValueError("scopeSpans must hold objects")
             for span in _list(scope_spans, "spans"):
