@@ -91,4 +91,6 @@ def test_no_metric_label_takes_free_text(traced) -> None:  # type: ignore[no-unt
         for key, value in sample.labels.items()
         if key in (semconv.LABEL_OPERATION, semconv.LABEL_STEP)
     }
-    assert values <= {"save", "other"}
+    # "-" is the step of an operation between steps, in the in-progress and stall series (the watchdog may
+    # report this one, whose start is in 2023): a fixed value, not free text.
+    assert values <= {"save", "other", semconv.STEP_NONE}
