@@ -262,6 +262,19 @@ def test_the_collector_config_names_real_components_and_wires_every_one() -> Non
     assert config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
 
 
+def test_the_collector_writes_the_spans_it_receives_to_rotated_files_the_report_reads() -> None:
+    config = load_yaml(COLLECTOR / "config.yaml")
+    files = [name for name in config["service"]["pipelines"]["traces"]["exporters"] if name.split("/")[0] == "file"]
+    assert len(files) == 1
+    exporter = config["exporters"][files[0]]
+    assert exporter["format"] == "json"  # OTLP JSON, one request per line: what dcp_otel.otlp_file reads
+    assert exporter["rotation"]["max_megabytes"] > 0 and exporter["rotation"]["max_backups"] > 0
+    # On the host, in a folder the compose file mounts there: `dcp-otel report exporters/otel-collector/traces`.
+    mounts = dict(v.split(":")[:2] for v in load_yaml(COLLECTOR / "compose.yaml")["services"]["otel-collector"]["volumes"])
+    folder = next(source for source, target in mounts.items() if exporter["path"].startswith(target + "/"))
+    assert (COLLECTOR / folder).is_dir()
+
+
 def test_compose_mounts_files_that_exist_and_agrees_on_ports() -> None:
     compose = load_yaml(COLLECTOR / "compose.yaml")
     services = compose["services"]
