@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields
 #: A Prometheus duration such as 90s, 15m, 1h or 1d (one unit: what the rules need).
 _DURATION = re.compile(r"^[1-9][0-9]*(ms|s|m|h|d|w)$")
 _UID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+#: The trace backends a datasource is provisioned for, with their address in the compose file's network.
+TRACE_BACKENDS = {"jaeger": "http://jaeger:16686", "tempo": "http://tempo:3200"}
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,10 @@ class MixinConfig:
     checkpoints_uid: str = "dcp-otel-checkpoints"
     ranks_uid: str = "dcp-otel-ranks"
     agent_uid: str = "dcp-otel-torchelastic"
-    #: uid of the trace datasource exemplars link to (see grafana/provisioning/datasources).
+    #: The trace datasource exemplars and the dashboards' "Checkpoint traces" link open: its uid, and its
+    #: type, ``jaeger`` or ``tempo`` (grafana/provisioning/datasources provisions one of each).
     traces_datasource_uid: str = "dcp-otel-traces"
+    traces_datasource_type: str = "jaeger"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -70,6 +74,9 @@ class MixinConfig:
                 raise ValueError(f"{f.name} must be 1 to 40 letters, digits, '-' or '_', got {value!r}")
         if seconds(self.baseline_window) <= max(seconds(self.recent_window), seconds(self.no_save_window)):
             raise ValueError("baseline_window must be longer than recent_window and no_save_window")
+        if self.traces_datasource_type not in TRACE_BACKENDS:
+            raise ValueError(f"traces_datasource_type must be one of {', '.join(TRACE_BACKENDS)}, "
+                             f"got {self.traces_datasource_type!r}")  # fmt: skip
         if any(c in self.selector for c in "{}"):
             raise ValueError(f"selector takes label matchers without braces, got {self.selector!r}")
 

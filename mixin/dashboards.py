@@ -19,6 +19,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import urllib.parse
 from typing import Any
 
 from grafana_foundation_sdk.builders import bargauge, heatmap, stat, table, timeseries
@@ -141,8 +142,33 @@ def _dashboard(cfg: MixinConfig, uid: str, title: str, description: str, variabl
         .refresh("30s")
         .tooltip(DashboardCursorSync.CROSSHAIR)
         .link(siblings)
+        .link(traces_link(cfg))
         .variables(variables)
     )
+
+
+def traces_link(cfg: MixinConfig) -> DashboardLink:
+    """"Checkpoint traces": Explore on the trace datasource, over the dashboard's time range. With Tempo it
+    opens on a TraceQL query for the checkpoints (one trace each, all ranks in it)."""
+    query: dict[str, Any] = {"refId": "A", "datasource": {"type": cfg.traces_datasource_type,
+                                                          "uid": cfg.traces_datasource_uid}}  # fmt: skip
+    if cfg.traces_datasource_type == "tempo":
+        query |= {"queryType": "traceql", "query": TRACEQL_CHECKPOINTS}
+    pane = {"datasource": cfg.traces_datasource_uid, "queries": [query], "range": {"from": "now-6h", "to": "now"}}
+    panes = urllib.parse.quote(json.dumps({"traces": pane}, separators=(",", ":")))
+    return (
+        DashboardLink("Checkpoint traces")
+        .type(DashboardLinkType.LINK)
+        .url(f"/explore?schemaVersion=1&panes={panes}")
+        .icon("external link")
+        .tooltip(f"The checkpoints' traces in {cfg.traces_datasource_type.capitalize()}")
+        .keep_time(True)
+        .target_blank(True)
+    )
+
+
+#: TraceQL: every checkpoint's root span (docs/receiving-stack.md has more).
+TRACEQL_CHECKPOINTS = f'{{ name = "{sc.SPAN_CHECKPOINT}" }}'
 
 
 def _with_ids(built: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,33 @@ def test_grafana_links_exemplars_to_the_provisioned_trace_datasource() -> None:
     assert link["name"] == semconv.EXEMPLAR_TRACE_ID
     assert link["datasourceUid"] == MixinConfig().traces_datasource_uid
     assert by_uid[link["datasourceUid"]]["type"] in {"jaeger", "tempo"}
+
+
+def test_the_trace_datasource_options_change_the_provisioning_and_the_dashboards_links(tmp_path: Path) -> None:
+    """`python -m mixin --traces-datasource-type tempo --traces-datasource-uid my-tempo`: exemplars and the
+    dashboards' "Checkpoint traces" link open Tempo, with a TraceQL query; Jaeger stays provisioned beside it."""
+    from mixin.__main__ import DATASOURCES, generated
+
+    default, tempo = generated(MixinConfig()), generated(MixinConfig(traces_datasource_type="tempo",
+                                                                      traces_datasource_uid="my-tempo"))  # fmt: skip
+    assert default[DATASOURCES] == (GRAFANA / "provisioning" / "datasources" / "dcp-otel.yaml").read_text()
+    for files, uid, kind in ((default, MixinConfig().traces_datasource_uid, "jaeger"), (tempo, "my-tempo", "tempo")):
+        sources = {s["uid"]: s for s in yaml.safe_load(files[DATASOURCES])["datasources"]}
+        assert len(sources) == 3 and {s["type"] for s in sources.values()} == {"prometheus", "jaeger", "tempo"}
+        (link,) = next(s for s in sources.values() if s["type"] == "prometheus")["jsonData"]["exemplarTraceIdDestinations"]
+        assert link["datasourceUid"] == uid and sources[uid]["type"] == kind
+        for name, content in files.items():
+            if name.suffix == ".json":
+                (traces,) = [link for link in json.loads(content)["links"] if link["title"] == "Checkpoint traces"]
+                pane = json.loads(urllib.parse.unquote(traces["url"].split("panes=", 1)[1]))["traces"]
+                assert pane["datasource"] == uid and pane["queries"][0]["datasource"] == {"type": kind, "uid": uid}
+                assert (pane["queries"][0].get("query") == '{ name = "dcp.checkpoint" }') == (kind == "tempo")
+    assert {n for n in default if default[n] != tempo[n]} == {n for n in default if n.suffix == ".json"} | {DATASOURCES}
+    with pytest.raises(ValueError, match="traces_datasource_type"):
+        MixinConfig(traces_datasource_type="zipkin")
+    # The command docs/receiving-stack.md prints writes exactly that.
+    assert mixin_main(["--traces-datasource-type", "tempo", "--traces-datasource-uid", "my-tempo", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / DATASOURCES).read_text() == tempo[DATASOURCES]
 
 
 #: Components of otelcol-contrib 0.104 we may name (type before any "/name").
