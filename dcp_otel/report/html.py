@@ -39,7 +39,7 @@ _ASSETS = files("dcp_otel.report")
 #: Column names, each with the definition shown on hover. The parts add up: total = busy + waiting.
 _HEADERS = (
     ("rank", ""), ("total s", "the rank's operation span"), ("busy s", "in its own steps"),
-    ("waiting s", "the rest of total: waiting for other ranks"), ("bytes", ""), ("MB/s", "bytes / write or read time"),
+    ("waiting s", "the rest of total: waiting for other ranks"), ("bytes", ""), ("I/O MB/s", "the rank's bytes / its write or read time (10^6 bytes/s)"),
     ("error", "the first error among the rank's spans"),
 )  # fmt: skip
 #: An async save's two sides: the caller's (returned = busy + waiting; staging is part of busy) and

@@ -291,7 +291,7 @@ function compare() {
     .sort((x, y) => Math.abs(ranksB.get(y)[1] - ranksA.get(y)[1]) - Math.abs(ranksB.get(x)[1] - ranksA.get(x)[1]))
     .slice(0, 10);
   const ranksTable = table("compare-ranks", ["rank", "total A", "total B", "change", "busy A", "busy B",
-                                             "MB A", "MB B", "MB/s A", "MB/s B"]);
+                                             "MB A", "MB B", "I/O MB/s A", "I/O MB/s B"]);
   for (const r of changed) {
     const [ra, rb] = [ranksA.get(r), ranksB.get(r)];
     const tr = ranksTable.insertRow();

@@ -19,11 +19,11 @@ from dcp_otel.report.model import WRAPPER, Checkpoint, RankResult
 from dcp_otel.report.summary import FAILURES_SHOWN, Summary, sparkline, summarize, worst_first
 
 #: A save or load: total = busy + waiting.
-_COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "MB/s", "error")
+_COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "I/O MB/s", "error")
 #: An async save, its two sides apart: the caller's (returned = busy + waiting, staging part of busy)
 #: and the upload's (write part of upload busy, part of upload).
 _ASYNC_COLUMNS = ("rank", "returned", "busy", "waiting", "staging", "upload", "upload busy", "write", "bytes",
-                  "MB/s", "error")  # fmt: skip
+                  "I/O MB/s", "error")  # fmt: skip
 #: The error column is cut at a word; the whole error is on the "failed on rank" line.
 _ERROR_WIDTH = 60
 #: Lines of each failure's cause in the summary.
@@ -38,13 +38,13 @@ _STDLIB = sysconfig.get_paths()["stdlib"] + "/"
 
 
 def format_bytes(n: int) -> str:
-    """``format_bytes(1_572_864) == "1.5 MB"`` (powers of 1024)."""
+    """``format_bytes(1_572_864) == "1.5 MiB"``: sizes in powers of 1024, named so; rates stay MB/s (10^6 B/s)."""
     size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
+    for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
-    return f"{size:.1f} TB"
+    return f"{size:.1f} TiB"
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -178,7 +178,7 @@ def render_summary(summary: Summary) -> str:
     else:
         lines.append("straggler: no rank was the slowest in most checkpoints")
     lines.append("trend, oldest to newest:")
-    rows: list[tuple[str, ...]] = [("operation", "count", "duration", "median", "range", "change", "MB/s median")]
+    rows: list[tuple[str, ...]] = [("operation", "count", "duration", "median", "range", "change", "checkpoint MB/s, median")]
     for t in summary.trends:
         change = t.change()
         rates = [v for v in t.throughputs_bps if v is not None]
