@@ -5,7 +5,7 @@
 #   - with --prometheus / --browser, Prometheus and promtool / Chromium and its driver (Debian).
 # Re-running is cheap: packages are reinstalled only when pyproject.toml (or the checkout) changes.
 # VENV and TORCH_VERSION choose another environment: scripts/test.sh makes a cached one with
-# torch 2.14.1, the other tested release (a CUDA build, about 5.5 GB, run on CPU).
+# torch 2.15.0, the other tested release (a CUDA build, about 5.7 GB, run on CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +21,9 @@ stamp="$VENV/.dcp-otel-installed"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch==$TORCH_VERSION $(pwd)"  # editable: this checkout
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing packages into $VENV" >&2
+    # The release asked for by name wins over a machine-wide pip constraint (some images cap torch
+    # at what they carry on disk, which would refuse or downgrade the other tested release).
+    export PIP_CONSTRAINT=/dev/null
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" numpy 2>&1 \
         | grep -v "^WARNING: Location" >&2 || true
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \

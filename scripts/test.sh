@@ -4,15 +4,15 @@
 #
 # A full run (no arguments) then runs the core suites (spans, async, failures, the async save
 # process, metrics, multi-rank, the state-dict API, safetensors, the _experimental checkpointer, hung
-# checkpoints, DCP's collectives) again on torch 2.14.1, the other tested release. Its environment is cached outside the checkout
-# (first time: about 6 minutes to install, 5.7 GB), in $DCP_OTEL_CACHE (default ~/.cache/dcp-otel).
+# checkpoints, DCP's collectives) again on torch 2.15.0, the other tested release. Its environment is cached outside the checkout
+# (first time: about 3 minutes to download and install, 5.7 GB), in $DCP_OTEL_CACHE (default ~/.cache/dcp-otel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --prometheus --browser
 .venv/bin/python -m pytest "$@"
 [ "$#" -gt 0 ] && exit 0
 
-COMPAT_TORCH=2.14.1
+COMPAT_TORCH=2.15.0
 compat="${DCP_OTEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dcp-otel}/venv-torch-$COMPAT_TORCH"
 mkdir -p "$(dirname "$compat")"
 echo "test: the core suites on torch $COMPAT_TORCH ($compat)" >&2
