@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/faults.py [--repeats 15]
 
-One process saves a 64 MB state dict, alternately with dcp-otel off and on
+One process saves a 64 MiB state dict, alternately with dcp-otel off and on
 (blocks of saves interleaved, medians). When on, spans go through the SDK's batch
 processor to an OTLP/HTTP exporter whose endpoint refuses connections ("dead")
 or accepts them and never answers ("hung"): the export thread is stuck or
@@ -45,7 +45,7 @@ KINDS = ("healthy", "dead", "hung")
 
 
 def save_ratio(kind: str, repeats: int) -> tuple[float, float]:
-    """(plain, traced) median seconds of a 64 MB save, the exporter ``healthy`` (it takes
+    """(plain, traced) median seconds of a 64 MiB save, the exporter ``healthy`` (it takes
     every span at once), or its OTLP endpoint ``dead`` or ``hung``."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -92,7 +92,7 @@ def main() -> None:
     warnings.simplefilter("ignore")
     for kind in KINDS:
         plain, traced = save_ratio(kind, args.repeats)
-        print(f"save 64 MB, OTLP endpoint {kind}: plain {plain * 1e3:.1f} ms, traced {traced * 1e3:.1f} ms, "
+        print(f"save 64 MiB, OTLP endpoint {kind}: plain {plain * 1e3:.1f} ms, traced {traced * 1e3:.1f} ms, "
               f"ratio {traced / plain:.3f}")  # fmt: skip
 
 

@@ -12,7 +12,7 @@ Prints one table:
   exemplar); all three measured alike, see :func:`step_cost`;
 * save / load wall time, instrumented / uninstrumented, on 2 real ranks (gloo,
   CPU), blocks of calls interleaved (plain, traced, traced, plain, ...),
-  medians: 64 MB state dict (goal <= 1.01), 10,000 small tensors under
+  medians: 64 MiB state dict (goal <= 1.01), 10,000 small tensors under
   separate top-level keys (goal <= 1.03), a load, and the time an async save
   takes to return (goal <= 1.02). Each block starts with an untimed call (a
   job instruments once; the first checkpoint after ``instrument()`` pays for
@@ -244,7 +244,7 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(DiscardingExporter()))
-    big = {"model": {f"layer{i}": torch.randn(1024, 1024) for i in range(16 // world)}}  # 64 MB in all
+    big = {"model": {f"layer{i}": torch.randn(1024, 1024) for i in range(16 // world)}}  # 64 MiB in all
     many = {f"k{i:05d}": torch.ones(1) for i in range(10_000)}
     root = tempfile.mkdtemp(prefix="dcp-otel-bench-", dir=scratch_root()) if rank == 0 else None
     holder = [root]
@@ -254,7 +254,7 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
     builds: dict[str, list[tuple[int, int, int]]] = {}  # the background builder's work, per traced block
     # One stager for every async save, as a training loop keeps one (torchtitan
     # does): it caches its CPU copies, so staging reuses memory that is already
-    # paged in. A stager per call (async_save's default) maps 64 MB afresh each
+    # paged in. A stager per call (async_save's default) maps 64 MiB afresh each
     # time, and those page faults vary from call to call by more than the copy.
     stager = DefaultStager(StagingOptions(False, False, False, False))
 
@@ -297,11 +297,11 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
 
     loaded = f"{root}/load-me"
     cases: dict[str, Callable[[str], Any]] = {
-        "save 64 MB": lambda path: dcp.save(big, checkpoint_id=path),
+        "save 64 MiB": lambda path: dcp.save(big, checkpoint_id=path),
         NOISE_CASE: lambda path: dcp.save(big, checkpoint_id=path),
-        "load 64 MB": lambda path: dcp.load(big, checkpoint_id=loaded),
+        "load 64 MiB": lambda path: dcp.load(big, checkpoint_id=loaded),
         "save 10,000 keys": lambda path: dcp.save(many, checkpoint_id=path),
-        "async_save 64 MB, time to return": lambda path: dcp.async_save(big, checkpoint_id=path, async_stager=stager),
+        "async_save 64 MiB, time to return": lambda path: dcp.async_save(big, checkpoint_id=path, async_stager=stager),
     }
     if any(only in name for name in cases if name.startswith("load")):
         dcp.save(big, checkpoint_id=loaded)
@@ -310,10 +310,10 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
             continue
         call(case, f"{root}/warm")  # the first call pays one-off costs (imports, gloo buffers, the executor)
         # 2 ranks on 2 cores scatter by a few percent from run to run; the
-        # 64 MB cases are cheap, so they get 5 calls per block.
+        # 64 MiB cases are cheap, so they get 5 calls per block.
         for i in range(repeats):
             for traced in (False, True) if i % 2 == 0 else (True, False):  # alternate who goes first
-                block(name, case, traced, 5 if "64 MB" in name else 1)
+                block(name, case, traced, 5 if "64 MiB" in name else 1)
     stager.close()
     provider.shutdown()
     if rank == 0:
@@ -327,7 +327,7 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
 #: Both arms uninstrumented, measured exactly like the others: the ratio this
 #: machine reports when there is nothing to find, i.e. how far from 1.0 a
 #: checkpoint ratio can land by noise alone.
-NOISE_CASE = "save 64 MB, plain vs plain (noise)"
+NOISE_CASE = "save 64 MiB, plain vs plain (noise)"
 #: What the background builder did in each case's traced blocks on rank 0, from the last
 #: checkpoint_ratios() run: (busy ns, operations built, peak queue depth) per block.
 BUILDS: dict[str, list[tuple[int, int, int]]] = {}
@@ -341,7 +341,7 @@ def builder_stats(name: str) -> tuple[float, int]:
 
 
 #: The goals for traced / plain.
-GOALS = {"save 64 MB": 1.01, "load 64 MB": 1.01, "save 10,000 keys": 1.03, "async_save 64 MB, time to return": 1.02}
+GOALS = {"save 64 MiB": 1.01, "load 64 MiB": 1.01, "save 10,000 keys": 1.03, "async_save 64 MiB, time to return": 1.02}
 
 
 #: glibc adjusts its mmap threshold whenever a large block is freed. DCP
@@ -376,7 +376,7 @@ def checkpoint_ratios(repeats: int, only: str = "") -> dict[str, tuple[float, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description="dcp-otel overhead, as side-by-side ratios")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--repeats", type=int, help="save/load repetitions per arm (default 9, quick 3; x5 for 64 MB)")
+    parser.add_argument("--repeats", type=int, help="save/load repetitions per arm (default 9, quick 3; x5 for 64 MiB)")
     parser.add_argument("--only", default="", help="run only the save/load cases whose name contains this")
     args = parser.parse_args()
     warnings.simplefilter("ignore")

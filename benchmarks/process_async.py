@@ -5,11 +5,11 @@ one plain, one instrumented with spans going over OTLP/HTTP to a receiver on
 127.0.0.1 (the daemon builds its SDK from the inherited ``OTEL_*`` variables
 and flushes after every save). Each job starts the daemon with a first
 ``async_save`` (measured separately), then times ``--saves`` more uploads of
-``--mb`` MB. Prints the median upload time of each variant and their ratio.
+``--mb`` MiB. Prints the median upload time of each variant and their ratio.
 
 Usage::
 
-    .venv/bin/python benchmarks/process_async.py            # 3 rounds, 5 saves of 16 MB
+    .venv/bin/python benchmarks/process_async.py            # 3 rounds, 5 saves of 16 MiB
     .venv/bin/python benchmarks/process_async.py --rounds 5 --mb 64
 """
 
@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.monotonic()
     m = measure(args.rounds, args.saves, args.mb)
-    print(f"process-based async_save, {args.mb} MB, {args.rounds} rounds x {args.saves} uploads "
+    print(f"process-based async_save, {args.mb} MiB, {args.rounds} rounds x {args.saves} uploads "
           f"({time.monotonic() - started:.0f} s, {m['spans']:.0f} spans received)")  # fmt: skip
     print(f"  upload (daemon warm):   plain {m['upload_plain'] * 1e3:8.1f} ms   traced {m['upload_traced'] * 1e3:8.1f} ms"
           f"   ratio {m['upload_traced'] / m['upload_plain']:.3f}")  # fmt: skip

@@ -69,15 +69,15 @@ def rows(quick: bool) -> list[Row]:
     for kind in faults.KINDS:
         plain, traced = faults.save_ratio(kind, repeats=5 if quick else 15)
         what = "exporter healthy" if kind == "healthy" else f"OTLP endpoint {kind}"
-        found.append((f"save 64 MB, 1 process, {what}", traced * 1e3, plain * 1e3, 1.005 if kind == "healthy" else 1.01, "ms"))
+        found.append((f"save 64 MiB, 1 process, {what}", traced * 1e3, plain * 1e3, 1.005 if kind == "healthy" else 1.01, "ms"))
     tiny = fixed_cost.measure(blocks=5 if quick else 15)
     found.append(("tiny save, 1 gloo rank, builder idle (thread's own)", tiny["settled"] * 1e3, tiny["plain"] * 1e3,
                   None, "ms"))  # fmt: skip
     found.append(("tiny save, 1 gloo rank, back to back", tiny["back-to-back"] * 1e3, tiny["plain"] * 1e3, None, "ms"))
     daemon = process_async.measure(rounds=2 if quick else 3, saves=3 if quick else 5, mb=16)
-    found.append(("process async_save 16 MB, upload (warm daemon)", daemon["upload_traced"] * 1e3,
+    found.append(("process async_save 16 MiB, upload (warm daemon)", daemon["upload_traced"] * 1e3,
                   daemon["upload_plain"] * 1e3, None, "ms"))  # fmt: skip
-    found.append(("process async_save 16 MB, first (starts daemon)", daemon["first_traced"] * 1e3,
+    found.append(("process async_save 16 MiB, first (starts daemon)", daemon["first_traced"] * 1e3,
                   daemon["first_plain"] * 1e3, None, "ms"))  # fmt: skip
     watched = stall_watchdog.measure(quick)
     for arm in ("watchdog every 1 s", "watchdog every 50 ms"):
