@@ -4,6 +4,7 @@ Usage::
 
     dcp-otel demo [--ranks 4] [--slow-rank R] [--fail-rank R] [--out out/demo]
     dcp-otel report out/demo/traces [--html report.html [--trace-url URL]] [--perfetto trace.json] [--all]
+    dcp-otel check           # would opentelemetry-instrument's set-up send spans from here? (exit 1: why not)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dcp_otel import demo
 from dcp_otel.otlp_file import SpanFileError
 from dcp_otel.report import DETAIL_LIMIT, build
 from dcp_otel.report.page_data import check_trace_url
+from dcp_otel.setup_check import check_otel_setup
 from dcp_otel.version import __version__
 
 
@@ -27,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run_demo = commands.add_parser("demo", help="run a small multi-rank training job that checkpoints, and report")
     demo.add_arguments(run_demo)
+    commands.add_parser("check", help="run OpenTelemetry's zero-code set-up with this environment and say whether "
+                                      "spans would leave (an empty export probes the endpoint)")
     report = commands.add_parser("report", help="report the checkpoints in OTLP JSON trace files")
     report.add_argument("traces", nargs="+", type=Path, help="trace files, or folders of .json/.jsonl files")
     report.add_argument("--html", type=Path, help="also write the report as a self-contained HTML page")
@@ -41,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "check":
+        return _check()
     try:
         if args.command == "demo":
             return demo.run(args)
@@ -67,6 +73,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"dcp-otel {args.command}: error: cannot write {path}: {exc.strerror or exc}\n")
         print(f"{what}: {path}")
     return 0
+
+
+def _check() -> int:
+    found = check_otel_setup()
+    for line in found.lines():
+        print(f"  {line}")
+    problems = found.problems()
+    for problem in problems:
+        print(f"dcp-otel check: problem: {problem}", file=sys.stderr)
+    print("dcp-otel check: " + ("spans will not leave this process" if problems else "ok"))
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

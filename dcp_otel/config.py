@@ -270,6 +270,11 @@ def switch_from_env(env_name: str, default: bool) -> bool:
     return default
 
 
+def traces_off() -> bool:
+    """Whether ``OTEL_TRACES_EXPORTER=none`` says this process wants no traces."""
+    return os.environ.get(semconv.ENV_OTEL_TRACES_EXPORTER, "").strip().lower() == "none"
+
+
 def resolve_callable(spec: str) -> Callable[..., Any]:
     """The callable named by ``"package.module:function"``.
 

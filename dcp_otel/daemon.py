@@ -43,6 +43,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider as SDKTracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import resolve_callable
 from dcp_otel.flushing import flush_spans
@@ -247,7 +248,7 @@ def _provider_from_environment(bootstrap: DaemonBootstrap) -> SDKTracerProvider:
     from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names, _import_exporters
 
     names = _get_exporter_names("traces")
-    if not names and "OTEL_TRACES_EXPORTER" not in os.environ and any(os.environ.get(v) for v in _OTLP_ENDPOINT_VARS):
+    if not names and semconv.ENV_OTEL_TRACES_EXPORTER not in os.environ and any(os.environ.get(v) for v in _OTLP_ENDPOINT_VARS):
         names = [_default_otlp_exporter(_get_exporter_entry_point)]
     attributes = dict(bootstrap.resource) or dict(Resource.create().attributes)
     attributes["process.pid"] = os.getpid()

@@ -43,6 +43,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.config import env_int
 from dcp_otel.elastic import OTelMetricHandler
 from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
+from dcp_otel.setup_check import warn_if_workers_setup_fails
 from dcp_otel.trace_ids import agree_on_generation
 
 _DETECTORS_ENV = "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS"
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # torchrun's own arguments first: --help, --version or a bad option ends here, before any server starts.
     args = parse_args(argv)  # type: ignore[no-untyped-call]
+    warn_if_workers_setup_fails("dcp-otel-run")  # their set-up failing loads no dcp-otel to say so
     wrapt.wrap_function_wrapper(local_elastic_agent, "LocalElasticAgent._start_workers", publish_generation)
     enable_resource_detector()
     endpoint = observe_agent()

@@ -389,6 +389,8 @@ ALL_METRIC_SINKS: Final = (SINK_PROMETHEUS, SINK_OPENTELEMETRY)
 ENV_METRICS: Final = "DCP_OTEL_METRICS"
 #: The OpenTelemetry SDK's variable: when it names an exporter, the OpenTelemetry sink is on by default.
 ENV_OTEL_METRICS_EXPORTER: Final = "OTEL_METRICS_EXPORTER"
+#: The SDK's span exporters; "none" says no traces are wanted (dcp-otel then never warns that spans go nowhere).
+ENV_OTEL_TRACES_EXPORTER: Final = "OTEL_TRACES_EXPORTER"
 #: An observable instrument that never reports a value: the SDK calls it at the start of
 #: every collection, which lets the builder record what is queued first (see dcp_otel.otel_metrics).
 OTEL_COLLECTION_BARRIER: Final = "dcp_otel.collection_barrier"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 import re
@@ -86,7 +87,7 @@ def dcp_logger() -> object:  # what torch's _dcp_method_logger calls: a module g
 
 
 def test_this_torch_has_every_attachment_point(provider) -> None:
-    """Run on every tested torch release (2.13.0, and 2.14.1 by scripts/test.sh): nothing is missing."""
+    """Run on every tested torch release (2.13.0, and 2.15.0 by scripts/test.sh): nothing is missing."""
     dcp_otel.instrument(tracer_provider=provider[0])
     try:
         installed = DCPInstrumentor().installed
@@ -337,3 +338,55 @@ def test_opentelemetry_instrument_torchrun_needs_no_code_in_workers_or_their_che
         assert f'dcp_operations_total{{operation="save",rank="{rank}",status="success"}} 1.0' in text
         assert (f'dcp_step_duration_seconds_count{{operation="async_save",rank="{rank}",step="write_data"}} 1.0'
                 in text)  # fmt: skip
+
+
+NOWHERE_SCRIPT = """
+import json, sys, tempfile, warnings, torch, torch.distributed.checkpoint as dcp
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+import dcp_otel
+warnings.simplefilter("ignore")
+if sys.argv[1] == "provider-without-processor":
+    trace.set_tracer_provider(TracerProvider())
+dcp_otel.instrument()
+for _ in range(3):
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tempfile.mkdtemp())
+dcp_otel.flush()
+print(json.dumps(dcp_otel.diagnostics()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("setup", "environment", "expected"),
+    [
+        ("no-provider", {}, "no OpenTelemetry tracer provider is set in this process"),
+        ("provider-without-processor", {}, "the tracer provider has no span processor"),
+        ("no-provider", {"OTEL_TRACES_EXPORTER": "none"}, None),  # no traces asked for: nothing to say
+    ],
+)
+def test_spans_that_go_nowhere_are_said_in_one_line_once(setup: str, environment: dict, expected: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    run = subprocess.run([sys.executable, "-c", NOWHERE_SCRIPT, setup], capture_output=True, text=True, timeout=120,
+                         cwd=REPO, env={**env, **environment})  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    said = [line for line in run.stderr.splitlines() if "DCP spans go nowhere" in line]
+    if expected is None:
+        assert said == [], run.stderr
+    else:
+        assert len(said) == 1 and expected in said[0], run.stderr  # three saves, one line
+    problems = json.loads(run.stdout.strip().splitlines()[-1])
+    assert problems == {"open_spans": 0}  # a set-up, not a telemetry failure: the problems alert stays quiet
+
+
+def test_opentelemetry_instrument_that_configured_nothing_is_named_by_dcp_otel(tmp_path: Path) -> None:
+    """opentelemetry-instrument whose configurator did not run: the job trains, and dcp-otel says why no spans."""
+    script = tmp_path / "train.py"
+    script.write_text(ZERO_CODE_SCRIPT)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+           "OTEL_PYTHON_CONFIGURATOR": "not-installed", "OTEL_TRACES_EXPORTER": "otlp"}  # fmt: skip
+    instrument = Path(sys.executable).with_name("opentelemetry-instrument")
+    run = subprocess.run([str(instrument), sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    said = [line for line in run.stderr.splitlines() if "DCP spans go nowhere" in line]
+    assert len(said) == 1 and "pip install opentelemetry-distro" in said[0], run.stderr

@@ -25,8 +25,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
 from dcp_otel import semconv
-from dcp_otel._selftelemetry import report
-from dcp_otel.config import InstrumentOptions
+from dcp_otel._selftelemetry import logger, report
+from dcp_otel.config import InstrumentOptions, traces_off
 from dcp_otel.events import DCPEvent, operation_fields
 from dcp_otel.metrics import exemplar_for_context
 from dcp_otel.redact import redact_checkpoint_id
@@ -75,6 +75,7 @@ class OperationStarter:
         cache = self._cache
         if cache is None or cache[0] is not provider:
             tracer = get_tracer_quietly(provider)
+            warn_if_spans_go_nowhere(provider, tracer)  # before our own flush hook joins its processors
             self._recorder.hook_provider(provider)
             cache = (provider, tracer, supports_chosen_ids(tracer))
             self._cache = cache
@@ -226,6 +227,30 @@ class OperationStarter:
 
 def _is_noop(tracer: trace.Tracer) -> bool:
     return isinstance(tracer, (trace.ProxyTracer, trace.NoOpTracer))
+
+
+def warn_if_spans_go_nowhere(provider: trace.TracerProvider, tracer: trace.Tracer) -> bool:
+    """Say in one line that this process's DCP spans will be dropped, and why.
+
+    Runs once per tracer provider, at the first DCP call that uses it. A job
+    whose OpenTelemetry set-up did not happen (``opentelemetry-instrument``
+    without a configurator, a provider set after the first checkpoint, one with
+    no span processor) otherwise trains on with no trace and no word of why.
+    ``OTEL_TRACES_EXPORTER=none`` says no traces are wanted: then nothing is said.
+    A set-up, not a telemetry failure: logged, not counted (a metrics-only job
+    must not raise the telemetry-problems alert).
+    """
+    if traces_off():
+        return False
+    if _is_noop(tracer):
+        why = ("no OpenTelemetry tracer provider is set in this process (under opentelemetry-instrument: "
+               "pip install opentelemetry-distro; in code: set one before the first checkpoint)")  # fmt: skip
+    elif not getattr(getattr(provider, "_active_span_processor", None), "_span_processors", True):
+        why = "the tracer provider has no span processor (add a BatchSpanProcessor with an exporter)"
+    else:
+        return False
+    logger.warning("dcp_otel: DCP spans go nowhere: %s; OTEL_TRACES_EXPORTER=none silences this", why)
+    return True
 
 
 def get_tracer_quietly(provider: trace.TracerProvider) -> trace.Tracer:
