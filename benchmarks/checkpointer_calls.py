@@ -5,7 +5,7 @@
 
 dcp-otel records ``SyncCheckpointer``/``AsyncCheckpointer`` calls on the
 caller's thread (an operation's start, a record per step; see
-``dcp_otel/checkpointer.py``). One process, no process group, a small state
+``dcp_otel/attach/checkpointer.py``). One process, no process group, a small state
 dict (the added cost is fixed per call, so a small one shows it at its largest
 relative size), instrumented and not, interleaved (medians):
 

@@ -90,7 +90,7 @@ def step_cost(repeats: int, steps: int) -> dict[str, float]:
     from torch.distributed.checkpoint.logger import _dcp_method_logger
 
     from dcp_otel import semconv
-    from dcp_otel.metrics import exemplar_for
+    from dcp_otel.metrics.prometheus import exemplar_for
 
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(DiscardingExporter()))

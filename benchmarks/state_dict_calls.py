@@ -5,7 +5,7 @@
 
 dcp-otel records ``get_state_dict`` and ``set_state_dict`` (and their model and
 optimizer halves) on the caller's thread, as torch's own DCP calls are: a call
-id, a start and an end record each (see ``dcp_otel/unlogged_calls.py``). This
+id, a start and an end record each (see ``dcp_otel/attach/unlogged_calls.py``). This
 times both functions on a small model and an Adam optimizer in one process,
 instrumented and not, interleaved (medians), and prints the time added per call
 beside the call's own time. The model is small on purpose: the added cost is

@@ -24,10 +24,10 @@ from typing import Any
 from opentelemetry.trace import TracerProvider
 
 from dcp_otel import _selftelemetry
-from dcp_otel.elastic import OTelMetricHandler
-from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.flushing import flush_all
+from dcp_otel.elastic.handler import OTelMetricHandler
 from dcp_otel.instrumentor import DCPInstrumentor
+from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
+from dcp_otel.tracing.flushing import flush_all
 from dcp_otel.version import __version__
 
 __all__ = [

@@ -49,7 +49,7 @@ class InstrumentOptions:
         run_id: identifies this job run in trace ids, so that two runs saving
             to the same checkpoint id never share a trace. ``None``: taken from
             ``$DCP_OTEL_RUN_ID``, then ``$TORCHELASTIC_RUN_ID`` (torchrun's
-            ``--rdzv-id``), then ``$SLURM_JOB_ID``; see :mod:`dcp_otel.trace_ids`.
+            ``--rdzv-id``), then ``$SLURM_JOB_ID``; see :mod:`dcp_otel.tracing.trace_ids`.
         slowest_keys: how many of the slowest state-dict keys to name on the
             ``dcp._stateful_to_state_dict`` span (0 to 100).
         max_open_spans: bound on DCP spans open at once in this process; past it
@@ -62,7 +62,7 @@ class InstrumentOptions:
             training script configures its exporter in code: without it the
             daemon uses an SDK already set up there (``opentelemetry-instrument``),
             else one built from the ``OTEL_*`` variables it inherits. See
-            :mod:`dcp_otel.daemon`.
+            :mod:`dcp_otel.processes.daemon`.
         flush_timeout_s: the longest dcp-otel waits for the exporter when it
             flushes on its own: at interpreter exit, and in the daemon after each
             save (0 disables both).
@@ -184,7 +184,7 @@ class InstrumentOptions:
             values["stall_after_s"] = stall_after_from_env()
         if "signals" not in values:
             # Not in torchrun itself or the helpers a rank spawns (which inherit its environment):
-            # the checkpoint processes ask for it explicitly (dcp_otel.daemon).
+            # the checkpoint processes ask for it explicitly (dcp_otel.processes.daemon).
             values["signals"] = switch_from_env(semconv.ENV_SIGNALS, True) and is_rank_process()
         for name, env_name, low, high in _INT_ENV:
             if name == "metrics_port" and not is_rank_process():
@@ -210,7 +210,7 @@ _INT_ENV = (
 
 #: Launchers whose process is not a rank (console script names, ``-m`` modules).
 _LAUNCHER_SCRIPTS = frozenset({"torchrun", "dcp-otel-run"})
-_LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "dcp_otel.launcher"})
+_LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "dcp_otel.elastic.launcher"})
 
 
 def is_rank_process() -> bool:

@@ -23,24 +23,25 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from prometheus_client import REGISTRY
 
 from dcp_otel import semconv
+from dcp_otel.attach.patches import Installed, install
 from dcp_otel.config import InstrumentOptions, differing_options
-from dcp_otel.export_queue import QueueFullWatch
-from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.flushing import ExitFlush, flush_all
 from dcp_otel.live.ending import Ending
 from dcp_otel.live.progress import LiveState, StallPolicy
 from dcp_otel.live.signals import SignalGuard
 from dcp_otel.live.stalls import StallReporter
 from dcp_otel.live.watchdog import Watchdog
-from dcp_otel.metrics import CheckpointMetrics, FanOut, LiveEntry, MetricsSink
-from dcp_otel.metrics_relay import MetricsRelay
-from dcp_otel.otel_metrics import OTelCheckpointMetrics
-from dcp_otel.package import _instruments
-from dcp_otel.torch_hooks import Installed, install
+from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
+from dcp_otel.metrics.otel import OTelCheckpointMetrics
+from dcp_otel.metrics.prometheus import CheckpointMetrics, FanOut, LiveEntry, MetricsSink
+from dcp_otel.metrics.relay import MetricsRelay
 from dcp_otel.tracing.drain import DrainOnCollect
+from dcp_otel.tracing.export_queue import QueueFullWatch
+from dcp_otel.tracing.flushing import ExitFlush, flush_all
 from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
+#: The instrumented dependency, as opentelemetry-instrumentation expects it.
+_instruments = ("torch >= 2.4",)
 #: BaseInstrumentor's own keywords, not dcp-otel options.
 _BASE_KWARGS = frozenset({"skip_dep_check", "raise_exception_on_conflict"})
 

@@ -24,7 +24,7 @@ import socket
 from opentelemetry.sdk.resources import Resource, ResourceDetector
 
 from dcp_otel import semconv
-from dcp_otel.trace_ids import resolve_run_id
+from dcp_otel.tracing.trace_ids import resolve_run_id
 
 
 class TorchDistributedResourceDetector(ResourceDetector):

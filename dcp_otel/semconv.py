@@ -138,7 +138,7 @@ LINK_CHECKPOINT: Final = "checkpoint"  # from the caller's span to the DCP span
 
 # --- DCP function names we treat specially ---------------------------------
 #: torch's ``_experimental`` checkpointer (``SyncCheckpointer``, ``AsyncCheckpointer``): its calls,
-#: which torch does not log, recorded by dcp-otel under these names (see dcp_otel.checkpointer).
+#: which torch does not log, recorded by dcp-otel under these names (see dcp_otel.attach.checkpointer).
 CHECKPOINTER_SAVE: Final = "checkpointer_save"
 CHECKPOINTER_ASYNC_SAVE: Final = "checkpointer_async_save"
 CHECKPOINTER_LOAD: Final = "checkpointer_load"
@@ -392,7 +392,7 @@ ENV_OTEL_METRICS_EXPORTER: Final = "OTEL_METRICS_EXPORTER"
 #: The SDK's span exporters; "none" says no traces are wanted (dcp-otel then never warns that spans go nowhere).
 ENV_OTEL_TRACES_EXPORTER: Final = "OTEL_TRACES_EXPORTER"
 #: An observable instrument that never reports a value: the SDK calls it at the start of
-#: every collection, which lets the builder record what is queued first (see dcp_otel.otel_metrics).
+#: every collection, which lets the builder record what is queued first (see dcp_otel.metrics.otel).
 OTEL_COLLECTION_BARRIER: Final = "dcp_otel.collection_barrier"
 
 STATUS_SUCCESS: Final = "success"

@@ -170,7 +170,7 @@ class Stack:
             semconv.ENV_STALL_AFTER_S: str(STALL_AFTER_S),
         })  # fmt: skip
         command = [
-            sys.executable, "-m", "dcp_otel.launcher", "--standalone", "--nproc-per-node", str(WORLD),
+            sys.executable, "-m", "dcp_otel.elastic.launcher", "--standalone", "--nproc-per-node", str(WORLD),
             "--max-restarts", "1", "--monitor-interval", "0.5", str(WORKERS / "stack_train.py"),
         ]  # fmt: skip
         with self.job_log.open("wb") as log:

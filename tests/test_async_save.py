@@ -124,7 +124,7 @@ def test_flush_waits_for_the_upload_and_flushes_the_instrumented_provider(tmp_pa
 
 
 def test_a_failing_metrics_backend_never_breaks_async_save(traced, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from dcp_otel.metrics import CheckpointMetrics
+    from dcp_otel.metrics.prometheus import CheckpointMetrics
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("metrics backend broken")

@@ -18,7 +18,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 import dcp_otel
 from dcp_otel import _selftelemetry, semconv
-from dcp_otel.exposition import metrics_port
+from dcp_otel.metrics.exposition import metrics_port
 from tests.ports import free_port_range
 from tests.ranks import rank_command, rank_env
 
@@ -57,7 +57,7 @@ def test_each_local_rank_serves_on_base_port_plus_local_rank(monkeypatch: pytest
 
 @pytest.mark.parametrize("bad", ["not-a-port", "70000", "-1"])
 def test_a_bad_port_variable_warns_and_uses_the_default(monkeypatch: pytest.MonkeyPatch, caplog, bad: str) -> None:
-    from dcp_otel.launcher import agent_metrics_port
+    from dcp_otel.elastic.launcher import agent_metrics_port
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv(semconv.ENV_METRICS_PORT, bad)
@@ -112,7 +112,7 @@ def test_a_bad_bind_address_fails_at_configuration_time_leaving_nothing(
     import torch.distributed.checkpoint.logger as dcp_logger_module
     from prometheus_client import generate_latest
 
-    from dcp_otel.handler import DCPLoggerTap
+    from dcp_otel.attach.logger_tap import DCPLoggerTap
 
     # Not an address of this machine: bind() fails locally (no packet is sent).
     monkeypatch.setenv(semconv.ENV_METRICS_ADDR, "192.0.2.1")
@@ -256,7 +256,7 @@ def test_an_endpoint_announces_itself_to_prometheus_file_discovery_until_it_clos
 
 
 def test_every_interface_is_announced_by_host_name() -> None:
-    from dcp_otel.file_sd import target_host
+    from dcp_otel.metrics.file_sd import target_host
 
     assert target_host("0.0.0.0") == socket.getfqdn()
     assert target_host("10.1.2.3") == "10.1.2.3"

@@ -12,7 +12,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcp_otel
-from dcp_otel import semconv, torch_hooks
+from dcp_otel import semconv
+from dcp_otel.attach import patches as torch_hooks
 from tests.spans_io import from_readable, named
 
 INJECTED = OSError(errno.ENOSPC, "No space left on device")
@@ -187,7 +188,7 @@ def test_a_thousand_failed_ranks_make_small_spans_that_keep_this_ranks_own_failu
 
 
 def test_an_exception_raised_from_a_mass_failure_is_recorded_without_formatting_it_whole() -> None:
-    from dcp_otel.tracing.records import Failure
+    from dcp_otel.tracing.failures import Failure
 
     error = huge_checkpoint_exception(1024, own=3)
     try:

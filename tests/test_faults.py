@@ -22,8 +22,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from prometheus_client import CollectorRegistry
 
 import dcp_otel
-from dcp_otel import _selftelemetry, export_queue
+from dcp_otel import _selftelemetry
 from dcp_otel.otlp_file import read_spans
+from dcp_otel.tracing import export_queue
 from tests.ranks import REPO, WORKERS, rank_env, run_ranks
 
 FLUSH_TIMEOUT_S = 2

@@ -37,7 +37,7 @@ from tests.prometheus import PrometheusServer
 from tests.ranks import REPO, WORKERS, rank_env
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-DCP_OTEL_RUN = [sys.executable, "-m", "dcp_otel.launcher", "--standalone", "--nproc-per-node", "2"]
+DCP_OTEL_RUN = [sys.executable, "-m", "dcp_otel.elastic.launcher", "--standalone", "--nproc-per-node", "2"]
 STALL_AFTER_S = "1"
 HUNG, WAITING = 1, 0  # the rank whose write blocks, and the one left waiting for it
 TIMEOUT_S = 150.0

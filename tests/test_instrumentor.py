@@ -34,8 +34,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 import dcp_otel
 from dcp_otel import DCPInstrumentor, semconv
+from dcp_otel.attach.logger_tap import DCPLoggerTap
 from dcp_otel.config import InstrumentOptions
-from dcp_otel.handler import DCPLoggerTap
 from tests.ranks import REPO
 from tests.spans_io import from_readable, named
 
@@ -97,7 +97,7 @@ def test_this_torch_has_every_attachment_point(provider) -> None:
 
 
 def test_every_patch_point_is_covered_by_the_identity_check() -> None:
-    from dcp_otel.torch_hooks import PATCHES
+    from dcp_otel.attach.patches import PATCHES
 
     assert len(originals()) == len(PATCHES)  # a new patch point must join originals()
 

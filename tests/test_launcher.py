@@ -19,7 +19,7 @@ def test_the_agents_prof_metrics_are_served_while_its_workers_run(tmp_path: Path
     env = rank_env(**{semconv.ENV_AGENT_METRICS_PORT: str(port), semconv.ENV_METRICS_ADDR: "127.0.0.1",
                       "AGENT_METRICS_URL": url, "SCRAPE_OUT": str(scrape)})  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-m", "dcp_otel.launcher", "--standalone", "--nproc-per-node", "2",
+        [sys.executable, "-m", "dcp_otel.elastic.launcher", "--standalone", "--nproc-per-node", "2",
          str(WORKERS / "elastic_worker.py")],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
     )  # fmt: skip
@@ -45,7 +45,7 @@ def test_every_round_of_workers_gets_its_own_generation_shared_by_its_ranks(tmp_
                       "OUT_DIR": str(tmp_path)})  # fmt: skip
     env.pop(semconv.ENV_GENERATION, None)
     run = subprocess.run(
-        [sys.executable, "-m", "dcp_otel.launcher", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        [sys.executable, "-m", "dcp_otel.elastic.launcher", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
          "--monitor-interval", "0.1", str(WORKERS / "generation_worker.py")],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
     )  # fmt: skip

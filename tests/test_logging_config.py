@@ -4,7 +4,7 @@
 when they run (``disable_existing_loggers=True`` is their default), torch's DCP
 logger included, and ``logging.disable(INFO)`` silences every logger below
 WARNING. A ``logging.Handler`` on torch's logger then receives nothing: before
-the tap (``dcp_otel/handler.py``) every checkpoint vanished from traces and
+the tap (``dcp_otel/attach/logger_tap.py``) every checkpoint vanished from traces and
 metrics without a word. Each case runs in its own process: logging
 configuration is global.
 """

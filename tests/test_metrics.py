@@ -168,7 +168,7 @@ def test_uninstrument_removes_the_metrics_and_reinstrumenting_works(tmp_path: Pa
 
 
 def test_a_registry_that_already_has_our_metrics_is_a_configuration_error() -> None:
-    from dcp_otel.metrics import CheckpointMetrics
+    from dcp_otel.metrics.prometheus import CheckpointMetrics
 
     registry = CollectorRegistry()
     first = CheckpointMetrics(registry)
@@ -183,7 +183,7 @@ def test_a_registry_that_already_has_our_metrics_is_a_configuration_error() -> N
 
 
 def test_label_values_never_take_free_text() -> None:
-    from dcp_otel.metrics import bounded_name
+    from dcp_otel.metrics.prometheus import bounded_name
 
     assert bounded_name("write_data") == "write_data"
     assert bounded_name("_stateful_to_state_dict") == "_stateful_to_state_dict"

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry
 
 import dcp_otel
 from dcp_otel import _selftelemetry
-from dcp_otel.metrics import CheckpointMetrics
-from dcp_otel.metrics_relay import MAX_MESSAGE_BYTES, MetricsRelay, _pack, drain
+from dcp_otel.metrics.prometheus import CheckpointMetrics
+from dcp_otel.metrics.relay import MAX_MESSAGE_BYTES, MetricsRelay, _pack, drain
 
 
 def pipe():  # type: ignore[no-untyped-def]

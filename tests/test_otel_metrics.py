@@ -35,7 +35,7 @@ from torch.distributed.elastic.metrics.api import MetricData
 
 import dcp_otel
 from dcp_otel import OTelMetricHandler, _selftelemetry, semconv
-from dcp_otel.metrics import FanOut
+from dcp_otel.metrics.prometheus import FanOut
 from tests.spans_io import named
 
 CATALOGUE = semconv.CHECKPOINT_METRICS + semconv.ELASTIC_METRICS

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from dcp_otel import semconv
-from dcp_otel.trace_ids import (
+from dcp_otel.tracing.trace_ids import (
     CheckpointKey,
     SequenceCounter,
     chosen_ids_tracer,
@@ -127,7 +127,8 @@ def test_a_store_that_cannot_agree_on_a_generation_is_asked_once_per_process_gro
     from torch.distributed import distributed_c10d
 
     import dcp_otel
-    from dcp_otel import _selftelemetry, trace_ids
+    from dcp_otel import _selftelemetry
+    from dcp_otel.tracing import trace_ids
 
     class Unreachable:
         asked = 0

@@ -30,10 +30,10 @@ from types import FrameType
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.flushing import flush_all
 from dcp_otel.live.progress import LiveState, Progress
 from dcp_otel.live.stacks import ThreadStack, thread_stack
-from dcp_otel.otel_metrics import OTelCheckpointMetrics
+from dcp_otel.metrics.otel import OTelCheckpointMetrics
+from dcp_otel.tracing.flushing import flush_all
 from dcp_otel.tracing.records import Operation
 from dcp_otel.tracing.tracker import SpanRecorder
 

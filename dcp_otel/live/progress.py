@@ -41,7 +41,7 @@ from typing import Final
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.metrics import LiveEntry
+from dcp_otel.metrics.prometheus import LiveEntry
 from dcp_otel.tracing.records import KIND_COLLECTIVE, KIND_OPERATION, KIND_UPLOAD, Call, DurationHistory, Operation
 from dcp_otel.tracing.tracker import SpanRecorder
 

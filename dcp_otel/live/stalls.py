@@ -33,10 +33,10 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report as report_problem
-from dcp_otel.flushing import BoundedFlush
 from dcp_otel.live.progress import Progress
 from dcp_otel.live.stacks import ThreadStack, thread_stack
-from dcp_otel.metrics import MetricsSink
+from dcp_otel.metrics.prometheus import MetricsSink
+from dcp_otel.tracing.flushing import BoundedFlush
 from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")

@@ -41,7 +41,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.live.progress import LiveState, Progress
 from dcp_otel.live.signals import SignalGuard
 from dcp_otel.live.stalls import StallReporter
-from dcp_otel.metrics import LiveEntry
+from dcp_otel.metrics.prometheus import LiveEntry
 
 #: The longest and shortest ticks.
 MAX_TICK_S: Final = 1.0

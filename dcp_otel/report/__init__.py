@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 
 from dcp_otel.otlp_file import SpanFileError, read_spans
 from dcp_otel.report.model import Checkpoint, checkpoints
+from dcp_otel.report.summary import DETAIL_LIMIT
 
-#: Checkpoints shown in detail by default, the worst first (the summary covers all of them).
-DETAIL_LIMIT = 10
-
-__all__ = ["Report", "SpanFileError", "build"]
+__all__ = ["DETAIL_LIMIT", "Report", "SpanFileError", "build"]
 
 
 @dataclass

@@ -25,7 +25,6 @@ Usage::
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -34,17 +33,18 @@ from typing import Final
 
 from dcp_otel import semconv
 from dcp_otel.otlp_file import FileSpan
+from dcp_otel.report.unfinished import Unfinished, find_unfinished
+from dcp_otel.report.values import OPERATION_SPANS, as_list, as_number, collective_key, collective_label, count, rank_of
 
 #: Spans that are not steps of a rank's operation.
 _NOT_STEPS: Final = frozenset({semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING,
                                semconv.SPAN_STALL})  # fmt: skip
-_OPERATION_SPANS: Final = frozenset(semconv.span_name(op) for op in semconv.OPERATIONS)
 #: Steps that move the bytes: where their throughput is measured.
 _IO_STEP: Final = semconv.IO_STEPS
 #: The checkpointer's waits: for the other ranks (a step inside its write), for the previous checkpoint.
 _WAITS: Final = frozenset(semconv.span_name(step) for step in semconv.WAIT_STEPS)
 #: Where the upload side of an async save runs its steps: DCP's background save, the checkpoint process's write.
-_UPLOAD_PARENTS: Final = _OPERATION_SPANS | {semconv.SPAN_ASYNC_UPLOAD}
+_UPLOAD_PARENTS: Final = OPERATION_SPANS | {semconv.SPAN_ASYNC_UPLOAD}
 #: Steps whose error is a rank's own failure (not one it learnt from the others).
 _RAISING_STEPS: Final = semconv.COLLECTIVE_STEPS | semconv.CHECKPOINTER_STEPS
 #: A skew below this is noise, not a straggler.
@@ -81,28 +81,6 @@ class RankResult:
 
 
 @dataclass
-class Unfinished:
-    """One rank of a checkpoint that never finished: where it was when its process ended or last reported."""
-
-    rank: int
-    step: str  # its innermost open step (semconv.STEP_NONE: between steps)
-    seconds: float  # how long it had been there
-    #: Why it ended: the signal's name, "exit", or None when no end was recorded at all (killed
-    #: with SIGKILL, or the spans of its end were lost): only its stall reports say where it was.
-    cause: str | None
-    description: str  # "terminated by SIGTERM during write_data", or what its last stall report said
-    waiting_in: str | None = None  # the collective (or wait step) it was waiting in for other ranks
-    where: str | None = None  # the checkpoint process it was in, when not the rank itself
-    stack: str | None = None  # the stack of the thread that was inside the call
-    stalls: int = 0  # stall reports of this rank in this checkpoint
-
-    @property
-    def waiting(self) -> bool:
-        """It was waiting for other ranks, not doing its own work."""
-        return self.waiting_in is not None
-
-
-@dataclass
 class StepResult:
     """One step across ranks (durations summed when a rank ran it more than once)."""
 
@@ -134,7 +112,7 @@ class CollectiveResult:
 
     @property
     def name(self) -> str:
-        return f"{self.method} ({self.step})" if self.step else self.method
+        return collective_label(self.method, self.step)
 
     @property
     def longest_rank(self) -> int:
@@ -208,7 +186,7 @@ class Checkpoint:
         runs from the parent up to, not including, the checkpoint's root."""
         by_id = {s.span_id: s for s in self.spans}
         for span in sorted(self.spans, key=lambda s: s.start_ns):
-            rank = _rank_of(span)
+            rank = rank_of(span)
             if rank is None or span.name == semconv.SPAN_CHECKPOINT:
                 continue
             ancestors, parent = [], by_id.get(span.parent_id)
@@ -230,26 +208,6 @@ class Checkpoint:
         busy = [r.work_s for r in self.ranks]
         median = statistics.median(busy) if busy else 0.0
         return max(busy) / median if busy and median > 0 else 1.0
-
-
-def _rank_of(span: FileSpan) -> int | None:
-    rank = span.attributes.get(semconv.ATTR_RANK)
-    return int(rank) if isinstance(rank, int) else None
-
-
-# A span file can hold anything: an attribute of the wrong type reads as absent, never as a traceback.
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _count(span: FileSpan, key: str) -> int:
-    """An integer attribute (bytes, a size), 0 when absent or not a number."""
-    value = _number(span.attributes.get(key))
-    return int(value) if value is not None else 0
-
-
-def _list(value: object) -> list[object]:
-    return list(value) if isinstance(value, (list, tuple)) else []
 
 
 def checkpoints(spans: list[FileSpan]) -> list[Checkpoint]:
@@ -284,13 +242,13 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
     failed: set[int] = set()
     in_collective: list[int] = []
     first_error: str | None = None  # what the first rank to fail said
-    for op_span in sorted((s for s in spans if is_operation_span(s)), key=lambda s: _rank_of(s) or 0):
-        rank = _rank_of(op_span)
+    for op_span in sorted((s for s in spans if is_operation_span(s)), key=lambda s: rank_of(s) or 0):
+        rank = rank_of(op_span)
         if rank is None:
             continue
         subtree = _subtree(op_span, children)
         own_collectives = [s for s in subtree if semconv.is_collective_span(s.name)]
-        own_steps = [s for s in subtree if s.name not in _NOT_STEPS and s.name not in _OPERATION_SPANS
+        own_steps = [s for s in subtree if s.name not in _NOT_STEPS and s.name not in OPERATION_SPANS
                      and not semconv.is_collective_span(s.name)]  # fmt: skip
         # Busy: in steps run right under the rank's operation span; the rest of it is waiting for
         # the other ranks. An async save's background save (under its upload) is the upload's side.
@@ -314,8 +272,8 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
             staging_s=sum(s.duration_s for s in children[op_span.span_id]
                           if s.name.removeprefix(semconv.SPAN_PREFIX) in semconv.STAGING_STEPS),  # fmt: skip
             # On the operation span; for an async save, on its background save or the checkpoint process's write.
-            bytes=max((_count(s, bytes_key) for s in subtree
-                       if s.name in _OPERATION_SPANS or s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
+            bytes=max((count(s, bytes_key) for s in subtree
+                       if s.name in OPERATION_SPANS or s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP),
                       default=0),  # fmt: skip
             io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)
             - io_waits,
@@ -339,7 +297,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         if raising:
             failed.add(rank)
             raised.append((rank, raising[0]))
-        failed.update(int(r) for r in map(_number, _list(op_span.attributes.get(semconv.ATTR_FAILED_RANKS))) if r is not None)
+        failed.update(int(r) for r in map(as_number, as_list(op_span.attributes.get(semconv.ATTR_FAILED_RANKS))) if r is not None)
         if op_span.attributes.get(semconv.ATTR_FAILED_IN_COLLECTIVE):
             failed.add(rank)
             in_collective.append(rank)
@@ -350,7 +308,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
     cause_detail = (first[1].exception or root_cause) if first is not None else None
     raised_in = min((s for s in spans if s.error and semconv.is_collective_span(s.name)), key=lambda s: s.end_ns,
                     default=None)  # fmt: skip
-    unfinished = _unfinished(spans, {r.rank for r in ranks})
+    unfinished = find_unfinished(spans, {r.rank for r in ranks})
     return Checkpoint(
         unfinished=unfinished,
         trace_id=trace_id,
@@ -367,7 +325,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         origins=sorted({rank for rank, step in raised if not step.status_message.startswith(WRAPPER)}),
         collectives=list(collectives.values()),
         failed_in_collective=in_collective,
-        failing_collective=_collective_name(raised_in) if raised_in is not None else None,
+        failing_collective=collective_label(*collective_key(raised_in)) if raised_in is not None else None,
         silent_ranks=_silent(spans, is_operation_span, {r.rank for r in ranks} | {u.rank for u in unfinished}),
         error=root_cause or first_error,
         spans=spans,
@@ -381,111 +339,16 @@ def _silent(spans: list[FileSpan], is_operation_span: Callable[[FileSpan], bool]
     ops = [s for s in spans if is_operation_span(s)]
     if not ops or any(s.attributes.get(semconv.ATTR_GROUP_RANK) != s.attributes.get(semconv.ATTR_RANK) for s in ops):
         return []
-    world = max(_count(s, semconv.ATTR_WORLD_SIZE) for s in ops)
+    world = max(count(s, semconv.ATTR_WORLD_SIZE) for s in ops)
     return [rank for rank in range(world) if rank not in heard]
 
 
-def _collective_key(span: FileSpan) -> tuple[str, str]:
-    return span.name.removeprefix(semconv.SPAN_COLLECTIVE_PREFIX), str(span.attributes.get(semconv.ATTR_COLLECTIVE_STEP) or "")
-
-
-def _collective_name(span: FileSpan) -> str:
-    method, step = _collective_key(span)
-    return CollectiveResult(method, step, {}, 0).name
-
-
 def _add_collective(found: dict[tuple[str, str], CollectiveResult], rank: int, span: FileSpan) -> None:
-    method, step = _collective_key(span)
+    method, step = collective_key(span)
     result = found.setdefault((method, step), CollectiveResult(method, step, {}, 0))
     result.by_rank[rank] = result.by_rank.get(rank, 0.0) + span.duration_s
-    moved = max(_count(span, semconv.ATTR_COLLECTIVE_SENT_BYTES), _count(span, semconv.ATTR_COLLECTIVE_RECEIVED_BYTES))
+    moved = max(count(span, semconv.ATTR_COLLECTIVE_SENT_BYTES), count(span, semconv.ATTR_COLLECTIVE_RECEIVED_BYTES))
     result.moved_bytes = max(result.moved_bytes, moved)
-
-
-def _unfinished(spans: list[FileSpan], ended: set[int]) -> list[Unfinished]:
-    """The ranks whose part never ended: ended as their process ended (``dcp.interrupted``), or, with no
-    operation span at all (``ended``: the ranks that have one), only reported stalled."""
-    by_id = {s.span_id: s for s in spans}
-    by_rank: dict[int, list[FileSpan]] = defaultdict(list)
-    for span in spans:
-        rank = _rank_of(span)
-        if rank is not None:
-            by_rank[rank].append(span)
-    found = []
-    for rank, mine in sorted(by_rank.items()):
-        interrupted = [s for s in mine if s.attributes.get(semconv.ATTR_INTERRUPTED)]
-        stalls = sorted((s for s in mine if s.name == semconv.SPAN_STALL), key=lambda s: s.start_ns)
-        if interrupted:
-            found.append(_interrupted_rank(rank, mine, interrupted, stalls, by_id))
-        elif stalls and rank not in ended:
-            found.append(_stalled_rank(rank, stalls))
-    return sorted(found, key=lambda u: (u.waiting, u.rank))
-
-
-def _interrupted_rank(rank: int, mine: list[FileSpan], interrupted: list[FileSpan], stalls: list[FileSpan],
-                      by_id: dict[str, FileSpan]) -> Unfinished:  # fmt: skip
-    # The innermost call it was in is the latest to start: a call nests in the one open when it began.
-    # In one of DCP's collectives it was between steps, waiting: the call that made it is the one.
-    collective = next((s for s in interrupted if semconv.is_collective_span(s.name)), None)
-    inner = max((s for s in interrupted if s is not collective), key=lambda s: s.start_ns, default=interrupted[0])
-    parent = by_id.get(inner.parent_id)
-    own_operation = inner.name in _OPERATION_SPANS and (parent is None or parent.name == semconv.SPAN_CHECKPOINT)
-    step = semconv.STEP_NONE if own_operation else inner.name.removeprefix(semconv.SPAN_PREFIX)
-    # Between steps: since the last of its steps ended.
-    ended = {s.span_id for s in interrupted}
-    last_end = max((s.end_ns for s in mine if s.parent_id == inner.span_id and s.span_id not in ended
-                    and s.name != semconv.SPAN_STALL and s.end_ns <= inner.end_ns), default=inner.start_ns)  # fmt: skip
-    stall = next((s for s in reversed(stalls) if s.parent_id == inner.span_id), None)  # reported on this call
-    description = inner.status_message or inner.exception or "interrupted"
-    waiting = _WAITING_IN.search(description)
-    waiting_in = waiting.group(1) if waiting else _collective(stall)
-    if waiting_in is None and collective is not None:
-        waiting_in = _collective_name(collective)
-    if waiting_in is None and step in semconv.WAIT_STEPS:
-        waiting_in = step
-    return Unfinished(rank=rank, step=step, seconds=(inner.end_ns - max(inner.start_ns, last_end)) / 1e9,
-                      cause=str(inner.attributes[semconv.ATTR_INTERRUPTED]), description=description,
-                      waiting_in=waiting_in, where=_where(stall) or _where_from(description),
-                      stack=inner.stacktrace or _stack(stall), stalls=len(stalls))  # fmt: skip
-
-
-def _stalled_rank(rank: int, stalls: list[FileSpan]) -> Unfinished:
-    """A rank that never ended the operation, as its last stall report saw it (SIGKILL leaves no more)."""
-    last = stalls[-1]
-    step = str(last.attributes.get(semconv.ATTR_STEP, semconv.STEP_NONE))
-    seconds = _number(last.attributes.get(semconv.ATTR_STALL_SECONDS)) or 0.0
-    where = "between steps" if step == semconv.STEP_NONE else f"in {step}"
-    return Unfinished(rank=rank, step=step, seconds=seconds, cause=None,
-                      description=f"no end recorded; last reported stalled {where} after {seconds:.1f} s",
-                      waiting_in=_collective(last), where=_where(last), stack=_stack(last),
-                      stalls=len(stalls))  # fmt: skip
-
-
-#: How an interrupted call's description names the collective it waited in.
-_WAITING_IN: Final = re.compile(r"waiting in (.+)$")
-_IN_PROCESS: Final = re.compile(r" in the (.+? process)\b")
-
-
-def _collective(stall: FileSpan | None) -> str | None:
-    if stall is None or not stall.attributes.get(semconv.ATTR_STALL_COLLECTIVE):
-        return None
-    name, caller = stall.attributes[semconv.ATTR_STALL_COLLECTIVE], stall.attributes.get(semconv.ATTR_STALL_COLLECTIVE_CALLER)
-    return f"{name} ({caller})" if caller else str(name)
-
-
-def _where(stall: FileSpan | None) -> str | None:
-    where = stall.attributes.get(semconv.ATTR_STALL_WHERE) if stall is not None else None
-    return str(where) if where else None
-
-
-def _where_from(description: str) -> str | None:
-    found = _IN_PROCESS.search(description)
-    return found.group(1) if found else None
-
-
-def _stack(stall: FileSpan | None) -> str | None:
-    stack = stall.attributes.get(semconv.ATTR_CODE_STACKTRACE) if stall is not None else None
-    return stack if isinstance(stack, str) else None
 
 
 def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[int, float]], is_async: bool) -> None:
@@ -495,17 +358,17 @@ def _from_summary(result: RankResult, op_span: FileSpan, steps: dict[str, dict[i
     caller's side did not spend (``busy_s``) is the upload's.
     """
     attrs = op_span.attributes
-    names, seconds = _list(attrs.get(semconv.ATTR_STEP_NAMES)), _list(attrs.get(semconv.ATTR_STEP_SECONDS))
-    wait = _number(attrs.get(semconv.ATTR_WAIT_SECONDS))
+    names, seconds = as_list(attrs.get(semconv.ATTR_STEP_NAMES)), as_list(attrs.get(semconv.ATTR_STEP_SECONDS))
+    wait = as_number(attrs.get(semconv.ATTR_WAIT_SECONDS))
     if wait is not None:
         result.wait_s = min(wait, op_span.duration_s)
         result.busy_s = op_span.duration_s - result.wait_s
-    collective = _number(attrs.get(semconv.ATTR_COLLECTIVE_SECONDS))
+    collective = as_number(attrs.get(semconv.ATTR_COLLECTIVE_SECONDS))
     if collective is not None:
         result.collective_s = min(collective, result.wait_s)
     result.io_s = total = 0.0
     for name, value in zip(names, seconds, strict=False):  # a malformed file: what pairs up
-        number = _number(value)
+        number = as_number(value)
         if isinstance(name, str) and number is not None:
             steps[name][result.rank] += number
             total += number

@@ -21,13 +21,16 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcp_otel import semconv
-from dcp_otel.report.model import Checkpoint, Unfinished
-from dcp_otel.tracing.records import rank_ranges
+from dcp_otel.report.model import Checkpoint
+from dcp_otel.report.unfinished import Unfinished
+from dcp_otel.tracing.failures import rank_ranges
 
 #: A rank is the run's straggler when it was the straggler of at least this share of the checkpoints.
 RUN_STRAGGLER_SHARE = 0.5
 #: Failures a summary lists one by one (the rest are counted).
 FAILURES_SHOWN = 5
+#: Checkpoints shown in detail by default, the worst first (the summary covers all of them).
+DETAIL_LIMIT = 10
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ import sysconfig
 import textwrap
 
 from dcp_otel import semconv
-from dcp_otel.report import DETAIL_LIMIT
 from dcp_otel.report.model import WRAPPER, Checkpoint, RankResult
-from dcp_otel.report.summary import FAILURES_SHOWN, Summary, sparkline, summarize, worst_first
+from dcp_otel.report.summary import DETAIL_LIMIT, FAILURES_SHOWN, Summary, sparkline, summarize, worst_first
 
 #: A save or load: total = busy + waiting.
 _COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "I/O MB/s", "error")

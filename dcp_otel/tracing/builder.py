@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.metrics import MetricsSink
-from dcp_otel.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
+from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
+from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
@@ -54,7 +54,7 @@ from dcp_otel.tracing.records import (
     DurationHistory,
     Operation,
 )
-from dcp_otel.unlogged_calls import CheckpointFile, ConsolidatedOutput
+from dcp_otel.tracing.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
 
 #: The attributes a summary-only operation span keeps of its operation's.
 _SUMMARY_ONLY_KEEP = (semconv.ATTR_OPERATION, semconv.ATTR_RANK)

@@ -2,7 +2,7 @@
 
 :class:`OperationStarter` runs on the caller's thread when a DCP operation
 (``save``, ``async_save``, ``load``) begins with no enclosing DCP call: it
-derives the trace id every rank agrees on (:mod:`dcp_otel.trace_ids`), takes
+derives the trace id every rank agrees on (:mod:`dcp_otel.tracing.trace_ids`), takes
 the sampling decision with the user's sampler, once, and chooses the span ids
 of the operation span and (on the coordinator) the root span. Every later
 call of the operation inherits all of that through the context.
@@ -28,9 +28,10 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import logger, report
 from dcp_otel.config import InstrumentOptions, traces_off
 from dcp_otel.events import DCPEvent, operation_fields
-from dcp_otel.metrics import exemplar_for_context
+from dcp_otel.metrics.prometheus import exemplar_for_context
 from dcp_otel.redact import redact_checkpoint_id
-from dcp_otel.trace_ids import (
+from dcp_otel.tracing.records import Operation, new_span_id
+from dcp_otel.tracing.trace_ids import (
     CheckpointKey,
     SequenceCounter,
     derive_ids,
@@ -40,7 +41,6 @@ from dcp_otel.trace_ids import (
     sampling_flags,
     supports_chosen_ids,
 )
-from dcp_otel.tracing.records import Operation, new_span_id
 from dcp_otel.version import __version__
 
 #: Context key holding the :class:`Operation` a DCP call belongs to; it travels

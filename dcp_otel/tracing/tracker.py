@@ -31,66 +31,50 @@ from typing import Any
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan
-from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import DCPEvent
-from dcp_otel.metrics import MetricsSink
-from dcp_otel.trace_ids import SequenceCounter
+from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.builder import SpanBuilder
+from dcp_otel.tracing.collectives import CollectiveCalls
 from dcp_otel.tracing.detail import DetailPolicy
 from dcp_otel.tracing.drain import ProviderHooks
+from dcp_otel.tracing.facts import CallFacts
+from dcp_otel.tracing.failures import Failure
 from dcp_otel.tracing.light import SPAN_KEY, with_span
 from dcp_otel.tracing.light import attach as light_attach
 from dcp_otel.tracing.light import detach as light_detach
 from dcp_otel.tracing.light import get_current as light_get_current
 from dcp_otel.tracing.light import span_context as light_span_context
+from dcp_otel.tracing.open_calls import OpenCalls
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
     KIND_OPERATION,
-    KIND_STAGING,
-    KIND_UPLOAD,
-    MAX_KEY_TEXT,
     Call,
-    Failure,
-    GlobalRank,
     KeyStats,
     Operation,
-    global_rank_of,
+    failure_of,
     new_span_id,
 )
+from dcp_otel.tracing.trace_ids import SequenceCounter
 from dcp_otel.tracing.uploads import InFlight
-from dcp_otel.unlogged_calls import CheckpointFile, ConsolidatedOutput
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
 _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
-#: What carries byte counts: write results, local read plans, a consolidation's output folder, a checkpointer's file.
-_GATHERED_TYPES = (list, LoadPlan, ConsolidatedOutput, CheckpointFile)
 _getrandbits = random.getrandbits
 #: Operations that wait in steps of their own (the checkpointer's barrier, its wait for the previous write).
 _WAITING_IN_STEPS = frozenset({semconv.CHECKPOINTER_SAVE, semconv.CHECKPOINTER_ASYNC_SAVE})
 _WAIT_STEPS = semconv.WAIT_STEPS
 #: Registered thread stacks past which those of ended threads are dropped.
 _PRUNE_STACKS_AT = 64
-#: Interrupted calls whose late end events are still recognized (and dropped).
-_MAX_INTERRUPTED = 4096
 _detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
 
 
-def _rank_of(call: Call) -> int | None:
-    """The rank a call ran on (whose own failure its exception event keeps)."""
-    return call.op.rank if call.op is not None else None
 
-
-def _to_global(call: Call) -> GlobalRank:
-    """How the ranks torch reports for a call's operation (in its process group) map to global ranks."""
-    return global_rank_of(call.op.group if call.op is not None else None)
-
-
-class SpanRecorder:
+class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
     """Records DCP calls for the builder; thread-safe; never raises from its ``on_*``."""
 
     def __init__(self, options: InstrumentOptions, metrics: MetricsSink | None = None) -> None:
@@ -183,98 +167,6 @@ class SpanRecorder:
             if ident not in alive and not stack:
                 self._stacks.pop(ident, None)
 
-    # --- what is open now (read from any thread: the watchdog, a metrics collection) -----------
-    def open_calls(self) -> list[tuple[Call, int | None]]:
-        """Every call open in this process right now, with the id of the thread inside it.
-
-        Uploads and stagings (which no thread is inside: they end with a
-        future) have ``None``. Never raises; a call ending meanwhile may or may
-        not be included.
-        """
-        found: list[tuple[Call, int | None]] = []
-        try:
-            for ident, stack in list(self._stacks.items()):
-                found.extend((call, ident) for call in tuple(stack) if call.span_id and call.op is not None)
-            found.extend((call, None) for call in self.uploads.open_calls())
-        except Exception:  # noqa: BLE001 - a reader of telemetry state never raises
-            report("recorder_error", "dcp_otel failed to read the open DCP calls", exc_info=True)
-        return found
-
-    def interrupt_open(self, cause: str, describe: Callable[[Operation], str],
-                       stacks: dict[int, str] | None = None) -> list[Operation]:  # fmt: skip
-        """End every open call as failed, because the process is ending (``cause``: ``SIGTERM``, ``exit``).
-
-        Called from any thread (a signal handler, the watchdog, ``atexit``)
-        while the calls' own threads may be blocked for good (in a collective
-        waiting for a rank that hangs). Each open call gets the failure
-        ``describe(op)`` with its thread's stack (``stacks``: thread id to its
-        formatted stack), the end time now and ``dcp.interrupted``; its
-        operation is complete and goes to the builder, which the caller then
-        drains. The threads' stacks are cleared: should a thread return after
-        all (SIGINT, caught), the ends torch logs for these calls are dropped.
-        Returns the operations ended.
-        """
-        ended: list[Operation] = []
-        try:
-            with self._interrupt_lock:
-                now = time.time_ns()
-                by_op: dict[int, tuple[Operation, list[tuple[Call, int | None]]]] = {}
-                for call, ident in self.open_calls():
-                    if call.end_ns == 0 and call.op is not None:
-                        by_op.setdefault(id(call.op), (call.op, []))[1].append((call, ident))
-                for ident, stack in list(self._stacks.items()):
-                    on_thread = tuple(stack)
-                    for call in on_thread:
-                        self._interrupted[call.uuid] = None
-                    stack.clear()
-                    outermost = next((call.token for call in on_thread if call.token is not None), None)
-                    if outermost is not None:  # that thread's context, to restore should it call DCP again
-                        self._stale_tokens[ident] = outermost
-                while len(self._interrupted) > _MAX_INTERRUPTED:
-                    self._interrupted.pop(next(iter(self._interrupted)))
-                for op, calls in by_op.values():
-                    self._end_interrupted(op, calls, cause, describe(op), stacks or {}, now)
-                    ended.append(op)
-        except Exception:  # noqa: BLE001 - the process is ending: whatever can be kept is
-            report("recorder_error", "dcp_otel failed to end the open DCP calls", exc_info=True)
-        return ended
-
-    def _end_interrupted(self, op: Operation, calls: list[tuple[Call, int | None]], cause: str, description: str,
-                         stacks: dict[int, str], now: int) -> None:  # fmt: skip
-        op_stack = next((stacks[ident] for _, ident in calls if ident in stacks), None)
-        finished: list[Call] = []
-        claimed = 0  # uploads taken from their futures: released once handed to the builder
-        try:
-            for call, ident in calls:
-                self._open.pop(call.uuid, None)
-                if call.kind in (KIND_UPLOAD, KIND_STAGING):
-                    if not self.uploads.claim(call):
-                        continue  # its future ended it meanwhile
-                    claimed += 1
-                stack = stacks.get(ident, op_stack) if ident is not None else op_stack
-                call.failure = Failure.interrupted(description, stack)
-                call.inferred = True
-                call.extra = {**(call.extra or {}), semconv.ATTR_INTERRUPTED: cause}
-                call.end_ns = now
-                call.token = None  # its context belongs to a thread that may never come back
-                if call.kind == KIND_OPERATION:
-                    op.start_ns = call.start_ns
-                    op.wait_s = max(0, now - call.start_ns - call.children_ns) / 1e9
-                finished.append(call)
-            if op.submitted:  # built already: these are late parts of it
-                self.builder.submit(op, finished)
-                return
-            op.calls.extend(finished)
-            op.interrupted = cause
-            with op.lock:
-                op.end_ns = max(op.end_ns, now)
-                op.failed = op.failed or description
-                op.submitted = True
-            self.builder.submit(op)
-        finally:
-            for _ in range(claimed):
-                self.uploads.done()
-
     # --- events ---------------------------------------------------------
     def on_event(self, event: DCPEvent, exc: BaseException | None = None) -> None:
         """Handle one parsed DCP event; ``exc`` is the exception being logged, if any."""
@@ -364,176 +256,6 @@ class SpanRecorder:
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
         return True
 
-    def on_key_event(self, kind: str, uuid: str, func_name: str, time_ns: int) -> None:
-        """The hot path for ``_stateful_to_state_dict.<key>``: no span, just a summary."""
-        stack = self._stack()
-        if kind == "start":
-            if not stack or stack[-1].keys is None:
-                report("orphan_key_event", "dropped a per-key DCP event with no enclosing state-dict conversion")
-                return
-            stack.append(Call(uuid, func_name, time_ns, 0, None, None, {}))
-            return
-        if not stack or stack[-1].uuid != uuid:
-            report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
-            return
-        call = stack.pop()
-        parent_keys = stack[-1].keys if stack else None
-        if parent_keys is None:
-            return
-        key = func_name[len(semconv.STATEFUL_KEY_PREFIX) :][:MAX_KEY_TEXT]
-        if kind == "end":
-            parent_keys.add(key, max(0, time_ns - call.start_ns))
-        else:
-            parent_keys.failed_key = key
-
-    def on_storage_resolved(self, storage: object, reader: bool) -> None:
-        """DCP chose the storage for the current operation (``_storage_setup``).
-
-        Given only a ``checkpoint_id``, DCP infers the storage class and never
-        logs it; it does so before any step starts, so from here on the class
-        name is on the operation's span, its root, and every later step span.
-        """
-        try:
-            op = context_api.get_value(OPERATION_KEY)
-            if storage is None or not isinstance(op, Operation):
-                return
-            op.storage = storage
-            key = semconv.ATTR_STORAGE_READER if reader else semconv.ATTR_STORAGE_WRITER
-            name = type(storage).__name__
-            if op.attributes.get(key) == name:
-                return
-            # New dicts rather than in-place updates: calls started before keep theirs,
-            # except the call that resolved the storage (save, load, an async save's background save).
-            op.attributes = {**op.attributes, key: name}
-            op.step_attributes = {**op.step_attributes, key: name}
-            stack = self._stack()
-            if stack and stack[-1].op is op:
-                stack[-1].attributes = {**stack[-1].attributes, key: name}
-        except Exception:  # noqa: BLE001
-            report("recorder_error", "dcp_otel failed to record the storage class", exc_info=True)
-
-    def on_wrapped_exception(self, exc: BaseException) -> None:
-        """``_DistWrapper`` caught ``exc`` from a step that torch does not log.
-
-        Called on the failing step's own thread, right after it raised: the
-        innermost open call is that step, so it ends here with the exact time
-        and the exception, and its context is detached so the collective that
-        follows runs under the parent again.
-        """
-        try:
-            stack = self._stack()
-            if not stack:
-                return
-            top = stack[-1]
-            if not top.span_id or top.func_name not in semconv.COLLECTIVE_STEPS:
-                return
-            stack.pop()
-            top.failure = Failure(exc, None, _rank_of(top), _to_global(top))
-            self._close(top, time.time_ns(), stack[-1] if stack else None)
-        except Exception:  # noqa: BLE001
-            report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
-
-    def on_gathered(self, obj: object, group: object | None = None) -> None:
-        """``_DistWrapper.gather_object`` is sending this rank's result to the coordinator (within ``group``).
-
-        That is where DCP's own write results (after ``write_data``) and local
-        read plans (before ``read_data``) pass. They are kept for the builder,
-        which sums their bytes: nothing is counted here, before a collective.
-        The process group is kept too (before any failure torch reports: a
-        failed step's exception is gathered as well), to name failed ranks by
-        their global rank.
-        """
-        try:
-            stack = self._stack()
-            if stack and stack[-1].op is not None:
-                call = stack[-1]
-                op = call.op
-                assert op is not None
-                if group is not None and op.group is None:
-                    op.group = group
-                if type(obj) in _GATHERED_TYPES:
-                    op.gathered.append((call, obj))
-        except Exception:  # noqa: BLE001
-            report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)
-
-    # --- DCP's collectives (_DistWrapper's object collectives) -----------
-    def collective_scope(self, pattern: str, step: object) -> object:
-        """``_DistWrapper.<pattern>(step, ...)`` begins: the collectives it makes belong to torch's ``step``.
-
-        Returns what :meth:`end_collective_scope` restores.
-        """
-        local = self._local
-        previous = getattr(local, "collective", None)
-        local.collective = (pattern, step if type(step) is str else None)
-        return previous
-
-    def end_collective_scope(self, previous: object) -> None:
-        self._local.collective = previous
-
-    def collective_started(self, method: str) -> Call | None:
-        """One of DCP's object collectives begins on this thread, inside an operation (else ``None``).
-
-        It goes on the thread's stack, so the collective a rank is in when the process ends is ended
-        with the rest; it is not made current (nothing runs inside it but torch.distributed).
-        """
-        try:
-            stack = self._stack()
-            parent = stack[-1] if stack else None
-            op = parent.op if parent is not None else None
-            if op is None or not parent.span_id or parent.kind == KIND_COLLECTIVE or op.interrupted is not None:  # type: ignore[union-attr]
-                return None
-            span_id = new_span_id()
-            parent_ctx = light_span_context(op.trace_id, parent.span_id, op.flags)  # type: ignore[union-attr]
-            call = Call(f"collective-{span_id:016x}", method, time.time_ns(), span_id, parent_ctx, op,
-                        op.step_attributes, KIND_COLLECTIVE)  # fmt: skip
-            scope = getattr(self._local, "collective", None)
-            if scope is not None:
-                pattern, step = scope
-                call.extra = {semconv.ATTR_COLLECTIVE_PATTERN: pattern}
-                if step:
-                    call.extra[semconv.ATTR_COLLECTIVE_STEP] = step
-            stack.append(call)
-            self._open[call.uuid] = call
-            return call
-        except Exception:  # noqa: BLE001 - telemetry never raises into training
-            report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
-            return None
-
-    def collective_ended(self, call: Call, exc: BaseException | None) -> None:
-        """The collective returned, or raised ``exc`` (which then propagates out of the operation)."""
-        try:
-            stack = self._stack()
-            if call not in stack:  # ended already: the process was ending (SIGINT, caught)
-                return
-            while stack and stack[-1] is not call:  # nothing nests in a collective; never drop the rest
-                stack.pop()
-            stack.pop()
-            if exc is not None and call.op is not None:
-                call.failure = Failure(exc, None, _rank_of(call), _to_global(call))
-                call.failure.came_from_collective()
-                call.op.collective_error = id(exc)
-            self._close(call, time.time_ns(), stack[-1] if stack else None)
-        except Exception:  # noqa: BLE001
-            report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
-
-    def on_object_bytes(self, sent: int, received: int) -> None:
-        """torch pickled (``sent``) or unpickled (``received``) an object of that many bytes: counted on
-        the collective this thread is in, if it is one of DCP's."""
-        try:
-            stack = self._local.stack
-        except AttributeError:
-            return
-        if not stack or stack[-1].kind != KIND_COLLECTIVE:
-            return
-        call = stack[-1]
-        extra = call.extra if call.extra is not None else {}
-        if sent:
-            extra[semconv.ATTR_COLLECTIVE_SENT_BYTES] = extra.get(semconv.ATTR_COLLECTIVE_SENT_BYTES, 0) + sent
-        if received:
-            key = semconv.ATTR_COLLECTIVE_RECEIVED_BYTES
-            extra[key] = extra.get(key, 0) + received
-        call.extra = extra
-
     def close_unfinished(self, depth: int, exc: BaseException | None) -> None:
         """End, as failed, the calls this thread left open above ``depth``.
 
@@ -555,8 +277,7 @@ class SpanRecorder:
                     if exc is None and self.closed:
                         call.extra = {**(call.extra or {}), semconv.ATTR_END_UNKNOWN: True}
                     else:
-                        call.failure = Failure(exc, None if exc is not None else "did not return", _rank_of(call),
-                                               _to_global(call))  # fmt: skip
+                        call.failure = failure_of(call, exc, None if exc is not None else "did not return")
                     call.inferred = True
                     self._close(call, now, stack[-1] if stack else None)
                 else:
@@ -637,7 +358,7 @@ class SpanRecorder:
         failed = kind == "exception"
         if failed and exc is None and error is None:
             error = "exception (not described by torch)"
-        failure = Failure(exc, error, _rank_of(stack[index]), _to_global(stack[index])) if failed else None
+        failure = failure_of(stack[index], exc, error) if failed else None
         op = stack[index].op
         if failure is not None and exc is not None and op is not None and op.collective_error == id(exc):
             failure.came_from_collective()  # a peer went away: the failure did not start here

@@ -6,7 +6,7 @@ stager's staging, are recorded as calls of the operation that end in their
 future's done-callback; each is a part of the operation, so the operation is
 complete (and built) only when its checkpoint is durable.
 
-Usage (what :class:`~dcp_otel.async_context.AsyncContextCarrier` does)::
+Usage (what :class:`~dcp_otel.attach.async_thread.AsyncContextCarrier` does)::
 
     carried, finish = recorder.begin_async_upload(staging_future)
     future = executor.execute_save(...)       # runs the background save in ``carried``
@@ -26,17 +26,9 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.tracing.failures import Failure, GlobalRank, global_rank_of
 from dcp_otel.tracing.operations import OPERATION_KEY
-from dcp_otel.tracing.records import (
-    KIND_STAGING,
-    KIND_UPLOAD,
-    Call,
-    Failure,
-    GlobalRank,
-    Operation,
-    global_rank_of,
-    new_span_id,
-)
+from dcp_otel.tracing.records import KIND_STAGING, KIND_UPLOAD, Call, Operation, new_span_id
 
 if TYPE_CHECKING:
     from dcp_otel.tracing.tracker import SpanRecorder

@@ -3,7 +3,7 @@
 Everything we attach to lives in torch's private DCP modules, which change
 between releases. Each attachment point is declared once in :data:`PATCHES`
 (plus the DCP logger itself, replaced by a
-:class:`~dcp_otel.handler.DCPLoggerTap`); :func:`install` attaches whatever exists and
+:class:`~dcp_otel.attach.logger_tap.DCPLoggerTap`); :func:`install` attaches whatever exists and
 emits ONE warning naming whatever does not, with what is lost. It never
 raises for a torch it does not recognize. :meth:`Installed.remove` undoes
 everything, restoring the original objects.
@@ -29,14 +29,20 @@ from typing import Any
 
 import wrapt
 
-from dcp_otel import checkpointer, unlogged_calls
-from dcp_otel.async_context import AsyncContextCarrier
+from dcp_otel.attach import checkpointer, unlogged_calls
+from dcp_otel.attach.async_process import (
+    DAEMON_CLASS,
+    DAEMON_ENTRY,
+    PROCESS_MODULE,
+    ProcessBridge,
+    replace_daemon_entry,
+)
+from dcp_otel.attach.async_thread import AsyncContextCarrier
+from dcp_otel.attach.logger_tap import DCPLoggerTap
+from dcp_otel.attach.unlogged_calls import consolidated, logged_call, public_call
 from dcp_otel.config import InstrumentOptions
-from dcp_otel.handler import DCPLoggerTap
-from dcp_otel.metrics import MetricsSink
-from dcp_otel.process_async import DAEMON_CLASS, DAEMON_ENTRY, PROCESS_MODULE, ProcessBridge, replace_daemon_entry
+from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.tracker import SpanRecorder
-from dcp_otel.unlogged_calls import consolidated, logged_call, public_call
 
 logger = logging.getLogger("dcp_otel")
 

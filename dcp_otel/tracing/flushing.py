@@ -29,7 +29,7 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from dcp_otel._selftelemetry import report
-from dcp_otel.otel_metrics import OTelCheckpointMetrics
+from dcp_otel.metrics.otel import OTelCheckpointMetrics
 from dcp_otel.tracing.tracker import SpanRecorder
 
 

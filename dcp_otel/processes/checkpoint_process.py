@@ -3,12 +3,12 @@
 ``AsyncCheckpointer`` writes each checkpoint in a process of its own, which
 ``CheckpointProcess`` spawns with ``CheckpointProcess._subprocess`` as entry
 point and then talks to over a pipe. :func:`checkpoint_process_main` replaces
-that entry point (see :mod:`dcp_otel.checkpointer` for the rank's side). It runs
+that entry point (see :mod:`dcp_otel.attach.checkpointer` for the rank's side). It runs
 torch's own entry point with three changes, none of which the checkpoint sees:
 
 1. right after the user's ``subprocess_init_fn`` (which may configure
    OpenTelemetry in this process), tracing is set up as in torch's async save
-   daemon (:class:`~dcp_otel.daemon.DaemonSession`): the rank's options and
+   daemon (:class:`~dcp_otel.processes.daemon.DaemonSession`): the rank's options and
    resource, a tracer provider (the ``process_setup`` hook, the SDK the init
    function configured, or one built from the inherited ``OTEL_*`` variables),
    and metrics relayed to the rank;
@@ -29,9 +29,9 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from dcp_otel.checkpointer import CARRIER_KEY, PROCESS_ENTRY, WRITE_REQUEST, process_class
-from dcp_otel.daemon import CHECKPOINT_PROCESS, DaemonSession
-from dcp_otel.process_async import BOOTSTRAP_ATTR, DaemonBootstrap
+from dcp_otel.attach.async_process import BOOTSTRAP_ATTR, DaemonBootstrap
+from dcp_otel.attach.checkpointer import CARRIER_KEY, PROCESS_ENTRY, WRITE_REQUEST, process_class
+from dcp_otel.processes.daemon import CHECKPOINT_PROCESS, DaemonSession
 
 #: torch's own entry point, set when it is replaced in this process.
 TORCH_ENTRY: Callable[..., None] | None = None

@@ -20,7 +20,7 @@ and skips the ``LogRecord`` a handler would need.
 Usage::
 
     tap = DCPLoggerTap(torch_module._dcp_logger, recorder)
-    torch_module._dcp_logger = tap          # torch_hooks.install does this, and remove() undoes it
+    torch_module._dcp_logger = tap          # patches.install does this, and remove() undoes it
 """
 
 from __future__ import annotations

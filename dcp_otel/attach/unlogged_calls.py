@@ -42,7 +42,7 @@ output folder, off the caller's thread). Those bytes stay off the written-bytes
 counter: that counts what DCP's ``write_data`` wrote, and a consolidation
 rewrites the same tensors.
 
-Usage (what :func:`dcp_otel.torch_hooks.install` does)::
+Usage (what :func:`dcp_otel.attach.patches.install` does)::
 
     wrapt.wrap_function_wrapper(state_dict_module, "_gc_context", public_call(tap.feed))
     wrapt.wrap_function_wrapper(state_dict_module, "_get_model_state_dict",

@@ -13,15 +13,15 @@ background ``save`` would start a trace of its own. Two small wrappers fix it:
 
 The process-based executor (``AsyncCheckpointerType.PROCESS``) has the same
 two steps, ``execute_save`` and ``_execute_save_impl``, wrapped the same way;
-from its executor thread :mod:`dcp_otel.process_async` carries the context on
+from its executor thread :mod:`dcp_otel.attach.async_process` carries the context on
 into the daemon process. So does the ``_experimental`` ``CheckpointProcess``
-(``write`` and ``_write``; see :mod:`dcp_otel.checkpointer`).
+(``write`` and ``_write``; see :mod:`dcp_otel.attach.checkpointer`).
 
 The hand-over is keyed by the identity of the staged object, which the executor
 keeps alive until ``save_wrapper`` runs; entries are removed when used, or when
 the hand-off fails.
 
-Usage (what :mod:`dcp_otel.torch_hooks` installs)::
+Usage (what :mod:`dcp_otel.attach.patches` installs)::
 
     carrier = AsyncContextCarrier(recorder)
     wrapt.wrap_function_wrapper(executor_module, "save_wrapper", carrier.save_wrapper)

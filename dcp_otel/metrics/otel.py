@@ -39,7 +39,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observa
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from dcp_otel import _selftelemetry, semconv
-from dcp_otel.metrics import ERROR_TYPES, Exemplar, LiveEntry, bounded_name, bounded_step, process_rank
+from dcp_otel.metrics.prometheus import ERROR_TYPES, Exemplar, LiveEntry, bounded_name, bounded_step, process_rank
 from dcp_otel.version import __version__
 
 if TYPE_CHECKING:

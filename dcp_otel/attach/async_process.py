@@ -3,9 +3,9 @@
 ``async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` runs
 the background ``save`` in a daemon process that torch spawns on the first such
 save and reuses afterwards. Left alone, that process is invisible. The rank
-side of the bridge, installed by :mod:`dcp_otel.torch_hooks`:
+side of the bridge, installed by :mod:`dcp_otel.attach.patches`:
 
-* the daemon's entry point becomes :func:`dcp_otel.daemon.daemon_main`, which
+* the daemon's entry point becomes :func:`dcp_otel.processes.daemon.daemon_main`, which
   sets up tracing there and then runs torch's own entry point unchanged;
 * ``_ProcessGroupInitInfo``, which torch hands to the new daemon, also carries a
   :class:`DaemonBootstrap`: this rank's options, its resource attributes, and
@@ -18,14 +18,14 @@ side of the bridge, installed by :mod:`dcp_otel.torch_hooks`:
   (:meth:`~dcp_otel.tracing.operations.OperationStarter.export`), the way OTel's
   messaging instrumentations put context in message headers;
 * when the daemon answers a request, its metrics are applied to this rank's
-  (:func:`dcp_otel.metrics_relay.drain`), so one scrape target per rank shows
+  (:func:`dcp_otel.metrics.relay.drain`), so one scrape target per rank shows
   them all.
 
 The caller thread's context reaches the executor thread that talks to the
-daemon through :class:`~dcp_otel.async_context.AsyncContextCarrier`, exactly as
+daemon through :class:`~dcp_otel.attach.async_thread.AsyncContextCarrier`, exactly as
 for the thread-based executor.
 
-Usage (what :mod:`dcp_otel.torch_hooks` installs)::
+Usage (what :mod:`dcp_otel.attach.patches` installs)::
 
     bridge = ProcessBridge(recorder, options, metrics)
     wrapt.wrap_function_wrapper(module, "_AsyncCheckpointProcess._send", bridge.send)
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,10 +44,11 @@ from typing import Any
 
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
-from dcp_otel.config import InstrumentOptions
+from dcp_otel.config import InstrumentOptions, resolve_callable
 from dcp_otel.live.progress import RemoteProgress
-from dcp_otel.metrics import LiveEntry, MetricsSink
-from dcp_otel.metrics_relay import drain
+from dcp_otel.metrics.prometheus import LiveEntry, MetricsSink
+from dcp_otel.metrics.relay import drain
+from dcp_otel.processes import DAEMON_MAIN
 from dcp_otel.tracing.tracker import SpanRecorder
 
 PROCESS_MODULE = "torch.distributed.checkpoint._async_process_executor"
@@ -208,36 +210,32 @@ def daemon_class() -> Any:
 
 
 def replace_daemon_entry() -> Callable[[], None] | None:
-    """Make :func:`dcp_otel.daemon.daemon_main` the daemon's entry point; see :func:`replace_entry`."""
-    from dcp_otel import daemon
-
-    try:
-        owner = daemon_class()
-    except Exception:  # noqa: BLE001 - any import failure means "not this torch"
-        return None
-
-    def remember(original: Callable[..., None]) -> None:
-        daemon.TORCH_ENTRY = original
-
-    return replace_entry(owner, DAEMON_ENTRY, daemon.daemon_main, remember)
+    """Make :data:`~dcp_otel.processes.DAEMON_MAIN` the daemon's entry point; see :func:`replace_entry`."""
+    return replace_entry(daemon_class, DAEMON_ENTRY, DAEMON_MAIN)
 
 
-def replace_entry(
-    owner: type, name: str, replacement: Callable[..., None], remember: Callable[[Callable[..., None]], None]
-) -> Callable[[], None] | None:
-    """Make ``replacement`` the static method ``owner.name`` that torch spawns a process with.
+def replace_entry(owner_of: Callable[[], type], name: str, replacement_spec: str) -> Callable[[], None] | None:
+    """Make the function named ``replacement_spec`` the static method ``name`` of the class ``owner_of()``
+    returns, which torch spawns a process with (``owner_of`` raising means "not this torch": ``None``).
 
     Not a ``wrapt`` wrapper: torch pickles the entry point by name into the
-    spawned process, so it must be a plain module-level function. ``remember``
-    is given torch's own function (which ``replacement`` then runs). Returns the
-    function that restores torch's, or ``None`` if this torch has no such entry
-    point.
+    spawned process, so it must be a plain module-level function. It is named
+    here (``"module:function"``), not imported: the other process's code is
+    loaded only when it is installed, and never imports this side back. Its
+    module's ``TORCH_ENTRY`` is given torch's own function (which the
+    replacement then runs; a forked child inherits it). Returns the function
+    that restores torch's, or ``None`` if this torch has no such entry point.
     """
+    try:
+        owner = owner_of()
+    except Exception:  # noqa: BLE001 - any import failure means "not this torch"
+        return None
     original = vars(owner).get(name)
     if not isinstance(original, staticmethod):
         return None
+    replacement = resolve_callable(replacement_spec)
     if original.__func__ is not replacement:
-        remember(original.__func__)
+        sys.modules[replacement.__module__].TORCH_ENTRY = original.__func__  # type: ignore[attr-defined]
     setattr(owner, name, staticmethod(replacement))
 
     def restore() -> None:

@@ -4,7 +4,7 @@
 ``AsyncCheckpointer``, built by ``make_sync_checkpointer`` /
 ``make_async_checkpointer``) writes each rank's state dict to one file with
 ``torch.save`` and never goes through ``_dcp_method_logger``. dcp-otel records
-its calls itself (:func:`dcp_otel.unlogged_calls.logged_call`), so they become
+its calls itself (:func:`dcp_otel.attach.unlogged_calls.logged_call`), so they become
 the same trace model, metrics and report as ``dcp.save``:
 
 * **operations**: ``SyncCheckpointer.save`` is ``dcp.checkpointer_save``,
@@ -21,19 +21,19 @@ the same trace model, metrics and report as ``dcp.save``:
   (``dcp.barrier``), so waiting for the other ranks is its own span;
 * **the async write**: ``CheckpointProcess.write`` hands the staged state dict
   to its executor thread, as DCP's ``async_save`` does:
-  :class:`~dcp_otel.async_context.AsyncContextCarrier` opens
+  :class:`~dcp_otel.attach.async_thread.AsyncContextCarrier` opens
   ``dcp.async_upload`` (and ``dcp.async_staging`` for a staging future), ended
   by the write future, and runs ``_write`` in the operation's context. Its write
   request carries the operation (:meth:`OperationStarter.export
   <dcp_otel.tracing.operations.OperationStarter.export>`) to the checkpoint
-  process, which continues it (:mod:`dcp_otel.checkpoint_process`) and relays
+  process, which continues it (:mod:`dcp_otel.processes.checkpoint_process`) and relays
   its metrics back; they are applied once the process answered.
 
-The process is given its :class:`~dcp_otel.process_async.DaemonBootstrap` on a
+The process is given its :class:`~dcp_otel.attach.async_process.DaemonBootstrap` on a
 copy of the ``RankInfo`` the ``CheckpointProcess`` is built with (the user's own
 object is untouched), since that is what torch pickles into the new process.
 
-Usage (what :mod:`dcp_otel.torch_hooks` installs)::
+Usage (what :mod:`dcp_otel.attach.patches` installs)::
 
     wrapt.wrap_function_wrapper(checkpointer_module, "SyncCheckpointer.save", operation(CHECKPOINTER_SAVE)(hooks))
 """
@@ -50,11 +50,12 @@ from typing import TYPE_CHECKING, Any
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.process_async import BOOTSTRAP_ATTR, replace_entry
-from dcp_otel.unlogged_calls import After, CheckpointFile, logged_call
+from dcp_otel.attach.async_process import BOOTSTRAP_ATTR, replace_entry
+from dcp_otel.attach.unlogged_calls import After, CheckpointFile, logged_call
+from dcp_otel.processes import CHECKPOINT_PROCESS_MAIN
 
 if TYPE_CHECKING:
-    from dcp_otel.torch_hooks import Hooks
+    from dcp_otel.attach.patches import Hooks
 
 MODULE = "torch.distributed.checkpoint._experimental"
 CHECKPOINTER_MODULE = MODULE + ".checkpointer"
@@ -223,21 +224,11 @@ def process_send(hooks: Hooks) -> Wrapper:
 
 
 def replace_process_entry() -> Callable[[], None] | None:
-    """Make :func:`dcp_otel.checkpoint_process.checkpoint_process_main` the process's entry point."""
-    from dcp_otel import checkpoint_process
-
-    try:
-        owner = process_class()
-    except Exception:  # noqa: BLE001 - any import failure means "not this torch"
-        return None
-
-    def remember(original: Callable[..., None]) -> None:
-        checkpoint_process.TORCH_ENTRY = original
-
-    return replace_entry(owner, PROCESS_ENTRY, checkpoint_process.checkpoint_process_main, remember)
+    """Make :data:`~dcp_otel.processes.CHECKPOINT_PROCESS_MAIN` the process's entry point."""
+    return replace_entry(process_class, PROCESS_ENTRY, CHECKPOINT_PROCESS_MAIN)
 
 
-#: What each attachment point is, and what is lost without it (for :data:`dcp_otel.torch_hooks.PATCHES`).
+#: What each attachment point is, and what is lost without it (for :data:`dcp_otel.attach.patches.PATCHES`).
 _NO_PROCESS = "the checkpoint process's write is not part of the checkpoint's trace"
 POINTS: tuple[tuple[str, str, str, Callable[[Hooks], Wrapper]], ...] = (
     (CHECKPOINTER_MODULE, "SyncCheckpointer.save", f"no dcp.{semconv.CHECKPOINTER_SAVE} span",

@@ -56,8 +56,8 @@ from torch.distributed.elastic.metrics.api import MetricData, MetricHandler
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import metric_sinks_from_env
-from dcp_otel.metrics import exemplar_for, prometheus_collector
-from dcp_otel.otel_metrics import OTelElasticInstruments
+from dcp_otel.metrics.otel import OTelElasticInstruments
+from dcp_otel.metrics.prometheus import exemplar_for, prometheus_collector
 from dcp_otel.version import __version__
 
 #: ``rule(group, name, value, timestamp) -> handled``

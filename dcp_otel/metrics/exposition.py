@@ -44,7 +44,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_h
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import env_int
-from dcp_otel.file_sd import Role, TargetFile, announce, configured_dir
+from dcp_otel.metrics.file_sd import Role, TargetFile, announce, configured_dir
 
 logger = logging.getLogger("dcp_otel")
 
@@ -283,7 +283,7 @@ class OpenOnly:
 
     prometheus_client cannot remove a series from the shared files, so a rank
     sets a finished operation's in-progress gauges to 0
-    (:meth:`dcp_otel.metrics.CheckpointMetrics.publish_progress`); here they are
+    (:meth:`dcp_otel.metrics.prometheus.CheckpointMetrics.publish_progress`); here they are
     left out, so a series is there exactly while its call is open, as when a
     rank is scraped on its own.
     """
@@ -331,7 +331,7 @@ def start_metrics_server(
 
     With ``file_sd_dir`` (default ``$DCP_OTEL_FILE_SD_DIR``) the endpoint
     writes its Prometheus file_sd target file there as ``<role>-<host>-<port>.json``
-    (see :mod:`dcp_otel.file_sd`). With ``$DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S``
+    (see :mod:`dcp_otel.metrics.file_sd`). With ``$DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S``
     the process waits at exit (that long at most) for one last scrape, so the
     final checkpoint's metrics reach Prometheus (see :meth:`MetricsEndpoint.finish`).
     """

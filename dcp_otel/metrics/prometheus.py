@@ -116,7 +116,7 @@ ERROR_TYPES = BoundedLabel(32)
 
 class MetricsSink(Protocol):
     """What the span recorder tells metrics: :class:`CheckpointMetrics`, or the
-    :class:`~dcp_otel.metrics_relay.MetricsRelay` standing in for it in the async save process."""
+    :class:`~dcp_otel.metrics.relay.MetricsRelay` standing in for it in the async save process."""
 
     def operation_done(
         self,
@@ -275,7 +275,7 @@ class CheckpointMetrics:
 
         prometheus_client cannot remove a series from the shared files, so a
         finished one reads 0 there, and the node's endpoint leaves it out
-        (:func:`dcp_otel.exposition.start_metrics_server`); rules select ``> 0``.
+        (:func:`dcp_otel.metrics.exposition.start_metrics_server`); rules select ``> 0``.
         """
         if not self.multiprocess:
             return
@@ -329,7 +329,7 @@ class ForwardingSink:
     """A ``MetricsSink`` that hands every fact, by method name, to :meth:`_forward`.
 
     The sinks that stand in for others subclass it: :class:`FanOut` (several
-    sinks) and :class:`~dcp_otel.metrics_relay.MetricsRelay` (the async save
+    sinks) and :class:`~dcp_otel.metrics.relay.MetricsRelay` (the async save
     daemon's pipe to its rank).
     """
 

@@ -10,7 +10,7 @@ detector (host, rank, run id; see :mod:`dcp_otel.resource`).
 Usage::
 
     dcp-otel-run --nproc-per-node 8 train.py          # instead of: torchrun --nproc-per-node 8 train.py
-    python -m dcp_otel.launcher --standalone --nproc-per-node 2 train.py
+    python -m dcp_otel.elastic.launcher --standalone --nproc-per-node 2 train.py
 
 The agent serves on ``$DCP_OTEL_AGENT_METRICS_PORT`` (default 9709; the ranks
 use ``$DCP_OTEL_METRICS_PORT`` + ``LOCAL_RANK``, default 9710 + ``LOCAL_RANK``)
@@ -25,7 +25,7 @@ Each round of workers (a restart, or a new rendezvous round after a membership
 change, which torchelastic does not count as a restart) gets its own
 ``$DCP_OTEL_GENERATION``, agreed by the agents of the round through the round's
 own rendezvous store, so the traces of two rounds never share ids (see
-:func:`dcp_otel.trace_ids.round_generation`).
+:func:`dcp_otel.tracing.trace_ids.round_generation`).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from torch.distributed.elastic.metrics.api import configure as configure_elastic
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.cli.check import warn_if_workers_setup_fails
 from dcp_otel.config import env_int
-from dcp_otel.elastic import OTelMetricHandler
-from dcp_otel.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.setup_check import warn_if_workers_setup_fails
-from dcp_otel.trace_ids import agree_on_generation
+from dcp_otel.elastic.handler import OTelMetricHandler
+from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
+from dcp_otel.tracing.trace_ids import agree_on_generation
 
 _DETECTORS_ENV = "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS"
 

@@ -3,7 +3,7 @@
 With ``AsyncCheckpointerType.PROCESS`` the background ``save`` runs in a daemon
 process. Its metrics belong on the rank's own endpoint (one scrape target per
 rank, the same ``rank`` label), so the daemon does not record them: a
-:class:`MetricsRelay` stands in for :class:`~dcp_otel.metrics.CheckpointMetrics`
+:class:`MetricsRelay` stands in for :class:`~dcp_otel.metrics.prometheus.CheckpointMetrics`
 there, queues each observation, and :meth:`MetricsRelay.send` ships them to the
 rank over a pipe after every save; :func:`drain` applies them to the rank's real
 metrics when the save's response arrives.
@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_otel._selftelemetry import report
-from dcp_otel.metrics import ForwardingSink, LiveEntry, MetricsSink
+from dcp_otel.metrics.prometheus import ForwardingSink, LiveEntry, MetricsSink
 
 #: The observations a daemon can make (the operation itself belongs to the rank).
 RELAYED = frozenset(
@@ -49,7 +49,7 @@ MAX_DRAINED = 4096
 
 
 class MetricsRelay(ForwardingSink):
-    """The daemon's stand-in for :class:`~dcp_otel.metrics.CheckpointMetrics`: same methods, queued."""
+    """The daemon's stand-in for :class:`~dcp_otel.metrics.prometheus.CheckpointMetrics`: same methods, queued."""
 
     def __init__(self, writer: Connection | None) -> None:
         self._writer = writer

@@ -19,7 +19,7 @@ Usage::
     export OTEL_TRACES_EXPORTER=otlp OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector:4318
     dcp-otel check          # exit 0: spans will reach the Collector; 1: the line says why not
 
-    from dcp_otel.setup_check import check_otel_setup
+    from dcp_otel.cli.check import check_otel_setup
     problems = check_otel_setup(probe=False).problems()
 """
 

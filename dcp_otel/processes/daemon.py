@@ -1,7 +1,7 @@
 """Tracing inside torch's async checkpoint daemon (``AsyncCheckpointerType.PROCESS``).
 
 :func:`daemon_main` replaces the daemon's entry point (see
-:mod:`dcp_otel.process_async`). Before running torch's own, it:
+:mod:`dcp_otel.attach.async_process`). Before running torch's own, it:
 
 1. picks the tracer provider the daemon's spans go to, first that applies:
    the rank's ``process_setup`` hook (``"module:function"``, returning a
@@ -13,7 +13,7 @@
    resource attributes, so the daemon's spans say which rank and job they
    belong to;
 2. instruments DCP there with the rank's options, its metrics going to a
-   :class:`~dcp_otel.metrics_relay.MetricsRelay` back to the rank;
+   :class:`~dcp_otel.metrics.relay.MetricsRelay` back to the rank;
 3. runs every save request in the context the rank sent with it, so the
    daemon's ``dcp.save`` and its steps are children of the rank's
    ``dcp.async_upload`` span, in the checkpoint's one trace;
@@ -45,11 +45,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.attach.async_process import BOOTSTRAP_ATTR, CARRIER_ATTR, DAEMON_ENTRY, DaemonBootstrap, daemon_class
 from dcp_otel.config import resolve_callable
-from dcp_otel.flushing import flush_spans
 from dcp_otel.instrumentor import DCPInstrumentor
-from dcp_otel.metrics_relay import MetricsRelay
-from dcp_otel.process_async import BOOTSTRAP_ATTR, CARRIER_ATTR, DAEMON_ENTRY, DaemonBootstrap, daemon_class
+from dcp_otel.metrics.relay import MetricsRelay
+from dcp_otel.tracing.flushing import flush_spans
 
 #: torch's own daemon entry point, set when it is replaced in this process.
 TORCH_ENTRY: Callable[..., None] | None = None
@@ -89,7 +89,7 @@ class DaemonSession:
     """Tracing set up in one checkpoint process, undone when torch's entry point returns.
 
     Serves torch's async save daemon (above) and the ``_experimental``
-    checkpointer's checkpoint process (:mod:`dcp_otel.checkpoint_process`):
+    checkpointer's checkpoint process (:mod:`dcp_otel.processes.checkpoint_process`):
     each request from the rank runs between :meth:`begin` and :meth:`end`.
     """
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dcp_otel import demo
+from dcp_otel.cli.check import check_otel_setup
 from dcp_otel.otlp_file import SpanFileError
 from dcp_otel.report import DETAIL_LIMIT, build
 from dcp_otel.report.page_data import check_trace_url
-from dcp_otel.setup_check import check_otel_setup
 from dcp_otel.version import __version__
 
 

@@ -1,0 +1,134 @@
+"""What torch tells about a DCP call besides its start and end.
+
+A mixin of :class:`~dcp_otel.tracing.tracker.SpanRecorder`: per-key times of
+``_stateful_to_state_dict`` (summarized on it, no span), the storage DCP chose,
+the exception of a step torch does not log (``_DistWrapper`` caught it), and the
+objects DCP gathers (write results, read plans: their bytes are counted by the
+builder).
+
+Usage (what the patches and the logger tap do)::
+
+    recorder.on_key_event("end", uuid, "_stateful_to_state_dict.model", time_ns)
+    recorder.on_gathered(write_results, group)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from opentelemetry import context as context_api
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
+from dcp_otel.tracing.operations import OPERATION_KEY
+from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Operation, failure_of
+
+#: What carries byte counts: write results, local read plans, a consolidation's output folder, a checkpointer's file.
+_GATHERED_TYPES = (list, LoadPlan, ConsolidatedOutput, CheckpointFile)
+
+
+class CallFacts:
+    """The recorder's ``on_*`` for what torch tells besides starts and ends; never raises."""
+
+    if TYPE_CHECKING:  # what the recorder (SpanRecorder, in dcp_otel.tracing.tracker) holds
+        _local: threading.local
+
+        def _stack(self) -> list[Call]: ...
+
+        def _close(self, call: Call, end_ns: int, parent: Call | None) -> None: ...
+
+    def on_key_event(self, kind: str, uuid: str, func_name: str, time_ns: int) -> None:
+        """The hot path for ``_stateful_to_state_dict.<key>``: no span, just a summary."""
+        stack = self._stack()
+        if kind == "start":
+            if not stack or stack[-1].keys is None:
+                report("orphan_key_event", "dropped a per-key DCP event with no enclosing state-dict conversion")
+                return
+            stack.append(Call(uuid, func_name, time_ns, 0, None, None, {}))
+            return
+        if not stack or stack[-1].uuid != uuid:
+            report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
+            return
+        call = stack.pop()
+        parent_keys = stack[-1].keys if stack else None
+        if parent_keys is None:
+            return
+        key = func_name[len(semconv.STATEFUL_KEY_PREFIX) :][:MAX_KEY_TEXT]
+        if kind == "end":
+            parent_keys.add(key, max(0, time_ns - call.start_ns))
+        else:
+            parent_keys.failed_key = key
+
+    def on_storage_resolved(self, storage: object, reader: bool) -> None:
+        """DCP chose the storage for the current operation (``_storage_setup``).
+
+        Given only a ``checkpoint_id``, DCP infers the storage class and never
+        logs it; it does so before any step starts, so from here on the class
+        name is on the operation's span, its root, and every later step span.
+        """
+        try:
+            op = context_api.get_value(OPERATION_KEY)
+            if storage is None or not isinstance(op, Operation):
+                return
+            op.storage = storage
+            key = semconv.ATTR_STORAGE_READER if reader else semconv.ATTR_STORAGE_WRITER
+            name = type(storage).__name__
+            if op.attributes.get(key) == name:
+                return
+            # New dicts rather than in-place updates: calls started before keep theirs,
+            # except the call that resolved the storage (save, load, an async save's background save).
+            op.attributes = {**op.attributes, key: name}
+            op.step_attributes = {**op.step_attributes, key: name}
+            stack = self._stack()
+            if stack and stack[-1].op is op:
+                stack[-1].attributes = {**stack[-1].attributes, key: name}
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to record the storage class", exc_info=True)
+
+    def on_wrapped_exception(self, exc: BaseException) -> None:
+        """``_DistWrapper`` caught ``exc`` from a step that torch does not log.
+
+        Called on the failing step's own thread, right after it raised: the
+        innermost open call is that step, so it ends here with the exact time
+        and the exception, and its context is detached so the collective that
+        follows runs under the parent again.
+        """
+        try:
+            stack = self._stack()
+            if not stack:
+                return
+            top = stack[-1]
+            if not top.span_id or top.func_name not in semconv.COLLECTIVE_STEPS:
+                return
+            stack.pop()
+            top.failure = failure_of(top, exc, None)
+            self._close(top, time.time_ns(), stack[-1] if stack else None)
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
+
+    def on_gathered(self, obj: object, group: object | None = None) -> None:
+        """``_DistWrapper.gather_object`` is sending this rank's result to the coordinator (within ``group``).
+
+        That is where DCP's own write results (after ``write_data``) and local
+        read plans (before ``read_data``) pass. They are kept for the builder,
+        which sums their bytes: nothing is counted here, before a collective.
+        The process group is kept too (before any failure torch reports: a
+        failed step's exception is gathered as well), to name failed ranks by
+        their global rank.
+        """
+        try:
+            stack = self._stack()
+            if stack and stack[-1].op is not None:
+                call = stack[-1]
+                op = call.op
+                assert op is not None
+                if group is not None and op.group is None:
+                    op.group = group
+                if type(obj) in _GATHERED_TYPES:
+                    op.gathered.append((call, obj))
+        except Exception:  # noqa: BLE001
+            report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)

@@ -1,0 +1,136 @@
+"""The calls open now, read from any thread, and ended as failed when the process ends.
+
+A mixin of :class:`~dcp_otel.tracing.tracker.SpanRecorder`, used from outside
+the caller's thread: the stall watchdog and metrics collections read
+:meth:`OpenCalls.open_calls`; a signal handler, the watchdog or ``atexit`` call
+:meth:`OpenCalls.interrupt_open` while the calls' own threads may be blocked
+for good (see :mod:`dcp_otel.live.ending`).
+
+Usage::
+
+    for call, thread_id in recorder.open_calls(): ...
+    ended = recorder.interrupt_open("SIGTERM", describe, stacks)   # then drain the builder
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.tracing.failures import Failure
+from dcp_otel.tracing.records import KIND_OPERATION, KIND_STAGING, KIND_UPLOAD, Call, Operation
+
+if TYPE_CHECKING:
+    from dcp_otel.tracing.builder import SpanBuilder
+    from dcp_otel.tracing.uploads import InFlight
+
+#: Interrupted calls whose late end events are still recognized (and dropped).
+MAX_INTERRUPTED = 4096
+
+
+class OpenCalls:
+    """What is open, for readers on other threads; ending it all when the process ends."""
+
+    if TYPE_CHECKING:  # what the recorder (SpanRecorder, in dcp_otel.tracing.tracker) holds
+        _open: dict[str, Call]
+        _stacks: dict[int, list[Call]]
+        _interrupted: dict[str, None]
+        _stale_tokens: dict[int, object]
+        _interrupt_lock: threading.RLock
+        uploads: InFlight
+        builder: SpanBuilder
+
+    def open_calls(self) -> list[tuple[Call, int | None]]:
+        """Every call open in this process right now, with the id of the thread inside it.
+
+        Uploads and stagings (which no thread is inside: they end with a
+        future) have ``None``. Never raises; a call ending meanwhile may or may
+        not be included.
+        """
+        found: list[tuple[Call, int | None]] = []
+        try:
+            for ident, stack in list(self._stacks.items()):
+                found.extend((call, ident) for call in tuple(stack) if call.span_id and call.op is not None)
+            found.extend((call, None) for call in self.uploads.open_calls())
+        except Exception:  # noqa: BLE001 - a reader of telemetry state never raises
+            report("recorder_error", "dcp_otel failed to read the open DCP calls", exc_info=True)
+        return found
+
+    def interrupt_open(self, cause: str, describe: Callable[[Operation], str],
+                       stacks: dict[int, str] | None = None) -> list[Operation]:  # fmt: skip
+        """End every open call as failed, because the process is ending (``cause``: ``SIGTERM``, ``exit``).
+
+        Called from any thread (a signal handler, the watchdog, ``atexit``)
+        while the calls' own threads may be blocked for good (in a collective
+        waiting for a rank that hangs). Each open call gets the failure
+        ``describe(op)`` with its thread's stack (``stacks``: thread id to its
+        formatted stack), the end time now and ``dcp.interrupted``; its
+        operation is complete and goes to the builder, which the caller then
+        drains. The threads' stacks are cleared: should a thread return after
+        all (SIGINT, caught), the ends torch logs for these calls are dropped.
+        Returns the operations ended.
+        """
+        ended: list[Operation] = []
+        try:
+            with self._interrupt_lock:
+                now = time.time_ns()
+                by_op: dict[int, tuple[Operation, list[tuple[Call, int | None]]]] = {}
+                for call, ident in self.open_calls():
+                    if call.end_ns == 0 and call.op is not None:
+                        by_op.setdefault(id(call.op), (call.op, []))[1].append((call, ident))
+                for ident, stack in list(self._stacks.items()):
+                    on_thread = tuple(stack)
+                    for call in on_thread:
+                        self._interrupted[call.uuid] = None
+                    stack.clear()
+                    outermost = next((call.token for call in on_thread if call.token is not None), None)
+                    if outermost is not None:  # that thread's context, to restore should it call DCP again
+                        self._stale_tokens[ident] = outermost
+                while len(self._interrupted) > MAX_INTERRUPTED:
+                    self._interrupted.pop(next(iter(self._interrupted)))
+                for op, calls in by_op.values():
+                    self._end_interrupted(op, calls, cause, describe(op), stacks or {}, now)
+                    ended.append(op)
+        except Exception:  # noqa: BLE001 - the process is ending: whatever can be kept is
+            report("recorder_error", "dcp_otel failed to end the open DCP calls", exc_info=True)
+        return ended
+
+    def _end_interrupted(self, op: Operation, calls: list[tuple[Call, int | None]], cause: str, description: str,
+                         stacks: dict[int, str], now: int) -> None:  # fmt: skip
+        op_stack = next((stacks[ident] for _, ident in calls if ident in stacks), None)
+        finished: list[Call] = []
+        claimed = 0  # uploads taken from their futures: released once handed to the builder
+        try:
+            for call, ident in calls:
+                self._open.pop(call.uuid, None)
+                if call.kind in (KIND_UPLOAD, KIND_STAGING):
+                    if not self.uploads.claim(call):
+                        continue  # its future ended it meanwhile
+                    claimed += 1
+                stack = stacks.get(ident, op_stack) if ident is not None else op_stack
+                call.failure = Failure.interrupted(description, stack)
+                call.inferred = True
+                call.extra = {**(call.extra or {}), semconv.ATTR_INTERRUPTED: cause}
+                call.end_ns = now
+                call.token = None  # its context belongs to a thread that may never come back
+                if call.kind == KIND_OPERATION:
+                    op.start_ns = call.start_ns
+                    op.wait_s = max(0, now - call.start_ns - call.children_ns) / 1e9
+                finished.append(call)
+            if op.submitted:  # built already: these are late parts of it
+                self.builder.submit(op, finished)
+                return
+            op.calls.extend(finished)
+            op.interrupted = cause
+            with op.lock:
+                op.end_ns = max(op.end_ns, now)
+                op.failed = op.failed or description
+                op.submitted = True
+            self.builder.submit(op)
+        finally:
+            for _ in range(claimed):
+                self.uploads.done()
