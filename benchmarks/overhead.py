@@ -155,6 +155,24 @@ def step_cost(repeats: int, steps: int) -> dict[str, float]:
             "plain_step_s": per_step["plain"], "attributes": len(attributes)}  # fmt: skip
 
 
+def bytecode(fn: Callable[[], None]) -> int:
+    """Python instructions ``fn`` runs on this thread (deterministic: the same work counts the same)."""
+    count = [0]
+
+    def tracing(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count[0] += 1
+        return tracing
+
+    sys.settrace(tracing)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count[0]
+
+
 def instructions_per_step() -> dict[str, int]:
     """Python bytecode instructions one traced DCP step adds, and a bare span executes.
 
@@ -169,22 +187,7 @@ def instructions_per_step() -> dict[str, int]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(DiscardingExporter()))
     tracer = provider.get_tracer("bench")
-    count = [0]
-
-    def tracing(frame: Any, event: str, arg: Any) -> Any:
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            count[0] += 1
-        return tracing
-
-    def counted(fn: Callable[[], None]) -> int:
-        count[0] = 0
-        sys.settrace(tracing)
-        try:
-            fn()
-        finally:
-            sys.settrace(None)
-        return count[0]
+    counted = bytecode
 
     def write_data() -> None:
         pass

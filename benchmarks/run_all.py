@@ -6,7 +6,7 @@
 Rows come from overhead.py (span cost per step; save, load, async save on 2
 ranks), metric_sinks.py (Prometheus and OpenTelemetry metrics, on the caller's
 thread and on the builder's), metrics_overhead.py (put_metric paths), faults.py (saves with a dead
-or hung OTLP endpoint), fixed_cost.py (a save that is all fixed cost, in a gloo world of one), process_async.py (the traced checkpoint daemon) and stall_watchdog.py (a save with
+or hung OTLP endpoint), fixed_cost.py (the caller's bill of a real save: a save that is all fixed cost, in a gloo world of one), process_async.py (the traced checkpoint daemon) and stall_watchdog.py (a save with
 the stall watchdog ticking or stopped, and the watchdog's own CPU).
 Each compares instrumented with uninstrumented runs interleaved in this run
 (medians), never with a number from elsewhere. The series budget is
@@ -38,6 +38,8 @@ Row = tuple[str, float, float, float | None, str]  # measure, ours, baseline, go
 BUILDER_ROWS: list[tuple[str, float, int]] = []
 #: (metrics sinks, microseconds the builder spent per DCP step): what each sink costs off the caller's thread.
 BUILDER_STEP_ROWS: list[tuple[str, float]] = []
+#: fixed_cost.py's measure() and bill(): the caller's bill of a real save.
+REAL_SAVE: dict[str, float] = {}
 #: (what, microseconds of the stall watchdog's CPU per second of wall time, or per event).
 WATCHDOG_ROWS: list[tuple[str, float]] = []
 
@@ -70,10 +72,16 @@ def rows(quick: bool) -> list[Row]:
         plain, traced = faults.save_ratio(kind, repeats=5 if quick else 15)
         what = "exporter healthy" if kind == "healthy" else f"OTLP endpoint {kind}"
         found.append((f"save 64 MiB, 1 process, {what}", traced * 1e3, plain * 1e3, 1.005 if kind == "healthy" else 1.01, "ms"))
-    tiny = fixed_cost.measure(blocks=5 if quick else 15)
-    found.append(("tiny save, 1 gloo rank, builder idle (thread's own)", tiny["settled"] * 1e3, tiny["plain"] * 1e3,
+    real = fixed_cost.measure(blocks=5 if quick else 15)
+    REAL_SAVE.update(real, **fixed_cost.bill(real))
+    found.append(("real save: training thread's own CPU added / bare span", REAL_SAVE["added_us"],
+                  REAL_SAVE["bare_us"], 5.0, "us"))  # fmt: skip
+    found.append(("real save: bytecode added / bare span (deterministic)", REAL_SAVE["ops_added"],
+                  REAL_SAVE["ops_bare"], 5.0, "op"))  # fmt: skip
+    found.append(("real save, 1 gloo rank, wall, builder done between saves", real["settled"] * 1e3,
+                  real["plain"] * 1e3, None, "ms"))  # fmt: skip
+    found.append(("real save, 1 gloo rank, wall, back to back", real["back-to-back"] * 1e3, real["plain"] * 1e3,
                   None, "ms"))  # fmt: skip
-    found.append(("tiny save, 1 gloo rank, back to back", tiny["back-to-back"] * 1e3, tiny["plain"] * 1e3, None, "ms"))
     daemon = process_async.measure(rounds=2 if quick else 3, saves=3 if quick else 5, mb=16)
     found.append(("process async_save 16 MiB, upload (warm daemon)", daemon["upload_traced"] * 1e3,
                   daemon["upload_plain"] * 1e3, None, "ms"))  # fmt: skip
@@ -106,6 +114,14 @@ def main() -> None:
         verdict = "" if goal is None else ("ok" if ratio <= goal else "OVER")
         goal_text = "" if goal is None else f"<={goal}"
         print(f"{name:<56} {ours:>9.2f}{unit} {base:>9.2f}{unit} {ratio:>7.3f} {goal_text:>7} {verdict}")
+    r = REAL_SAVE
+    print(f"\nthe caller's bill of a real save (fixed_cost.py: 1 gloo rank, {r['records']:.0f} DCP records per save, "
+          "torch's own logging subtracted)")  # fmt: skip
+    print(f"  training thread's own CPU added  {r['added_us']:8.1f} us per save = {r['bare_spans']:.1f} bare spans of "
+          f"{r['bare_us']:.1f} us; {r['per_record_us']:.1f} us per record")  # fmt: skip
+    print(f"  with the builder's work between saves (settled)  {r['settled_us']:8.1f} us per save")
+    print(f"  bytecode added                   {r['ops_added']:8.0f} op per save = {r['ops_spans']:.2f} bare spans")
+    print(f"  the builder's CPU (own thread)   {r['builder_us']:8.1f} us per save = {r['builder_spans']:.1f} bare spans")
     print("\nthe background builder (its own thread; rank 0 of the 2-rank cases)")
     print(f"{'case':<56} {'ms per checkpoint':>18} {'peak queue':>11}")
     for name, busy_ms, peak in BUILDER_ROWS:

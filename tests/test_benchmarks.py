@@ -1,0 +1,38 @@
+"""The benchmark of the caller's bill runs as its docstring prints it, and measures what it says it does.
+
+Its numbers are the benchmark's business (speed targets never live in tests); what is tested here is
+that each arm ran and printed what it names (the benchmark itself stops when an operation held back
+from the builder in the "own" arm is not built afterwards), that it counts a save's records, and that
+the bytecode it counts is of the right order.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parent.parent
+
+
+def test_fixed_cost_prints_the_real_save_bill_in_bare_spans() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fixed_cost.py", "--blocks", "1", "--saves", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    records = int(re.search(r"medians of 3 saves per arm, (\d+) DCP records per save", out).group(1))  # type: ignore[union-attr]
+    # A one-tensor save logs the operation's start and end and two records per step (torch 2.13-2.15: 7 calls).
+    assert records >= 10 and records % 2 == 0, out
+    for arm in ("builder held", "builder done between saves", "back to back"):
+        assert re.search(rf"traced, wall, {arm}.*ratio \d+\.\d+ +added +[-+]\d+\.\d us per save", out), (arm, out)
+    added = re.search(r"added CPU per save, the training thread own +(-?[\d.]+) us = (-?[\d.]+) bare spans of ([\d.]+) us", out)
+    assert added is not None, out
+    ops = re.search(r"added bytecode per save +(\d+) op = ([\d.]+) bare spans of (\d+) op", out)
+    assert ops is not None, out
+    # Deterministic: dcp-otel's work on the training thread is thousands of instructions, a bare span hundreds.
+    assert int(ops.group(1)) > 1_000 and 300 < int(ops.group(3)) < 5_000, out
+    builder = re.search(r"the builder CPU per save \(its own thread\) +([\d.]+) us", out)
+    assert builder is not None and float(builder.group(1)) > 0, out  # the builder built the saves it was given
