@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator, MutableMapping
+
 import pytest
+import torch.distributed.checkpoint.logger as torch_logger
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    DEFAULT_OFF,
+    ParentBased,
+    ParentBasedTraceIdRatio,
+    Sampler,
+    TraceIdRatioBased,
+)
 
+import dcp_otel
 from dcp_otel import semconv
 from dcp_otel.tracing.trace_ids import (
     CheckpointKey,
@@ -16,7 +30,9 @@ from dcp_otel.tracing.trace_ids import (
     derive_ids,
     remote_root_context,
     resolve_run_id,
+    sampling_flags,
     start_root_span,
+    static_sampling_flags,
 )
 
 KEY = CheckpointKey("run-a", "0", "save", "/ckpt/step-10")
@@ -149,3 +165,70 @@ def test_a_store_that_cannot_agree_on_a_generation_is_asked_once_per_process_gro
     finally:
         dist.destroy_process_group()
         trace_ids._generation = None
+
+
+@pytest.mark.parametrize("sampler", [None, ALWAYS_ON, ALWAYS_OFF, DEFAULT_OFF, ParentBased(ALWAYS_OFF)])
+def test_a_constant_sampler_is_asked_once_and_says_what_it_would_say_for_every_trace_id(
+    sampler: Sampler | None,
+) -> None:
+    tracer = (TracerProvider(sampler=sampler) if sampler is not None else TracerProvider()).get_tracer("t")
+    flags = static_sampling_flags(tracer)
+    assert flags is not None
+    assert {sampling_flags(tracer, derive_ids(KEY, seq).trace_id) for seq in range(32)} == {flags}
+
+
+@pytest.mark.parametrize("sampler", [TraceIdRatioBased(0.5), ParentBasedTraceIdRatio(0.5)])
+def test_a_sampler_that_looks_at_the_trace_id_is_asked_per_checkpoint(sampler: Sampler) -> None:
+    assert static_sampling_flags(TracerProvider(sampler=sampler).get_tracer("t")) is None
+
+
+class _CountingEnviron(MutableMapping[str, str]):
+    """``os.environ`` that counts the variables read through it."""
+
+    def __init__(self, real: MutableMapping[str, str]) -> None:
+        self.real, self.reads = real, 0
+
+    def __getitem__(self, name: str) -> str:
+        self.reads += 1
+        return self.real[name]
+
+    def __setitem__(self, name: str, value: str) -> None:
+        self.real[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self.real[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.real)
+
+    def __len__(self) -> int:
+        return len(self.real)
+
+
+def test_an_operation_start_reads_the_environment_once_per_process_not_per_save(
+    monkeypatch: pytest.MonkeyPatch, traced
+) -> None:  # type: ignore[no-untyped-def]
+    """What a process is started with (run id, restart count, rank) is read at its first operation."""
+    monkeypatch.setenv(semconv.ENV_TORCHELASTIC_RUN_ID, "job-7")
+    monkeypatch.setenv(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "2")
+    environ = _CountingEnviron(os.environ)
+    monkeypatch.setattr(os, "environ", environ)
+    tap = torch_logger._dcp_logger
+
+    def operation(checkpoint_id: str) -> None:  # the records DCP logs for a save without a process group
+        call, now = uuid.uuid4().hex, 1_700_000_000_000_000_000
+        tap.feed({"event": "start", "func_name": "save", "uuid": call, "time": now, "checkpoint_id": checkpoint_id})
+        tap.feed({"event": "end", "func_name": "save", "uuid": call, "time": now + 1_000, "checkpoint_id": checkpoint_id})
+
+    operation("/ckpt/step-1")
+    assert environ.reads > 0  # the first operation reads what it needs
+    monkeypatch.setenv(semconv.ENV_TORCHELASTIC_RUN_ID, "job-8")  # a process's environment does not change: ignored
+    environ.reads = 0
+    operation("/ckpt/step-2")
+    operation("/ckpt/step-3")
+    assert environ.reads == 0
+    dcp_otel.flush(timeout_s=10)
+    saves = [span for span in traced.spans() if span.name == "dcp.save"]
+    assert len(saves) == 3
+    assert {span.attributes[semconv.ATTR_RUN_ID] for span in saves} == {"job-7"}
+    assert len({span.trace_id for span in saves}) == 3  # still a trace per checkpoint

@@ -64,19 +64,26 @@ class DCPLoggerTap:
     # One stack level more than the caller asked for: the record names torch's line that logged it
     # (``%(filename)s:%(lineno)s``), not this tap.
     def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        self.feed(msg)
-        self.logger.debug(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
+        if not self._fast(msg):  # a step's two records take the recorder's hot path, in one call
+            self._general(msg)
+        if kwargs:
+            self.logger.debug(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
+        else:  # torch's own calls pass no keywords
+            self.logger.debug(msg, *args, stacklevel=2)
 
     def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        self.feed(msg)
+        if not self._fast(msg):
+            self._general(msg)
         self.logger.error(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
 
     def feed(self, msg: Any) -> None:
         """Hand one DCP record (torch's dict) to the recorder."""
         # The two records of every DCP step go straight to the recorder's hot path;
-        # everything else (operations, per-key calls, exceptions, malformed records) comes here.
-        if self._fast(msg):
-            return
+        # everything else (operations, per-key calls, exceptions, malformed records) takes the general one.
+        if not self._fast(msg):
+            self._general(msg)
+
+    def _general(self, msg: Any) -> None:
         try:
             if type(msg) is dict:  # a 10,000-key state dict logs 20,000 per-key records: no event object
                 kind, call_id, func_name, time_ns = msg.get("event"), msg.get("uuid"), msg.get("func_name"), msg.get("time")

@@ -149,11 +149,15 @@ def _object_bytes_wrapper(sent: bool) -> Callable[[Hooks], Callable[..., Any]]:
 
         def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             result = wrapped(*args, **kwargs)
-            try:
-                size = int(result[0].numel() if sent else (args[1] if len(args) > 1 else kwargs["tensor_size"]))
-                recorder.on_object_bytes(size if sent else 0, 0 if sent else size)
-            except Exception:  # noqa: BLE001 - a torch whose functions differ: no bytes, no harm
-                pass
+            call = recorder.current_collective()
+            if call is not None:
+                try:
+                    if sent:
+                        call.sent_bytes += int(result[0].numel())
+                    else:
+                        call.received_bytes += int(args[1] if len(args) > 1 else kwargs["tensor_size"])
+                except Exception:  # noqa: BLE001 - a torch whose functions differ: no bytes, no harm
+                    pass
             return result
 
         return wrapper

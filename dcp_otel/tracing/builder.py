@@ -274,6 +274,10 @@ class _Emitter:
             attributes.update(call.extra)
             if summary_only:  # its bytes over its write_data's (read_data's) seconds, both on the span: 46 B
                 attributes.pop(semconv.ATTR_THROUGHPUT, None)
+        if call.sent_bytes:  # a collective's (a class default of 0 on every other call)
+            attributes[semconv.ATTR_COLLECTIVE_SENT_BYTES] = call.sent_bytes
+        if call.received_bytes:
+            attributes[semconv.ATTR_COLLECTIVE_RECEIVED_BYTES] = call.received_bytes
         if call.keys is not None:
             attributes.update(call.keys.to_attributes())
         failure = call.failure

@@ -45,7 +45,11 @@ class CollectiveCalls:
         """
         local = self._local
         previous = getattr(local, "collective", None)
-        local.collective = (pattern, step if type(step) is str else None)
+        # The attributes its collectives share (never mutated: a call that learns more replaces its dict).
+        extra = {semconv.ATTR_COLLECTIVE_PATTERN: pattern}
+        if type(step) is str and step:
+            extra[semconv.ATTR_COLLECTIVE_STEP] = step
+        local.collective = extra
         return previous
 
     def end_collective_scope(self, previous: object) -> None:
@@ -58,21 +62,24 @@ class CollectiveCalls:
         with the rest; it is not made current (nothing runs inside it but torch.distributed).
         """
         try:
-            stack = self._stack()
-            parent = stack[-1] if stack else None
-            op = parent.op if parent is not None else None
-            if op is None or not parent.span_id or parent.kind == KIND_COLLECTIVE or op.interrupted is not None:  # type: ignore[union-attr]
+            local = self._local
+            try:
+                stack: list[Call] = local.stack
+            except AttributeError:  # a thread with no DCP call yet: not in an operation
+                return None
+            if not stack:
+                return None
+            parent = stack[-1]
+            op = parent.op
+            if op is None or not parent.span_id or parent.kind == KIND_COLLECTIVE or op.interrupted is not None:
                 return None
             span_id = new_span_id()
-            parent_ctx = light_span_context(op.trace_id, parent.span_id, op.flags)  # type: ignore[union-attr]
+            parent_ctx = light_span_context(op.trace_id, parent.span_id, op.flags)
             call = Call(f"collective-{span_id:016x}", method, time.time_ns(), span_id, parent_ctx, op,
                         op.step_attributes, KIND_COLLECTIVE)  # fmt: skip
-            scope = getattr(self._local, "collective", None)
-            if scope is not None:
-                pattern, step = scope
-                call.extra = {semconv.ATTR_COLLECTIVE_PATTERN: pattern}
-                if step:
-                    call.extra[semconv.ATTR_COLLECTIVE_STEP] = step
+            extra = getattr(local, "collective", None)
+            if extra is not None:
+                call.extra = extra
             stack.append(call)
             self._open[call.uuid] = call
             return call
@@ -84,10 +91,11 @@ class CollectiveCalls:
         """The collective returned, or raised ``exc`` (which then propagates out of the operation)."""
         try:
             stack = self._stack()
-            if call not in stack:  # ended already: the process was ending (SIGINT, caught)
-                return
-            while stack and stack[-1] is not call:  # nothing nests in a collective; never drop the rest
-                stack.pop()
+            if not stack or stack[-1] is not call:
+                if call not in stack:  # ended already: the process was ending (SIGINT, caught)
+                    return
+                while stack[-1] is not call:  # nothing nests in a collective; never drop the rest
+                    stack.pop()
             stack.pop()
             if exc is not None and call.op is not None:
                 call.failure = failure_of(call, exc, None)
@@ -97,20 +105,17 @@ class CollectiveCalls:
         except Exception:  # noqa: BLE001
             report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
 
-    def on_object_bytes(self, sent: int, received: int) -> None:
-        """torch pickled (``sent``) or unpickled (``received``) an object of that many bytes: counted on
-        the collective this thread is in, if it is one of DCP's."""
+    def current_collective(self) -> Call | None:
+        """DCP's collective this thread is in, if any: where torch's pickled bytes are counted.
+
+        Torch pickles the objects of every object collective (the training code's too); only DCP's
+        count, so the patches ask this first and size nothing for the others. The bytes are two
+        integers on the call (``sent_bytes``, ``received_bytes``); the builder makes them attributes.
+        """
         try:
             stack = self._local.stack
         except AttributeError:
-            return
-        if not stack or stack[-1].kind != KIND_COLLECTIVE:
-            return
-        call = stack[-1]
-        extra = call.extra if call.extra is not None else {}
-        if sent:
-            extra[semconv.ATTR_COLLECTIVE_SENT_BYTES] = extra.get(semconv.ATTR_COLLECTIVE_SENT_BYTES, 0) + sent
-        if received:
-            key = semconv.ATTR_COLLECTIVE_RECEIVED_BYTES
-            extra[key] = extra.get(key, 0) + received
-        call.extra = extra
+            return None
+        if stack and stack[-1].kind == KIND_COLLECTIVE:
+            return stack[-1]  # type: ignore[no-any-return]
+        return None

@@ -18,11 +18,11 @@ import os
 import re
 import sys
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry import context as context_api
 from opentelemetry import propagate, trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import logger, report
@@ -33,12 +33,14 @@ from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.tracing.records import Operation, new_span_id
 from dcp_otel.tracing.trace_ids import (
     CheckpointKey,
+    RunIdentity,
     SequenceCounter,
     derive_ids,
     remote_root_context,
     resolve_run_id,
     round_generation,
     sampling_flags,
+    static_sampling_flags,
     supports_chosen_ids,
 )
 from dcp_otel.version import __version__
@@ -57,29 +59,60 @@ def has_class_fields(details: Any) -> bool:
     return "storage_writer" in details or "storage_reader" in details or "planner" in details
 
 
+class _Environment(NamedTuple):
+    """What an operation's start reads from the environment: read once, at the first operation."""
+
+    restart_count: str  # $TORCHELASTIC_RESTART_COUNT
+    rank: int  # $RANK and $WORLD_SIZE: a single process's, when torch.distributed is not initialized
+    world_size: int
+
+    @classmethod
+    def read(cls) -> _Environment:
+        return cls(os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"), _env_int("RANK", 0),
+                   _env_int("WORLD_SIZE", 1))  # fmt: skip
+
+
 class OperationStarter:
-    """Begins operations for one recorder; caches the tracer of the current provider."""
+    """Begins operations for one recorder.
+
+    What does not change from one operation to the next is derived once, not per save: the tracer of
+    the current provider and what it supports, whether its sampler's decision is the same for every
+    trace id, the environment a process is started with, and the run id. Per operation remain the
+    trace ids (a hash of the checkpoint's key), the span ids and the exemplar.
+    """
 
     def __init__(self, options: InstrumentOptions, recorder: Any) -> None:
         self._options = options
         self._recorder = recorder
-        # (provider, its tracer, whether spans can be emitted with chosen ids)
-        self._cache: tuple[object, trace.Tracer, bool] | None = None
+        # (provider, its tracer, whether spans can be emitted with chosen ids, the sampler's constant flags)
+        self._cache: tuple[object, trace.Tracer, bool, TraceFlags | None] | None = None
+        self._environment: _Environment | None = None  # at the first operation: instrument() may come first
+        self._identities: dict[int, RunIdentity] = {}  # by the world size the run id is resolved for
 
     def close(self) -> None:
         self._cache = None
 
     def tracer(self) -> tuple[trace.Tracer, bool]:
         """Our tracer, and whether the builder can give its spans the ids chosen here."""
+        cache = self._tracer()
+        return cache[1], cache[2]
+
+    def _tracer(self) -> tuple[object, trace.Tracer, bool, TraceFlags | None]:
         provider = self._recorder.provider()
         cache = self._cache
         if cache is None or cache[0] is not provider:
             tracer = get_tracer_quietly(provider)
             warn_if_spans_go_nowhere(provider, tracer)  # before our own flush hook joins its processors
             self._recorder.hook_provider(provider)
-            cache = (provider, tracer, supports_chosen_ids(tracer))
+            cache = (provider, tracer, supports_chosen_ids(tracer), static_sampling_flags(tracer))
             self._cache = cache
-        return cache[1], cache[2]
+        return cache
+
+    def _run_identity(self, world_size: int) -> RunIdentity:
+        identity = self._identities.get(world_size)
+        if identity is None:
+            identity = self._identities[world_size] = resolve_run_id(self._options.run_id, world_size)
+        return identity
 
     @staticmethod
     def class_attributes(event: DCPEvent) -> dict[str, str]:
@@ -91,7 +124,10 @@ class OperationStarter:
         self, event: DCPEvent, ctx: context_api.Context, seq_counter: SequenceCounter
     ) -> tuple[Operation, context_api.Context]:
         """A DCP call with no enclosing DCP call: this rank's part of a trace, and its parent context."""
-        tracer, chosen_ids = self.tracer()
+        _, tracer, chosen_ids, static_flags = self._tracer()
+        environment = self._environment
+        if environment is None:
+            environment = self._environment = _Environment.read()
         watch = self._recorder.watch
         if watch is not None:
             watch()
@@ -102,9 +138,9 @@ class OperationStarter:
             group_rank = fields.group_rank if fields.group_rank is not None else rank
         else:  # torch.distributed not initialized: DCP runs as a single process
             distributed = False
-            rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            rank, world_size = environment.rank, environment.world_size
             group_rank = 0
-        identity = resolve_run_id(self._options.run_id, world_size if distributed else 1)
+        identity = self._run_identity(world_size if distributed else 1)
         if identity.source == "fallback":
             report(
                 "no_run_id",
@@ -120,7 +156,7 @@ class OperationStarter:
         generation = round_generation() if distributed else ""
         key = CheckpointKey(
             identity.run_id + scope,
-            os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"),
+            environment.restart_count,
             event.func_name,
             checkpoint_id,
             generation,
@@ -143,7 +179,8 @@ class OperationStarter:
         if fields.backend:
             attributes[semconv.ATTR_BACKEND] = fields.backend
         attributes.update(self.class_attributes(event))
-        flags = sampling_flags(tracer, ids.trace_id)  # once: every call of the operation inherits it
+        # Once per operation (every call of it inherits it), and not even that when the sampler is constant.
+        flags = static_flags if static_flags is not None else sampling_flags(tracer, ids.trace_id)
         op = Operation(event.func_name, rank, tracer, attributes, ids.trace_id, flags)
         op.span_id = new_span_id()
         if flags.sampled:

@@ -102,6 +102,8 @@ class Call:
     failure: Failure | None = None
     inferred: bool = False
     extra: dict[str, Any] | None = None  # attributes learnt while it ran (byte counts)
+    sent_bytes: int = 0  # a collective's: the bytes torch pickled for it on this rank, and unpickled
+    received_bytes: int = 0
 
     def __init__(
         self,

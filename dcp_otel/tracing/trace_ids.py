@@ -290,6 +290,27 @@ def sampling_flags(tracer: trace.Tracer, trace_id: int) -> TraceFlags:
     return TraceFlags(TraceFlags.SAMPLED if result.decision.is_sampled() else TraceFlags.DEFAULT)
 
 
+def static_sampling_flags(tracer: trace.Tracer) -> TraceFlags | None:
+    """The flags :func:`sampling_flags` gives every checkpoint of ``tracer``, when its sampler's decision
+    for a root span cannot depend on the trace id; else ``None`` (ask per checkpoint).
+
+    Constant: the SDK's ``ALWAYS_ON``/``ALWAYS_OFF`` and ``ParentBased`` with one of them at its root
+    (the SDK's default, ``parentbased_always_on``); exact types only, since a subclass may decide
+    otherwise. A ratio sampler, or any other, is asked per checkpoint.
+    """
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler
+
+    sampler = getattr(tracer, "sampler", None)
+    if type(sampler) is ParentBased:
+        sampler = getattr(sampler, "_root", None)
+    if type(sampler) is not StaticSampler:
+        return None
+    decision = getattr(sampler, "_decision", None)
+    if not isinstance(decision, Decision):
+        return None
+    return TraceFlags(TraceFlags.SAMPLED if decision is Decision.RECORD_AND_SAMPLE else TraceFlags.DEFAULT)
+
+
 def remote_root_context(
     tracer: trace.Tracer, ids: DerivedIds, ctx: context_api.Context, flags: TraceFlags | None = None
 ) -> context_api.Context:
