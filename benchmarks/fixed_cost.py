@@ -5,15 +5,18 @@
 One process in a gloo world of its own (so DCP's collectives run, as on every rank of a job) saves a
 one-tensor state dict to /dev/shm over and over. The save is nearly all fixed cost (the plan, the
 collectives, the metadata) and logs what every save logs: the operation, its steps, the per-key
-records (counted here, per save: about 20), and 4 of DCP's collectives, each a span with its pickled
+records (counted here, per save: 14 for this state dict), and 4 of DCP's collectives, each a span with its pickled
 bytes. That is the work a user's save gives dcp-otel, whatever the model's size.
 
-Blocks of saves alternate three arms, and their medians are compared:
+Blocks of saves alternate five arms, and their medians are compared:
 
 * plain (``uninstrument()``): torch alone, its own logging included, measured the same way;
 * own: traced (``instrument(detail="full")``, spans to an in-memory exporter through the batch
   processor, metrics on), with the finished operations held back from the builder until the block
   ends: only what the training thread itself runs, the caches as plain's (the bill of issue 27);
+* by hand: uninstrumented, but a bare span made for each DCP call at the same hook (torch's logger
+  global), started with four attributes and made current at the call's start record, detached and
+  ended at its end: what a bare span costs amid a real save, the second unit of the bill;
 * settled: traced, the builder and the exporter finishing between saves, untimed: the training thread
   then also runs on caches that the builder's work has just displaced (0.1 to 0.5 ms more per save
   here; in a job, seconds of training between two saves displace them anyway);
@@ -25,9 +28,13 @@ a wait for the interpreter lock or for I/O does not count: the steadier of the t
 
 The unit of the bill is a bare SDK span timed in the same process, through the same provider, the
 same way (the training thread's CPU): ``start_span`` with four attributes, made current, detached,
-ended. The builder's CPU per save (its own thread, holding the interpreter lock the training thread
-may want) is reported beside it, and the Python bytecode the training thread runs per save, plain
-and traced, counted deterministically (``sys.settrace``): the one figure here noise cannot move.
+ended; timed in a loop of 200 (the cheapest a span gets: warm caches), and amid real saves (the "by
+hand" arm). Every run of blocks that holds each arm once is a cycle; the bill is the median cycle's
+(a shared 2-core machine's speed moves by 2x over minutes, and a cycle shares its moment), printed
+with the lowest and highest cycle. The builder's CPU per save (its own thread, holding the
+interpreter lock the training thread may want) is reported beside it, and the Python bytecode the
+training thread runs per save, plain and traced, counted deterministically (``sys.settrace``): the
+one figure here noise cannot move.
 
 What it leaves out: one process has no peer to wait for, so the collectives cost their local work
 only; a real save's data (its write) is what makes the fixed cost small beside it (``overhead.py``);
@@ -65,7 +72,7 @@ import dcp_otel  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import bytecode  # noqa: E402
 
-ARMS = ("plain", "own", "settled", "back-to-back")
+ARMS = ("plain", "own", "by hand", "settled", "back-to-back")
 #: The bare span's attributes: as many as a step's own, of the same kinds.
 _BARE_ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-1000", "dcp.operation": "save",
                     "dcp.world_size": 1}  # fmt: skip
@@ -93,6 +100,32 @@ def _bare_span_cpu_ns(tracer: trace.Tracer, spans: int = 200) -> float:
         context.detach(token)
         span.end()
     return (time.thread_time_ns() - cpu0) / spans
+
+
+class _BareSpansByHand:
+    """Hand-written instrumentation at dcp-otel's hook, torch's logger global: one bare span per DCP call.
+
+    Each call's start record starts a span with :data:`_BARE_ATTRIBUTES` and makes it current; its end
+    record detaches and ends it; then torch's logger gets the record as before (one stack level up,
+    as dcp-otel's tap does). What a bare span costs amid a real save, measured as the bill is.
+    """
+
+    def __init__(self, logger: Any, tracer: trace.Tracer) -> None:
+        self.logger, self.tracer, self.open, self.spans = logger, tracer, {}, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.logger, name)
+
+    def debug(self, msg: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if msg["event"] == "start":
+            span = self.tracer.start_span("dcp." + msg["func_name"], attributes=_BARE_ATTRIBUTES)
+            self.open[msg["uuid"]] = (span, context.attach(trace.set_span_in_context(span)))
+            self.spans += 1
+        else:
+            span, token = self.open.pop(msg["uuid"])
+            context.detach(token)
+            span.end()
+        self.logger.debug(msg, *args, stacklevel=2, **kwargs)
 
 
 def _records_per_save(save: Callable[[], None]) -> int:
@@ -135,6 +168,9 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     state = {"w": torch.zeros(16)}
     arms: dict[str, list[tuple[float, int]]] = {arm: [] for arm in ARMS}
     bare: list[float] = []
+    # Each run of len(ARMS) blocks holds every arm once: the bill per cycle cancels the drift of a
+    # shared machine (its speed moves by 2x over minutes here); the median cycle is the bill.
+    cycles: list[dict[str, float]] = [{} for _ in range(blocks)]
     builder_ns, built = 0, 0
     found: dict[str, float] = {}
     # plain, settled, back-to-back, back-to-back, settled, plain, ...: drift falls on every arm alike
@@ -146,7 +182,7 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
 
             for block in range(len(ARMS) * blocks):
                 arm = order[block % len(order)]
-                on = arm != "plain"
+                on = arm not in ("plain", "by hand")  # dcp-otel instrumented
                 if on:
                     dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
                 _block(1, root, state, settle=on)  # untimed: the first save after a switch
@@ -154,10 +190,22 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                 if on:
                     builder = dcp_otel.DCPInstrumentor().recorder.builder
                     busy0, built0 = builder.busy_ns, builder.built
+                if arm == "by hand":
+                    by_hand = dcp_logger._dcp_logger = _BareSpansByHand(dcp_logger._dcp_logger, tracer)  # type: ignore[assignment]
+                    _block(1, root, state)
+                    gc.collect()
+                    by_hand.spans = 0
                 held: list[tuple[Any, Any]] = []
                 if arm == "own":  # the builder gets this block's operations when it ends (an instance attribute)
                     builder.submit = lambda op, calls=None, held=held: held.append((op, calls))
-                arms[arm].extend(_block(saves, root, state, settle=arm == "settled"))
+                took = _block(saves, root, state, settle=arm == "settled")
+                arms[arm].extend(took)
+                cycles[block // len(ARMS)][arm] = statistics.median(cpu for _, cpu in took)
+                if arm == "by hand":
+                    dcp_logger._dcp_logger = by_hand.logger
+                    found["spans_by_hand"] = by_hand.spans / saves
+                    provider.force_flush()
+                    exporter.clear()
                 if arm == "own":
                     del builder.submit
                     for op, calls in held:
@@ -171,6 +219,7 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                         built += builder.built - built0
                         gc.collect()
                         bare.append(_bare_span_cpu_ns(tracer))
+                        cycles[block // len(ARMS)]["bare"] = bare[-1]
                         provider.force_flush()
                     exporter.clear()
                     dcp_otel.uninstrument()
@@ -202,6 +251,15 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     for arm, took in arms.items():
         found[f"cpu_{arm}"] = statistics.median(cpu for _, cpu in took) / 1e9
     found["bare_span_cpu"] = statistics.median(bare) / 1e9
+    per_cycle = sorted((c["own"] - c["plain"]) / c["bare"] for c in cycles)
+    found["bare_spans"] = statistics.median(per_cycle)
+    found["bare_spans_low"], found["bare_spans_high"] = per_cycle[0], per_cycle[-1]
+    # The same bill in bare spans made amid real saves (the "by hand" arm, the same hook, timed the same way).
+    spans = found["spans_by_hand"]
+    amid = sorted((c["own"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles)
+    found["amid_spans"] = statistics.median(amid)
+    found["amid_spans_low"], found["amid_spans_high"] = amid[0], amid[-1]
+    found["cpu_amid_span"] = (found["cpu_by hand"] - found["cpu_plain"]) / spans
     found["builder_cpu"] = builder_ns / max(built, 1) / 1e9
     return found
 
@@ -210,8 +268,12 @@ def bill(found: dict[str, float]) -> dict[str, float]:
     """The bill in the units the docs quote: added us per save and per record, bare spans' worth."""
     added = found["cpu_own"] - found["cpu_plain"]
     bare = found["bare_span_cpu"]
-    return {"added_us": added * 1e6, "settled_us": (found["cpu_settled"] - found["cpu_plain"]) * 1e6, "per_record_us": added * 1e6 / found["records"], "bare_us": bare * 1e6,
-            "bare_spans": added / bare, "builder_us": found["builder_cpu"] * 1e6,
+    return {"added_us": added * 1e6, "settled_us": (found["cpu_settled"] - found["cpu_plain"]) * 1e6,
+            "per_record_us": added * 1e6 / found["records"], "bare_us": bare * 1e6,
+            "bare_spans": found["bare_spans"], "bare_spans_low": found["bare_spans_low"],
+            "bare_spans_high": found["bare_spans_high"], "amid_spans": found["amid_spans"],
+            "amid_spans_low": found["amid_spans_low"], "amid_spans_high": found["amid_spans_high"],
+            "amid_us": found["cpu_amid_span"] * 1e6, "builder_us": found["builder_cpu"] * 1e6,
             "builder_spans": found["builder_cpu"] / bare,
             "ops_added": found["ops_traced"] - found["ops_plain"],
             "ops_spans": (found["ops_traced"] - found["ops_plain"]) / found["ops_bare"]}  # fmt: skip
@@ -235,8 +297,12 @@ def main() -> None:
         print(f"  {said:<50} {t * 1e6:9.1f} us   ratio {t / p:.3f}   added {(t - p) * 1e6:+8.1f} us per save")
     print(f"  {'training-thread CPU: plain / own / settled':<50} {found['cpu_plain'] * 1e6:9.1f} us / "
           f"{found['cpu_own'] * 1e6:.1f} us / {found['cpu_settled'] * 1e6:.1f} us")  # fmt: skip
-    print(f"  {'added CPU per save, the training thread own':<50} {b['added_us']:9.1f} us = {b['bare_spans']:.1f} bare "
-          f"spans of {b['bare_us']:.1f} us ({b['per_record_us']:.1f} us per record; settled {b['settled_us']:.0f} us)")  # fmt: skip
+    print(f"  {'added CPU per save, the training thread own':<50} {b['added_us']:9.1f} us ({b['per_record_us']:.1f} us per "
+          f"record; settled {b['settled_us']:.0f} us)")  # fmt: skip
+    print(f"  {'  in bare spans of ' + format(b['bare_us'], '.1f') + ' us, median cycle':<50} {b['bare_spans']:9.1f}    "
+          f"(cycles: {b['bare_spans_low']:.1f} to {b['bare_spans_high']:.1f})")  # fmt: skip
+    print(f"  {'  in bare spans made amid saves, median cycle':<50} {b['amid_spans']:9.1f}    "
+          f"(cycles: {b['amid_spans_low']:.1f} to {b['amid_spans_high']:.1f}; one costs {b['amid_us']:.1f} us there)")  # fmt: skip
     print(f"  {'added bytecode per save':<50} {b['ops_added']:9.0f} op = {b['ops_spans']:.2f} bare spans of "
           f"{found['ops_bare']:.0f} op")  # fmt: skip
     print(f"  {'the builder CPU per save (its own thread)':<50} {b['builder_us']:9.1f} us = "

@@ -26,10 +26,16 @@ def test_fixed_cost_prints_the_real_save_bill_in_bare_spans() -> None:
     records = int(re.search(r"medians of 3 saves per arm, (\d+) DCP records per save", out).group(1))  # type: ignore[union-attr]
     # A one-tensor save logs the operation's start and end and two records per step (torch 2.13-2.15: 7 calls).
     assert records >= 10 and records % 2 == 0, out
-    for arm in ("builder held", "builder done between saves", "back to back"):
+    for arm in ("builder held", "builder done between saves", "back to back"):  # ("by hand" has no wall row)
         assert re.search(rf"traced, wall, {arm}.*ratio \d+\.\d+ +added +[-+]\d+\.\d us per save", out), (arm, out)
-    added = re.search(r"added CPU per save, the training thread own +(-?[\d.]+) us = (-?[\d.]+) bare spans of ([\d.]+) us", out)
-    assert added is not None, out
+    added = re.search(r"added CPU per save, the training thread own +(-?[\d.]+) us \(", out)
+    spans = re.search(r"in bare spans of ([\d.]+) us, median cycle +(-?[\d.]+) +\(cycles: (-?[\d.]+) to (-?[\d.]+)\)", out)
+    assert added is not None and spans is not None, out
+    low, median, high = (float(spans.group(i)) for i in (3, 2, 4))
+    assert low <= median <= high, out
+    amid = re.search(r"in bare spans made amid saves, median cycle +(-?[\d.]+) +\(cycles: (-?[\d.]+) to (-?[\d.]+); "
+                     r"one costs (-?[\d.]+) us there\)", out)  # fmt: skip
+    assert amid is not None and float(amid.group(2)) <= float(amid.group(1)) <= float(amid.group(3)), out
     ops = re.search(r"added bytecode per save +(\d+) op = ([\d.]+) bare spans of (\d+) op", out)
     assert ops is not None, out
     # Deterministic: dcp-otel's work on the training thread is thousands of instructions, a bare span hundreds.
