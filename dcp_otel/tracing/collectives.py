@@ -26,6 +26,9 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.records import KIND_COLLECTIVE, Call, failure_of, new_span_id
 
+if TYPE_CHECKING:
+    from dcp_otel.tracing.builder import SpanBuilder
+
 
 class CollectiveCalls:
     """The recorder's side of DCP's collectives; never raises."""
@@ -33,10 +36,9 @@ class CollectiveCalls:
     if TYPE_CHECKING:  # what the recorder (SpanRecorder, in dcp_otel.tracing.tracker) holds
         _local: threading.local
         _open: dict[str, Call]
+        builder: SpanBuilder
 
         def _stack(self) -> list[Call]: ...
-
-        def _close(self, call: Call, end_ns: int, parent: Call | None) -> None: ...
 
     def collective_scope(self, pattern: str, step: object) -> object:
         """``_DistWrapper.<pattern>(step, ...)`` begins: the collectives it makes belong to torch's ``step``.
@@ -97,11 +99,21 @@ class CollectiveCalls:
                 while stack[-1] is not call:  # nothing nests in a collective; never drop the rest
                     stack.pop()
             stack.pop()
-            if exc is not None and call.op is not None:
+            op = call.op  # never None: collective_started makes a call only inside an operation
+            if exc is not None and op is not None:
                 call.failure = failure_of(call, exc, None)
                 call.failure.came_from_collective()
-                call.op.collective_error = id(exc)
-            self._close(call, time.time_ns(), stack[-1] if stack else None)
+                op.collective_error = id(exc)
+            # The recorder's _close for a call that owns no part of its operation, has no token, and whose
+            # time stays its parent's waiting: keep the two in step.
+            call.end_ns = time.time_ns()
+            self._open.pop(call.uuid, None)
+            if op is None:
+                return
+            if op.submitted:  # ended after its operation was built: built on its own
+                self.builder.submit(op, [call])
+            else:
+                op.calls.append(call)
         except Exception:  # noqa: BLE001
             report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
 

@@ -228,13 +228,14 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 return True
             if kind != "start":
                 return False
+            # First what the record says (a state dict's per-key records, 2 per key, leave here), then the context.
+            func_name = msg.get("func_name")
+            if type(uuid) is not str or not uuid or type(func_name) is not str or func_name.startswith(_KEY_PREFIX):
+                return False
             ctx = light_get_current()
             op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
             if type(op) is not Operation or "storage_writer" in msg or "storage_reader" in msg or "planner" in msg \
                     or op.interrupted is not None:  # fmt: skip
-                return False
-            func_name = msg.get("func_name")
-            if type(uuid) is not str or not uuid or type(func_name) is not str or func_name.startswith(_KEY_PREFIX):
                 return False
             open_calls = self._open
             if len(open_calls) >= self._max_open or uuid in open_calls:
@@ -378,7 +379,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         self._close(call, time_ns, stack[-1] if stack else None)
 
     def _close(self, call: Call, end_ns: int, parent: Call | None) -> None:
-        """End ``call`` (its end inlined in :meth:`on_record` for a plain step: keep the two in step)."""
+        """End ``call`` (inlined for a plain step in :meth:`on_record` and for a collective in
+        ``collective_ended``: keep the three in step)."""
         self._open.pop(call.uuid, None)
         if not call.span_id:  # a per-key call: summarized by on_key_event, no span
             return
