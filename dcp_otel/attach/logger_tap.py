@@ -72,8 +72,7 @@ class DCPLoggerTap:
             self.logger.debug(msg, *args, stacklevel=2)
 
     def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        if not self._fast(msg):
-            self._general(msg)
+        self.feed(msg)  # (not a hot path: debug inlines feed, error need not)
         self.logger.error(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
 
     def feed(self, msg: Any) -> None:

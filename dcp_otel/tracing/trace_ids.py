@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
 from dcp_otel import semconv
@@ -298,8 +299,6 @@ def static_sampling_flags(tracer: trace.Tracer) -> TraceFlags | None:
     (the SDK's default, ``parentbased_always_on``); exact types only, since a subclass may decide
     otherwise. A ratio sampler, or any other, is asked per checkpoint.
     """
-    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler
-
     sampler = getattr(tracer, "sampler", None)
     if type(sampler) is ParentBased:
         sampler = getattr(sampler, "_root", None)
