@@ -42,3 +42,15 @@ def test_fixed_cost_prints_the_real_save_bill_in_bare_spans() -> None:
     assert int(ops.group(1)) > 1_000 and 300 < int(ops.group(3)) < 5_000, out
     builder = re.search(r"the builder CPU per save \(its own thread\) +([\d.]+) us", out)
     assert builder is not None and float(builder.group(1)) > 0, out  # the builder built the saves it was given
+
+
+def test_caller_parts_prints_each_part_in_bare_spans() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/caller_parts.py", "--repeats", "2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    bare = re.search(r"a bare span: ([\d.]+) us\)", done.stdout)
+    assert bare is not None and float(bare.group(1)) > 0, done.stdout
+    for part in ("an operation start and end, through the tap", "the design core: 20 raw records, 10 light spans current"):
+        found = re.search(rf"{re.escape(part)} +(-?[\d.]+) us = (-?[\d.]+) bare spans", done.stdout)
+        assert found is not None, (part, done.stdout)
+        assert abs(float(found.group(1)) / float(bare.group(1)) - float(found.group(2))) < 0.02, done.stdout
