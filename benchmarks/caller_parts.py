@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/caller_parts.py [--repeats 15]
 
 * an operation's start and end: the two records DCP logs for ``dcp.save`` (with the fields torch
-  gives them), handed to dcp-otel's tap, with the finished operation kept from the builder: what
-  the training thread pays to begin and end a checkpoint's trace, whatever its steps;
+  gives them in a gloo job: this process is a gloo world of one), handed to dcp-otel's tap, with the
+  finished operation kept from the builder: what the training thread pays to begin and end a
+  checkpoint's trace, whatever its steps;
 * the core of the design that would bring a real save under 5 bare spans (not built; see
   docs/performance.md): 20 raw records appended to a per-thread log and 10 light spans made current,
   all a save's records would cost the training thread if pairing moved to the builder.
@@ -20,9 +21,11 @@ from __future__ import annotations
 import argparse
 import collections
 import contextvars
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -32,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint.logger as dcp_logger  # noqa: E402
 from opentelemetry import context, trace  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
@@ -43,9 +47,10 @@ import dcp_otel  # noqa: E402
 
 _ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-1000", "dcp.operation": "save",
                "dcp.world_size": 1}  # fmt: skip
-#: The fields torch's _dcp_method_logger puts on a save's records in a gloo job (besides event, uuid, time).
-_FIELDS = {"func_name": "save", "checkpoint_id": "/dev/shm/checkpoints/step-1000", "global_rank": 0, "group_size": 1,
-           "local_rank": 0, "backend": "gloo", "log_exceptions": True}  # fmt: skip
+#: The fields torch's _dcp_method_logger puts on a save's records in a gloo job (besides event, uuid, time),
+#: as torch 2.13 gives them (its ``_get_msg_dict``: strings) when torch.distributed is initialized.
+_FIELDS = {"func_name": "save", "checkpoint_id": "/dev/shm/checkpoints/step-1000", "pg_name": "None", "backend": "gloo",
+           "world_size": "1", "group_size": "1", "global_rank": "0", "local_rank": "0", "log_exceptions": True}  # fmt: skip
 
 
 def _cpu_ns_per_call(fn: Callable[[], None], calls: int) -> float:
@@ -59,6 +64,9 @@ def measure(repeats: int = 15, calls: int = 300) -> dict[str, float]:
     """Median CPU ns per call: ``bare`` span, ``operation`` start and end, ``records`` (both records
     built, not handed on: subtracted from ``operation``), ``core`` of the design."""
     warnings.simplefilter("ignore")
+    # A job's operation: torch.distributed initialized (the ranks agree on their round's generation).
+    store = tempfile.mktemp(prefix="dcp-otel-store-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -110,6 +118,9 @@ def measure(repeats: int = 15, calls: int = 300) -> dict[str, float]:
         del builder.submit
         dcp_otel.uninstrument()
         provider.shutdown()
+        dist.destroy_process_group()
+        if os.path.exists(store):
+            os.unlink(store)
     return {name: statistics.median(values) for name, values in found.items()}
 
 

@@ -232,3 +232,77 @@ def test_an_operation_start_reads_the_environment_once_per_process_not_per_save(
     assert len(saves) == 3
     assert {span.attributes[semconv.ATTR_RUN_ID] for span in saves} == {"job-7"}
     assert len({span.trace_id for span in saves}) == 3  # still a trace per checkpoint
+
+
+@pytest.mark.parametrize("explicit", ["round-3", None], ids=["set by dcp-otel-run", "agreed through the store"])
+def test_in_a_job_an_operation_start_derives_the_generation_once_and_leaves_the_exemplar_to_the_builder(
+    monkeypatch: pytest.MonkeyPatch, traced, tmp_path, explicit: str | None
+) -> None:  # type: ignore[no-untyped-def]
+    """With torch.distributed initialized, what a save's start derives per process group is derived once:
+    no environment read, no import statement per save; the metrics' exemplar is made off the caller's thread."""
+    import builtins
+    import threading
+
+    import torch.distributed as dist
+    from prometheus_client.openmetrics.exposition import generate_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from dcp_otel.tracing import records, trace_ids
+
+    if explicit is None:
+        monkeypatch.delenv(semconv.ENV_GENERATION, raising=False)
+    else:
+        monkeypatch.setenv(semconv.ENV_GENERATION, explicit)
+    monkeypatch.setattr(trace_ids, "_generation", None)
+    environ = _CountingEnviron(os.environ)
+    monkeypatch.setattr(os, "environ", environ)
+    imports: list[object] = []
+    real_import = builtins.__import__
+
+    def counting_import(*args: object, **kwargs: object) -> object:
+        imports.append(args[0])
+        return real_import(*args, **kwargs)  # type: ignore[arg-type]
+
+    made_on: list[str] = []
+    real_exemplar = records.exemplar_for_context
+
+    def exemplar_for_context(*args: object, **kwargs: object) -> object:
+        made_on.append(threading.current_thread().name)
+        return real_exemplar(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(records, "exemplar_for_context", exemplar_for_context)
+    tap = torch_logger._dcp_logger
+    fields = {"func_name": "save", "pg_name": "None", "backend": "gloo", "world_size": "1", "group_size": "1",
+              "global_rank": "0", "local_rank": "0"}  # fmt: skip  (torch's own, as strings)
+
+    def operation(checkpoint_id: str) -> None:
+        call, now = uuid.uuid4().hex, 1_700_000_000_000_000_000
+        tap.feed({**fields, "event": "start", "uuid": call, "time": now, "checkpoint_id": checkpoint_id})
+        tap.feed({**fields, "event": "end", "uuid": call, "time": now + 1_000, "checkpoint_id": checkpoint_id})
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        operation("/ckpt/step-1")
+        monkeypatch.setenv(semconv.ENV_GENERATION, "round-4")  # a process's environment does not change: ignored
+        environ.reads = 0
+        builtins.__import__ = counting_import  # (monkeypatch's own restore imports)
+        try:
+            operation("/ckpt/step-2")
+            operation("/ckpt/step-3")
+        finally:
+            builtins.__import__ = real_import
+        assert (environ.reads, imports) == (0, [])
+        assert threading.current_thread().name not in made_on  # not the caller's work
+        dcp_otel.flush(timeout_s=10)
+    finally:
+        dist.destroy_process_group()
+        trace_ids._generation = None
+    saves = [span for span in traced.spans() if span.name == "dcp.save"]
+    assert len(saves) == 3
+    generations = {span.attributes[semconv.ATTR_GENERATION] for span in saves}
+    assert len(generations) == 1 and (explicit is None or generations == {explicit})
+    assert made_on and threading.current_thread().name not in made_on
+    exposition = generate_latest(traced.registry).decode()
+    exemplars = {sample.exemplar.labels["trace_id"] for family in text_string_to_metric_families(exposition)
+                 for sample in family.samples if sample.exemplar is not None}  # fmt: skip
+    assert exemplars and exemplars <= {span.trace_id for span in saves}

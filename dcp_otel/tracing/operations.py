@@ -28,7 +28,6 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import logger, report
 from dcp_otel.config import InstrumentOptions, traces_off
 from dcp_otel.events import DCPEvent, operation_fields
-from dcp_otel.metrics.prometheus import exemplar_for_context
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.tracing.records import Operation, new_span_id
 from dcp_otel.tracing.trace_ids import (
@@ -63,13 +62,14 @@ class _Environment(NamedTuple):
     """What an operation's start reads from the environment: read once, at the first operation."""
 
     restart_count: str  # $TORCHELASTIC_RESTART_COUNT
+    generation: str  # $DCP_OTEL_GENERATION ("": the ranks agree on one through their store)
     rank: int  # $RANK and $WORLD_SIZE: a single process's, when torch.distributed is not initialized
     world_size: int
 
     @classmethod
     def read(cls) -> _Environment:
-        return cls(os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"), _env_int("RANK", 0),
-                   _env_int("WORLD_SIZE", 1))  # fmt: skip
+        return cls(os.environ.get(semconv.ENV_TORCHELASTIC_RESTART_COUNT, "0"),
+                   os.environ.get(semconv.ENV_GENERATION, "").strip(), _env_int("RANK", 0), _env_int("WORLD_SIZE", 1))  # fmt: skip
 
 
 class OperationStarter:
@@ -78,7 +78,8 @@ class OperationStarter:
     What does not change from one operation to the next is derived once, not per save: the tracer of
     the current provider and what it supports, whether its sampler's decision is the same for every
     trace id, the environment a process is started with, and the run id. Per operation remain the
-    trace ids (a hash of the checkpoint's key), the span ids and the exemplar.
+    trace ids (a hash of the checkpoint's key) and the span ids; the exemplar is made by whoever first
+    reads it (the builder), off the caller's thread.
     """
 
     def __init__(self, options: InstrumentOptions, recorder: Any) -> None:
@@ -153,7 +154,7 @@ class OperationStarter:
         # Outside torch.distributed every process is its own coordinator: keep
         # processes apart so two of them never emit the same root span id.
         scope = "" if distributed else f"/rank{rank}/pid{os.getpid()}"
-        generation = round_generation() if distributed else ""
+        generation = round_generation(environment.generation) if distributed else ""
         key = CheckpointKey(
             identity.run_id + scope,
             environment.restart_count,
@@ -182,9 +183,7 @@ class OperationStarter:
         # Once per operation (every call of it inherits it), and not even that when the sampler is constant.
         flags = static_flags if static_flags is not None else sampling_flags(tracer, ids.trace_id)
         op = Operation(event.func_name, rank, tracer, attributes, ids.trace_id, flags)
-        op.span_id = new_span_id()
-        if flags.sampled:
-            op.exemplar = exemplar_for_context(SpanContext(ids.trace_id, op.span_id, False, flags), op.rank_label)
+        op.span_id = op.exemplar_span_id = new_span_id()
 
         caller = trace.get_current_span(ctx)
         caller_ctx = caller.get_span_context()
@@ -255,7 +254,7 @@ class OperationStarter:
                 watch()
             op = Operation(name, int(rank), tracer, attributes, parent.trace_id, parent.trace_flags, attributes)
             op.adopted = True
-            op.exemplar = exemplar_for_context(parent, op.rank_label)
+            op.exemplar_span_id = parent.span_id
             return context_api.set_value(OPERATION_KEY, op, ctx)
         except Exception:  # noqa: BLE001
             report("malformed_carrier", "dcp_otel could not continue a DCP operation from another process", exc_info=True)

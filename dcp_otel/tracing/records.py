@@ -27,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from dcp_otel import semconv
+from dcp_otel.metrics.prometheus import Exemplar, exemplar_for_context
 from dcp_otel.tracing.failures import Failure, global_rank_of
 
 _getrandbits = random.getrandbits
@@ -165,7 +166,7 @@ class Operation:
     __slots__ = (
         "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
-        "wait_s", "lock", "storage", "exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
+        "wait_s", "lock", "storage", "exemplar_span_id", "_exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
         "group", "collective_error",
     )  # fmt: skip
 
@@ -198,7 +199,9 @@ class Operation:
         self.caller: SpanContext | None = None  # the span current when the operation was called
         self.span_id = 0  # this rank's operation span
         self.storage: object | None = None  # what _storage_setup chose, for read plans' byte counts
-        self.exemplar: dict[str, str] | None = None  # one trace, one rank: the same for every observation
+        #: The span its metrics' exemplar points at (0: none); the exemplar itself is made when first read.
+        self.exemplar_span_id = 0
+        self._exemplar: Exemplar | None | bool = False  # False: not made yet
         self.calls: list[Call] = []  # finished calls, in the order they ended
         self.gathered: list[tuple[Call, object]] = []  # objects DCP gathered (write results, read plans)
         self.pending = 0
@@ -216,6 +219,20 @@ class Operation:
     @property
     def sampled(self) -> bool:
         return bool(self.flags.sampled)
+
+    @property
+    def exemplar(self) -> Exemplar | None:
+        """The exemplar of this operation's observations: one trace, one rank, the same for all of them.
+
+        Made when the builder (or an upload's end) first reads it, off the caller's thread: its hex ids
+        are not the training thread's work at an operation's start.
+        """
+        found = self._exemplar
+        if found is False:
+            span_id = self.exemplar_span_id
+            found = self._exemplar = exemplar_for_context(
+                SpanContext(self.trace_id, span_id, False, self.flags), self.rank_label) if span_id else None  # fmt: skip
+        return found  # type: ignore[return-value]
 
     def add_part(self) -> None:
         with self.lock:

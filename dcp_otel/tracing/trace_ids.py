@@ -89,9 +89,10 @@ class CheckpointKey(NamedTuple):
 
 _generation_lock = threading.Lock()
 _generation: tuple[Any, str] | None = None  # (weak reference to the default process group, its generation)
+_c10d: Any = None  # torch.distributed.distributed_c10d, imported at the first operation (not with dcp_otel)
 
 
-def round_generation() -> str:
+def round_generation(explicit: str | None = None) -> str:
     """A value every rank of this round of workers shares, and the next round does not.
 
     The sequence numbers restart at 0 with every new process, and the run id and
@@ -101,27 +102,39 @@ def round_generation() -> str:
     without this, two rounds would emit the same trace ids and root span ids.
 
     First that applies: ``$DCP_OTEL_GENERATION`` (``dcp-otel-run`` sets it for
-    its workers from the rendezvous round's own store, so every round differs);
-    else the ranks agree through the default process group's store, once per
-    process group: the first rank to ask stores a random value
-    (``compare_set``: one store round trip, no collective, no waiting for other
-    ranks), every other rank reads it. A new round's store is new (a requeue, a
-    restarted pod, a plain ``init_process_group``); torchrun's rendezvous store
-    survives membership changes, which only ``dcp-otel-run`` tells apart. With
-    no process group: ``""`` (a single process keys its traces by pid already).
+    its workers from the rendezvous round's own store, so every round differs;
+    ``explicit`` is its value when the caller read it already: an operation's
+    start reads the environment once per process); else the ranks agree through
+    the default process group's store, once per process group: the first rank to
+    ask stores a random value (``compare_set``: one store round trip, no
+    collective, no waiting for other ranks), every other rank reads it. A new
+    round's store is new (a requeue, a restarted pod, a plain
+    ``init_process_group``); torchrun's rendezvous store survives membership
+    changes, which only ``dcp-otel-run`` tells apart. With no process group:
+    ``""`` (a single process keys its traces by pid already).
+
+    Called at every operation's start: once the group's generation is known, it
+    costs a check that the default group is still the same (no import, no lock).
     """
-    explicit = os.environ.get(semconv.ENV_GENERATION, "").strip()
+    if explicit is None:
+        explicit = os.environ.get(semconv.ENV_GENERATION, "").strip()
     if explicit:
         return explicit
-    global _generation
+    global _generation, _c10d
+    c10d = _c10d
     try:
-        from torch.distributed import distributed_c10d as c10d
+        if c10d is None:
+            from torch.distributed import distributed_c10d as c10d
 
+            _c10d = c10d
         if not c10d.is_initialized():
             return ""
         group = c10d._get_default_group()
     except Exception:  # noqa: BLE001 - not this torch: no generation
         return ""
+    known = _generation  # (one tuple, replaced whole: read without the lock)
+    if known is not None and known[0]() is group:
+        return known[1]
     with _generation_lock:
         if _generation is not None and _generation[0]() is group:
             return _generation[1]
