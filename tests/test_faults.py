@@ -65,8 +65,12 @@ def test_a_dead_or_hung_otlp_endpoint_costs_neither_the_saves_nor_memory_nor_the
     # not the SDK's 30 s shutdown and the exporter's retries.
     assert exited - result["done_at"] < FLUSH_TIMEOUT_S + 3, exited - result["done_at"]
     assert "Traceback" not in run.stderr
-    # ...and counts what it drops, in one rate-limited line instead of one line per span.
-    assert result["diagnostics"]["span_queue_full"] > 10_000, result["diagnostics"]
+    # ...and counts what it drops, in one rate-limited line instead of one line per span. Every span that
+    # ended is dropped, handed to the exporter, in the SDK's queue (2048) or in the batch being taken from
+    # it (512): the count is exact to those.
+    dropped, handed = result["diagnostics"]["span_queue_full"], result["handed"]
+    assert result["ended_before"] - handed - 2048 - 512 <= dropped <= result["ended_after"] - handed, result
+    assert dropped > 2048, result  # thousands of saves, a few spans each: most of them dropped
     assert "Queue full, dropping" not in run.stderr
     assert run.stderr.count("span queue is full") == 1, run.stderr[-3000:]
 
