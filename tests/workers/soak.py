@@ -1,8 +1,9 @@
 """Soak: thousands of save/load cycles with dcp-otel on; prints what the test checks, as JSON.
 
 Spans go through a real BatchSpanProcessor to an exporter that keeps nothing;
-metrics into a registry. Resident memory is read from /proc after a warm-up and
-at the end.
+metrics into a registry. Resident memory (from /proc) and Python's allocated blocks
+are read after a warm-up, halfway and at the end, each once the builder and the
+exporter are done (``dcp_otel.flush``), with the builder's peak backlog.
 """
 
 from __future__ import annotations
@@ -49,19 +50,26 @@ def main(cycles: int, warmup: int) -> None:
             dcp.save(state, checkpoint_id=path)
             dcp.load(state, checkpoint_id=path)
 
+        def settled() -> tuple[int, int]:
+            """Resident KiB and Python's allocated blocks, the builder and the exporter done."""
+            dcp_otel.flush(tracer_provider=provider)
+            gc.collect()
+            return rss_kib(), sys.getallocatedblocks()
+
         for i in range(warmup):
             cycle(i)
-        provider.force_flush()
-        gc.collect()
-        before, series_before = rss_kib(), series(registry)
-        for i in range(cycles):
+        (before, blocks_before), series_before = settled(), series(registry)
+        recorder = dcp_otel.DCPInstrumentor().recorder
+        recorder.builder.peak_depth = 0
+        for i in range(cycles // 2):
             cycle(i)
-        provider.force_flush()
-        gc.collect()
-        after, series_after = rss_kib(), series(registry)
-    recorder = dcp_otel.DCPInstrumentor().recorder
+        middle, _ = settled()
+        for i in range(cycles // 2, cycles):
+            cycle(i)
+        (after, blocks_after), series_after = settled(), series(registry)
     print(json.dumps({
-        "cycles": cycles, "rss_before_kib": before, "rss_after_kib": after,
+        "cycles": cycles, "rss_before_kib": before, "rss_middle_kib": middle, "rss_after_kib": after,
+        "blocks_before": blocks_before, "blocks_after": blocks_after, "builder_peak": recorder.builder.peak_depth,
         "series_before": series_before, "series_after": series_after,
         "open_spans": recorder.open_count(), "exported_spans": Discard.exported,
         "diagnostics": dcp_otel.diagnostics(),
