@@ -8,7 +8,7 @@ collectives, the metadata) and logs what every save logs: the operation, its ste
 records (counted here, per save: 14 for this state dict), and 4 of DCP's collectives, each a span with its pickled
 bytes. That is the work a user's save gives dcp-otel, whatever the model's size.
 
-Blocks of saves alternate five arms, and their medians are compared:
+Blocks of saves alternate six arms, and their medians are compared:
 
 * plain (``uninstrument()``): torch alone, its own logging included, measured the same way;
 * own: traced (``instrument(detail="full")``, spans to an in-memory exporter through the batch
@@ -17,6 +17,12 @@ Blocks of saves alternate five arms, and their medians are compared:
 * by hand: uninstrumented, but a bare span made for each DCP call at the same hook (torch's logger
   global), started with four attributes and made current at the call's start record, detached and
   ended at its end: what a bare span costs amid a real save, the second unit of the bill;
+* design core: uninstrumented, but at the same hooks (torch's logger global, and wrapt wrappers at the
+  collective and pickling points dcp-otel patches) only what the training thread would still do if
+  all pairing moved to the builder (the design that would reach 5 bare spans; not built): each record
+  appended raw to a per-thread log, a light span made current for each call's start and reset at its
+  end, each collective's start, end and pickled bytes appended raw. The floor of that design, amid
+  real saves (``caller_parts.py`` has it in a loop);
 * settled: traced, the builder and the exporter finishing between saves, untimed: the training thread
   then also runs on caches that the builder's work has just displaced (0.1 to 0.5 ms more per save
   here; in a job, seconds of training between two saves displace them anyway);
@@ -44,11 +50,15 @@ the exporter's network work (an in-memory exporter here; ``faults.py`` has a rea
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import importlib
 import os
+import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -61,6 +71,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.distributed.checkpoint.logger as dcp_logger  # noqa: E402
+import wrapt  # noqa: E402
 from opentelemetry import context, trace  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
@@ -68,11 +79,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
+from dcp_otel.attach.patches import PATCHES  # noqa: E402
+from dcp_otel.tracing.light import span_context as light_span_context  # noqa: E402
+from dcp_otel.tracing.light import with_span  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import bytecode  # noqa: E402
 
-ARMS = ("plain", "own", "by hand", "settled", "back-to-back")
+ARMS = ("plain", "own", "by hand", "design core", "settled", "back-to-back")
 #: The bare span's attributes: as many as a step's own, of the same kinds.
 _BARE_ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-1000", "dcp.operation": "save",
                     "dcp.world_size": 1}  # fmt: skip
@@ -126,6 +140,71 @@ class _BareSpansByHand:
             context.detach(token)
             span.end()
         self.logger.debug(msg, *args, stacklevel=2, **kwargs)
+
+
+class _DesignCore:
+    """The training thread's part of the raw-records design, at dcp-otel's hooks (see the module doc).
+
+    Stands in for torch's logger global like the tap (passing each record on one stack level up), and
+    wraps the same collective and pickling points with wrapt; each only appends a raw tuple to a
+    per-thread log, and a call's start makes a light span (a chosen span id, non-recording) current.
+    """
+
+    def __init__(self, logger: Any) -> None:
+        self.logger, self.local, self.wrapped = logger, threading.local(), []
+        self.var: Any = getattr(getattr(context, "_RUNTIME_CONTEXT", None), "_current_context", None)
+        self.trace_id = random.getrandbits(128) or 1
+        self.flags = trace.TraceFlags(trace.TraceFlags.SAMPLED)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.logger, name)
+
+    def _log(self) -> Any:
+        try:
+            return self.local.log
+        except AttributeError:
+            self.local.log, self.local.tokens = collections.deque(maxlen=100_000), []
+            return self.local.log
+
+    def debug(self, msg: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        log = self._log()
+        log.append((msg.get("uuid"), msg.get("func_name"), msg.get("event"), msg.get("time")))
+        if msg.get("event") == "start":
+            ctx = self.var.get()
+            light = trace.NonRecordingSpan(light_span_context(self.trace_id, random.getrandbits(64) or 1, self.flags))
+            self.local.tokens.append(self.var.set(with_span(ctx, light)))
+        elif self.local.tokens:
+            self.var.reset(self.local.tokens.pop())
+        self.logger.debug(msg, *args, stacklevel=2, **kwargs)
+
+    def wrap(self) -> None:
+        """Raw appends at the points dcp-otel's patches wrap around DCP's collectives and torch's pickling."""
+        for patch in PATCHES:
+            if not (patch.name.startswith("_DistWrapper.") or patch.name in ("_object_to_tensor", "_tensor_to_object")):
+                continue
+            owner: Any = importlib.import_module(patch.module)
+            *path, attr = patch.name.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            if attr not in vars(owner):
+                continue
+            self.wrapped.append((owner, attr, vars(owner)[attr]))
+            wrapt.wrap_function_wrapper(owner, attr, self._raw(attr))
+
+    def unwrap(self) -> None:
+        for owner, attr, original in reversed(self.wrapped):
+            setattr(owner, attr, original)
+        self.wrapped.clear()
+
+    def _raw(self, name: str) -> Callable[..., Any]:
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            log = self._log()
+            log.append((None, name, "start", time.time_ns()))
+            result = wrapped(*args, **kwargs)
+            log.append((None, name, "end", time.time_ns()))
+            return result
+
+        return wrapper
 
 
 def _records_per_save(save: Callable[[], None]) -> int:
@@ -182,7 +261,7 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
 
             for block in range(len(ARMS) * blocks):
                 arm = order[block % len(order)]
-                on = arm not in ("plain", "by hand")  # dcp-otel instrumented
+                on = arm not in ("plain", "by hand", "design core")  # dcp-otel instrumented
                 if on:
                     dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
                 _block(1, root, state, settle=on)  # untimed: the first save after a switch
@@ -195,12 +274,22 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                     _block(1, root, state)
                     gc.collect()
                     by_hand.spans = 0
+                if arm == "design core":
+                    design = dcp_logger._dcp_logger = _DesignCore(dcp_logger._dcp_logger)  # type: ignore[assignment]
+                    design.wrap()
+                    _block(1, root, state)
+                    gc.collect()
+                    design._log().clear()
                 held: list[tuple[Any, Any]] = []
                 if arm == "own":  # the builder gets this block's operations when it ends (an instance attribute)
                     builder.submit = lambda op, calls=None, held=held: held.append((op, calls))
                 took = _block(saves, root, state, settle=arm == "settled")
                 arms[arm].extend(took)
                 cycles[block // len(ARMS)][arm] = statistics.median(cpu for _, cpu in took)
+                if arm == "design core":
+                    found["core_records"] = len(design._log()) / saves
+                    design.unwrap()
+                    dcp_logger._dcp_logger = design.logger
                 if arm == "by hand":
                     dcp_logger._dcp_logger = by_hand.logger
                     found["spans_by_hand"] = by_hand.spans / saves
@@ -260,6 +349,10 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     found["amid_spans"] = statistics.median(amid)
     found["amid_spans_low"], found["amid_spans_high"] = amid[0], amid[-1]
     found["cpu_amid_span"] = (found["cpu_by hand"] - found["cpu_plain"]) / spans
+    core = sorted((c["design core"] - c["plain"]) / c["bare"] for c in cycles)
+    found["core_spans"], found["core_spans_low"], found["core_spans_high"] = statistics.median(core), core[0], core[-1]
+    found["core_amid_spans"] = statistics.median(
+        (c["design core"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles)  # fmt: skip
     found["builder_cpu"] = builder_ns / max(built, 1) / 1e9
     return found
 
@@ -273,7 +366,9 @@ def bill(found: dict[str, float]) -> dict[str, float]:
             "bare_spans": found["bare_spans"], "bare_spans_low": found["bare_spans_low"],
             "bare_spans_high": found["bare_spans_high"], "amid_spans": found["amid_spans"],
             "amid_spans_low": found["amid_spans_low"], "amid_spans_high": found["amid_spans_high"],
-            "amid_us": found["cpu_amid_span"] * 1e6, "builder_us": found["builder_cpu"] * 1e6,
+            "amid_us": found["cpu_amid_span"] * 1e6, "core_us": (found["cpu_design core"] - found["cpu_plain"]) * 1e6,
+            "core_spans": found["core_spans"], "core_spans_low": found["core_spans_low"],
+            "core_spans_high": found["core_spans_high"], "core_amid_spans": found["core_amid_spans"], "builder_us": found["builder_cpu"] * 1e6,
             "builder_spans": found["builder_cpu"] / bare,
             "ops_added": found["ops_traced"] - found["ops_plain"],
             "ops_spans": (found["ops_traced"] - found["ops_plain"]) / found["ops_bare"]}  # fmt: skip
@@ -303,6 +398,9 @@ def main() -> None:
           f"(cycles: {b['bare_spans_low']:.1f} to {b['bare_spans_high']:.1f})")  # fmt: skip
     print(f"  {'  in bare spans made amid saves, median cycle':<50} {b['amid_spans']:9.1f}    "
           f"(cycles: {b['amid_spans_low']:.1f} to {b['amid_spans_high']:.1f}; one costs {b['amid_us']:.1f} us there)")  # fmt: skip
+    print(f"  {'the design core alone (not built), added CPU':<50} {b['core_us']:9.1f} us = {b['core_spans']:.1f} bare spans "
+          f"(cycles: {b['core_spans_low']:.1f} to {b['core_spans_high']:.1f}; {b['core_amid_spans']:.1f} made amid saves; "
+          f"{found['core_records']:.0f} raw records per save)")  # fmt: skip
     print(f"  {'added bytecode per save':<50} {b['ops_added']:9.0f} op = {b['ops_spans']:.2f} bare spans of "
           f"{found['ops_bare']:.0f} op")  # fmt: skip
     print(f"  {'the builder CPU per save (its own thread)':<50} {b['builder_us']:9.1f} us = "

@@ -77,6 +77,7 @@ def rows(quick: bool) -> list[Row]:
     # A ratio per cycle of interleaved blocks (every arm once), then their median: the bare spans' worth.
     found.append(("real save: training thread's own CPU, in bare spans", REAL_SAVE["bare_spans"], 1.0, 5.0, "x"))
     found.append(("real save: the same, in bare spans made amid saves", REAL_SAVE["amid_spans"], 1.0, 5.0, "x"))
+    found.append(("real save: the design core (not built), in bare spans", REAL_SAVE["core_spans"], 1.0, 5.0, "x"))
     found.append(("real save: bytecode added / bare span (deterministic)", REAL_SAVE["ops_added"],
                   REAL_SAVE["ops_bare"], 5.0, "op"))  # fmt: skip
     found.append(("real save, 1 gloo rank, wall, builder done between saves", real["settled"] * 1e3,
@@ -123,6 +124,8 @@ def main() -> None:
           f"{r['per_record_us']:.1f} us per record")  # fmt: skip
     print(f"  in bare spans made amid saves    {r['amid_spans']:8.1f} (median cycle; cycles {r['amid_spans_low']:.1f} to "
           f"{r['amid_spans_high']:.1f}; one costs {r['amid_us']:.1f} us there, by hand at the same hook)")  # fmt: skip
+    print(f"  the design core alone (not built) {r['core_us']:7.1f} us per save = {r['core_spans']:.1f} bare spans (median cycle; "
+          f"cycles {r['core_spans_low']:.1f} to {r['core_spans_high']:.1f}; {r['core_amid_spans']:.1f} made amid saves)")  # fmt: skip
     print(f"  with the builder's work between saves (settled)  {r['settled_us']:8.1f} us per save")
     print(f"  bytecode added                   {r['ops_added']:8.0f} op per save = {r['ops_spans']:.2f} bare spans")
     print(f"  the builder's CPU (own thread)   {r['builder_us']:8.1f} us per save = {r['builder_spans']:.1f} bare spans")

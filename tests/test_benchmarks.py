@@ -36,6 +36,12 @@ def test_fixed_cost_prints_the_real_save_bill_in_bare_spans() -> None:
     amid = re.search(r"in bare spans made amid saves, median cycle +(-?[\d.]+) +\(cycles: (-?[\d.]+) to (-?[\d.]+); "
                      r"one costs (-?[\d.]+) us there\)", out)  # fmt: skip
     assert amid is not None and float(amid.group(2)) <= float(amid.group(1)) <= float(amid.group(3)), out
+    # The design that would reach 5 bare spans, its training-thread part at the same hooks: every DCP record
+    # and each collective's start and end (and pickling) appended raw.
+    core = re.search(r"the design core alone \(not built\), added CPU +(-?[\d.]+) us = (-?[\d.]+) bare spans \(cycles: "
+                     r"(-?[\d.]+) to (-?[\d.]+); (-?[\d.]+) made amid saves; (\d+) raw records per save\)", out)  # fmt: skip
+    assert core is not None and float(core.group(3)) <= float(core.group(2)) <= float(core.group(4)), out
+    assert int(core.group(6)) >= records + 8, out  # DCP's records, and at least 4 collectives' start and end
     ops = re.search(r"added bytecode per save +(\d+) op = ([\d.]+) bare spans of (\d+) op", out)
     assert ops is not None, out
     # Deterministic: dcp-otel's work on the training thread is thousands of instructions, a bare span hundreds.
