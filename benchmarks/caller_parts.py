@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextvars
-import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -35,15 +33,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint.logger as dcp_logger  # noqa: E402
 from opentelemetry import context, trace  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixed_cost import gloo_world_of_one  # noqa: E402
 
 _ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-1000", "dcp.operation": "save",
                "dcp.world_size": 1}  # fmt: skip
@@ -65,62 +62,54 @@ def measure(repeats: int = 15, calls: int = 300) -> dict[str, float]:
     built, not handed on: subtracted from ``operation``), ``core`` of the design."""
     warnings.simplefilter("ignore")
     # A job's operation: torch.distributed initialized (the ranks agree on their round's generation).
-    store = tempfile.mktemp(prefix="dcp-otel-store-")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    tracer = provider.get_tracer("bench")
-    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry(), detail="full")
-    tap: Any = dcp_logger._dcp_logger
-    builder = dcp_otel.DCPInstrumentor().recorder.builder
-    builder.submit = lambda op, calls=None: None  # the builder's work is not the caller's (fixed_cost.py has it)
+    with gloo_world_of_one() as (provider, exporter):
+        tracer = provider.get_tracer("bench")
+        dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry(), detail="full")
+        tap: Any = dcp_logger._dcp_logger
+        builder = dcp_otel.DCPInstrumentor().recorder.builder
+        builder.submit = lambda op, calls=None: None  # the builder's work is not the caller's (fixed_cost.py has it)
 
-    def bare() -> None:
-        span = tracer.start_span("dcp.write_data", attributes=_ATTRIBUTES)
-        token = context.attach(trace.set_span_in_context(span))
-        context.detach(token)
-        span.end()
+        def bare() -> None:
+            span = tracer.start_span("dcp.write_data", attributes=_ATTRIBUTES)
+            token = context.attach(trace.set_span_in_context(span))
+            context.detach(token)
+            span.end()
 
-    def records() -> tuple[dict[str, Any], dict[str, Any]]:
-        call, now = uuid.uuid4().hex, time.time_ns()
-        return ({**_FIELDS, "event": "start", "uuid": call, "time": now},
-                {**_FIELDS, "event": "end", "uuid": call, "time": now + 1_000})  # fmt: skip
+        def records() -> tuple[dict[str, Any], dict[str, Any]]:
+            call, now = uuid.uuid4().hex, time.time_ns()
+            return ({**_FIELDS, "event": "start", "uuid": call, "time": now},
+                    {**_FIELDS, "event": "end", "uuid": call, "time": now + 1_000})  # fmt: skip
 
-    def operation() -> None:
-        start, end = records()
-        tap.feed(start)
-        tap.feed(end)
+        def operation() -> None:
+            start, end = records()
+            tap.feed(start)
+            tap.feed(end)
 
-    variable: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("light_span")
-    log: collections.deque[tuple[str, str, str, int]] = collections.deque(maxlen=100_000)
+        variable: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("light_span")
+        log: collections.deque[tuple[str, str, str, int]] = collections.deque(maxlen=100_000)
 
-    def core() -> None:  # a save's 20 records: 10 starts (each a light span made current), 10 ends
-        tokens = []
-        for _ in range(10):
-            log.append(("5b0c8e3a", "write_data", "start", 1))
-            tokens.append(variable.set((0x1234, random.getrandbits(64))))
-        for token in reversed(tokens):
-            log.append(("5b0c8e3a", "write_data", "end", 2))
-            variable.reset(token)
+        def core() -> None:  # a save's 20 records: 10 starts (each a light span made current), 10 ends
+            tokens = []
+            for _ in range(10):
+                log.append(("5b0c8e3a", "write_data", "start", 1))
+                tokens.append(variable.set((0x1234, random.getrandbits(64))))
+            for token in reversed(tokens):
+                log.append(("5b0c8e3a", "write_data", "end", 2))
+                variable.reset(token)
 
-    arms: dict[str, Callable[[], Any]] = {"bare": bare, "operation": operation, "records": records, "core": core}
-    for fn in arms.values():
-        _cpu_ns_per_call(fn, 50)
-    found: dict[str, list[float]] = {name: [] for name in arms}
-    try:
-        for _ in range(repeats):
-            for name, fn in arms.items():
-                found[name].append(_cpu_ns_per_call(fn, calls))
-            provider.force_flush()
-            exporter.clear()
-    finally:
-        del builder.submit
-        dcp_otel.uninstrument()
-        provider.shutdown()
-        dist.destroy_process_group()
-        if os.path.exists(store):
-            os.unlink(store)
+        arms: dict[str, Callable[[], Any]] = {"bare": bare, "operation": operation, "records": records, "core": core}
+        for fn in arms.values():
+            _cpu_ns_per_call(fn, 50)
+        found: dict[str, list[float]] = {name: [] for name in arms}
+        try:
+            for _ in range(repeats):
+                for name, fn in arms.items():
+                    found[name].append(_cpu_ns_per_call(fn, calls))
+                provider.force_flush()
+                exporter.clear()
+        finally:
+            del builder.submit
+            dcp_otel.uninstrument()
     return {name: statistics.median(values) for name, values in found.items()}
 
 

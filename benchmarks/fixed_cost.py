@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
-import importlib
 import os
 import random
 import statistics
@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
-from dcp_otel.attach.patches import PATCHES  # noqa: E402
+from dcp_otel.attach.patches import PATCHES, resolve  # noqa: E402
 from dcp_otel.tracing.light import span_context as light_span_context  # noqa: E402
 from dcp_otel.tracing.light import with_span  # noqa: E402
 
@@ -182,12 +182,10 @@ class _DesignCore:
         for patch in PATCHES:
             if not (patch.name.startswith("_DistWrapper.") or patch.name in ("_object_to_tensor", "_tensor_to_object")):
                 continue
-            owner: Any = importlib.import_module(patch.module)
-            *path, attr = patch.name.split(".")
-            for part in path:
-                owner = getattr(owner, part)
-            if attr not in vars(owner):
+            target = resolve(patch)
+            if target is None:
                 continue
+            owner, attr = target
             self.wrapped.append((owner, attr, vars(owner)[attr]))
             wrapt.wrap_function_wrapper(owner, attr, self._raw(attr))
 
@@ -227,6 +225,24 @@ def _records_per_save(save: Callable[[], None]) -> int:
     return seen[0]
 
 
+@contextlib.contextmanager
+def gloo_world_of_one() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    """torch.distributed initialized as in a job (gloo, a world of one, so DCP's collectives run), and a
+    provider sending spans through a batch processor to memory; both ended on leaving."""
+    store = tempfile.mktemp(prefix="dcp-otel-store-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    try:
+        yield provider, exporter
+    finally:
+        dist.destroy_process_group()
+        provider.shutdown()
+        if os.path.exists(store):
+            os.unlink(store)
+
+
 def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     """The bill, in a gloo world of one made and ended here.
 
@@ -237,12 +253,6 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     (bytecode per save and per bare span).
     """
     warnings.simplefilter("ignore")
-    store = tempfile.mktemp(prefix="dcp-otel-store-")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    tracer = provider.get_tracer("bench")
     registry = CollectorRegistry()
     state = {"w": torch.zeros(16)}
     arms: dict[str, list[tuple[float, int]]] = {arm: [] for arm in ARMS}
@@ -254,7 +264,8 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     found: dict[str, float] = {}
     # plain, settled, back-to-back, back-to-back, settled, plain, ...: drift falls on every arm alike
     order = [*ARMS, *reversed(ARMS)]
-    try:
+    with gloo_world_of_one() as (provider, exporter):
+        tracer = provider.get_tracer("bench")
         with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
             def one_save() -> None:
                 dcp.save(state, checkpoint_id=os.path.join(root, "c0"))
@@ -330,11 +341,6 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
             dcp_otel.uninstrument()
             found["ops_bare"] = min(bytecode(lambda: _bare_span_cpu_ns(tracer, 1)) for _ in range(5))
             exporter.clear()
-    finally:
-        dist.destroy_process_group()
-        provider.shutdown()
-        if os.path.exists(store):
-            os.unlink(store)
     for arm, took in arms.items():
         found[arm] = statistics.median(wall for wall, _ in took)
     for arm, took in arms.items():

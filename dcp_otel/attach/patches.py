@@ -300,7 +300,7 @@ def find_dcp_logger() -> tuple[Any, logging.Logger] | None:
     return (module, candidate) if isinstance(candidate, logging.Logger) else None
 
 
-def _resolve(patch: Patch) -> tuple[Any, str] | None:
+def resolve(patch: Patch) -> tuple[Any, str] | None:
     """The (owner, attribute) to wrap, or ``None`` if this torch lacks it."""
     try:
         owner: Any = importlib.import_module(patch.module)
@@ -336,7 +336,7 @@ def install(
         setattr(module, LOGGER_ATTR, installed.tap)
     hooks = Hooks(recorder, carrier, bridge, installed.tap.feed if installed.tap is not None else _no_feed)
     for patch in PATCHES:
-        target = _resolve(patch)
+        target = resolve(patch)
         if target is None:
             installed.missing.append(f"{patch.module}.{patch.name} ({patch.lost})")
             continue
