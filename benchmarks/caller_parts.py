@@ -8,7 +8,9 @@
   checkpoint's trace, whatever its steps;
 * the core of the design that would bring a real save under 5 bare spans (not built; see
   docs/performance.md): 20 raw records appended to a per-thread log and 10 light spans made current,
-  all a save's records would cost the training thread if pairing moved to the builder.
+  all a save's records would cost the training thread if pairing moved to the builder;
+* a method call through a ``wrapt`` wrapper, as dcp-otel's patches wrap DCP's collectives, less the
+  same call through a plain function wrapper: what replacing ``wrapt`` there would save per call.
 
 The unit is a bare SDK span: ``start_span`` with four attributes, made current, detached, ended,
 through a batch processor. Each figure is the median of ``--repeats`` interleaved loops (training
@@ -25,6 +27,7 @@ import random
 import statistics
 import sys
 import time
+import types
 import uuid
 import warnings
 from collections.abc import Callable
@@ -34,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.distributed.checkpoint.logger as dcp_logger  # noqa: E402
+import wrapt  # noqa: E402
 from opentelemetry import context, trace  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
@@ -97,7 +101,29 @@ def measure(repeats: int = 15, calls: int = 300) -> dict[str, float]:
                 log.append(("5b0c8e3a", "write_data", "end", 2))
                 variable.reset(token)
 
-        arms: dict[str, Callable[[], Any]] = {"bare": bare, "operation": operation, "records": records, "core": core}
+        def passing(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return wrapped(*args, **kwargs)
+
+        class Wrapped:
+            def gather_object(self, obj: object) -> object:
+                return obj
+
+        class Plain:
+            def gather_object(self, obj: object) -> object:
+                return obj
+
+        wrapt.wrap_function_wrapper(Wrapped, "gather_object", passing)
+        original = vars(Plain)["gather_object"]
+
+        def plain_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return passing(types.MethodType(original, self), self, args, kwargs)
+
+        Plain.gather_object = plain_wrapper  # type: ignore[method-assign]
+        wrapped_one, plain_one = Wrapped(), Plain()
+
+        arms: dict[str, Callable[[], Any]] = {"bare": bare, "operation": operation, "records": records, "core": core,
+                                              "wrapt": lambda: wrapped_one.gather_object(1),
+                                              "plain wrapper": lambda: plain_one.gather_object(1)}  # fmt: skip
         for fn in arms.values():
             _cpu_ns_per_call(fn, 50)
         found: dict[str, list[float]] = {name: [] for name in arms}
@@ -123,6 +149,9 @@ def main() -> None:
     print(f"  {'an operation start and end, through the tap':<58} {op / 1e3:7.1f} us = {op / bare:.2f} bare spans")
     print(f"  {'the design core: 20 raw records, 10 light spans current':<58} {m['core'] / 1e3:7.1f} us = "
           f"{m['core'] / bare:.2f} bare spans")  # fmt: skip
+    extra = m["wrapt"] - m["plain wrapper"]
+    print(f"  {'a call through wrapt, less through a plain wrapper':<58} {extra / 1e3:7.2f} us = {extra / bare:.3f} bare "
+          f"spans (wrapt {m['wrapt'] / 1e3:.2f} us, plain {m['plain wrapper'] / 1e3:.2f} us a call)")  # fmt: skip
 
 
 if __name__ == "__main__":
