@@ -63,6 +63,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -79,6 +80,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
+from dcp_otel.attach.logger_tap import DCPLoggerTap  # noqa: E402
 from dcp_otel.attach.patches import PATCHES, resolve  # noqa: E402
 from dcp_otel.tracing.light import span_context as light_span_context  # noqa: E402
 from dcp_otel.tracing.light import with_span  # noqa: E402
@@ -116,21 +118,20 @@ def _bare_span_cpu_ns(tracer: trace.Tracer, spans: int = 200) -> float:
     return (time.thread_time_ns() - cpu0) / spans
 
 
-class _BareSpansByHand:
+class _BareSpansByHand(DCPLoggerTap):
     """Hand-written instrumentation at dcp-otel's hook, torch's logger global: one bare span per DCP call.
 
     Each call's start record starts a span with :data:`_BARE_ATTRIBUTES` and makes it current; its end
-    record detaches and ends it; then torch's logger gets the record as before (one stack level up,
-    as dcp-otel's tap does). What a bare span costs amid a real save, measured as the bill is.
+    record detaches and ends it; torch's logger then gets the record exactly as from dcp-otel's tap
+    (this is the tap, its recorder's hot path replaced by the span). What a bare span costs amid a real
+    save, measured as the bill is.
     """
 
     def __init__(self, logger: Any, tracer: trace.Tracer) -> None:
-        self.logger, self.tracer, self.open, self.spans = logger, tracer, {}, 0
+        super().__init__(logger, SimpleNamespace(on_record=self._span))  # type: ignore[arg-type]
+        self.tracer, self.open, self.spans = tracer, {}, 0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.logger, name)
-
-    def debug(self, msg: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def _span(self, msg: dict[str, Any]) -> bool:
         if msg["event"] == "start":
             span = self.tracer.start_span("dcp." + msg["func_name"], attributes=_BARE_ATTRIBUTES)
             self.open[msg["uuid"]] = (span, context.attach(trace.set_span_in_context(span)))
@@ -139,25 +140,24 @@ class _BareSpansByHand:
             span, token = self.open.pop(msg["uuid"])
             context.detach(token)
             span.end()
-        self.logger.debug(msg, *args, stacklevel=2, **kwargs)
+        return True
 
 
-class _DesignCore:
+class _DesignCore(DCPLoggerTap):
     """The training thread's part of the raw-records design, at dcp-otel's hooks (see the module doc).
 
-    Stands in for torch's logger global like the tap (passing each record on one stack level up), and
-    wraps the same collective and pickling points with wrapt; each only appends a raw tuple to a
-    per-thread log, and a call's start makes a light span (a chosen span id, non-recording) current.
+    This is the tap (passing each record on to torch's logger as it does), its recorder's hot path
+    replaced by a raw append, and wrapt wrappers at the same collective and pickling points; each only
+    appends a raw tuple to a per-thread log, and a call's start makes a light span (a chosen span id,
+    non-recording) current.
     """
 
     def __init__(self, logger: Any) -> None:
-        self.logger, self.local, self.wrapped = logger, threading.local(), []
+        super().__init__(logger, SimpleNamespace(on_record=self._raw_record))  # type: ignore[arg-type]
+        self.local, self.wrapped = threading.local(), []
         self.var: Any = getattr(getattr(context, "_RUNTIME_CONTEXT", None), "_current_context", None)
         self.trace_id = random.getrandbits(128) or 1
         self.flags = trace.TraceFlags(trace.TraceFlags.SAMPLED)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.logger, name)
 
     def _log(self) -> Any:
         try:
@@ -166,7 +166,7 @@ class _DesignCore:
             self.local.log, self.local.tokens = collections.deque(maxlen=100_000), []
             return self.local.log
 
-    def debug(self, msg: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def _raw_record(self, msg: dict[str, Any]) -> bool:
         log = self._log()
         log.append((msg.get("uuid"), msg.get("func_name"), msg.get("event"), msg.get("time")))
         if msg.get("event") == "start":
@@ -175,7 +175,7 @@ class _DesignCore:
             self.local.tokens.append(self.var.set(with_span(ctx, light)))
         elif self.local.tokens:
             self.var.reset(self.local.tokens.pop())
-        self.logger.debug(msg, *args, stacklevel=2, **kwargs)
+        return True
 
     def wrap(self) -> None:
         """Raw appends at the points dcp-otel's patches wrap around DCP's collectives and torch's pickling."""

@@ -12,6 +12,7 @@ configuration is global.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -108,29 +109,72 @@ def test_a_logging_configuration_that_silences_torchs_logger_loses_no_checkpoint
     assert result["torch_logger_enabled"] is False  # still silenced for the application, as it asked
 
 
-def test_torchs_own_log_lines_keep_the_file_and_line_torch_logged_them_from(traced, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The tap passes each record on with the caller's stack level: a ``%(filename)s:%(lineno)s`` format shows
-    torch's ``logger.py``, as without dcp-otel, never dcp-otel's handler."""
-    import logging
-
+def _records_of_a_save(torch_logger: logging.Logger, path: Path) -> list[tuple[str, int, str, str, object]]:
+    """(file, line, function, message's event, stack info) of each record torch's logger handles in one save."""
     import torch
     import torch.distributed.checkpoint as dcp
-    import torch.distributed.checkpoint.logger as dcp_logging
 
-    seen: list[tuple[str, str]] = []
+    seen: list[tuple[str, int, str, str, object]] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            seen.append((record.filename, record.funcName))
+            seen.append((record.pathname, record.lineno, record.funcName, record.msg["event"], record.stack_info))
 
-    torch_logger = dcp_logging._dcp_logger.logger  # torch's own logger, behind dcp-otel's tap
     keep, level = Keep(), torch_logger.level
     torch_logger.addHandler(keep)
     torch_logger.setLevel(logging.DEBUG)
     try:
-        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "c"))
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(path))
     finally:
         torch_logger.removeHandler(keep)
         torch_logger.setLevel(level)
+    return seen
+
+
+def _without_the_tap(path: Path) -> list[tuple[str, int, str, str, object]]:
+    """The same save with torch's logger in its own place (dcp-otel's tap stepped aside)."""
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    tap = dcp_logging._dcp_logger
+    dcp_logging._dcp_logger = tap.logger
+    try:
+        return _records_of_a_save(tap.logger, path)
+    finally:
+        dcp_logging._dcp_logger = tap
+
+
+def test_torchs_own_log_lines_keep_the_file_and_line_torch_logged_them_from(traced, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The tap passes each record on as torch's logger would have got it: a ``%(filename)s:%(lineno)s``
+    format shows torch's ``logger.py`` and the same lines as without dcp-otel, never dcp-otel's tap."""
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    torch_logger = dcp_logging._dcp_logger.logger  # torch's own logger, behind dcp-otel's tap
+    with_tap = _records_of_a_save(torch_logger, tmp_path / "a")
     assert traced.spans(), "the save was traced: the tap was in place"
-    assert seen and set(seen) == {("logger.py", "wrapper")}, set(seen)
+    assert {(Path(file).name, function) for file, _, function, _, _ in with_tap} == {("logger.py", "wrapper")}
+    assert with_tap == _without_the_tap(tmp_path / "b")
+
+
+def test_a_logger_whose_debug_is_its_own_still_has_it_called_with_the_callers_line(traced, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Code that replaced the logger's ``debug`` (a wrapper of its own, a subclass) keeps seeing every record,
+    each naming the line it named without dcp-otel; the tap only takes logging's own ``debug`` short."""
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    torch_logger = dcp_logging._dcp_logger.logger
+    called: list[str] = []
+
+    def own_debug(msg: object, *args: object, **kwargs: object) -> None:
+        called.append(msg["event"])  # type: ignore[index]
+        logging.Logger.debug(torch_logger, msg, *args, **kwargs)  # type: ignore[arg-type]
+
+    torch_logger.debug = own_debug  # type: ignore[method-assign]
+    try:
+        with_tap = _records_of_a_save(torch_logger, tmp_path / "a")
+        seen_with_tap = len(called)
+        without = _without_the_tap(tmp_path / "b")
+    finally:
+        del torch_logger.debug
+    assert traced.spans(), "the save was traced: the tap was in place"
+    assert seen_with_tap == len(with_tap) > 0 and len(called) == seen_with_tap + len(without)
+    assert {function for _, _, function, _, _ in with_tap} == {"own_debug"}
+    assert with_tap == without
