@@ -23,6 +23,10 @@ Blocks of saves alternate six arms, and their medians are compared:
   appended raw to a per-thread log, a light span made current for each call's start and reset at its
   end, each collective's start, end and pickled bytes appended raw. The floor of that design, amid
   real saves (``caller_parts.py`` has it in a loop);
+* trivial ops: uninstrumented, but the tap in place, its recorder's hot path replaced by a loop that
+  adds to a local integer, sized so that a save runs as much added bytecode as dcp-otel's (counted
+  first): what that many instructions cost amid saves when they allocate, call and touch nothing;
+  beside the bill, it says whether the bill is in the count of instructions or in what they do;
 * settled: traced, the builder and the exporter finishing between saves, untimed: the training thread
   then also runs on caches that the builder's work has just displaced (0.1 to 0.5 ms more per save
   here; in a job, seconds of training between two saves displace them anyway);
@@ -88,7 +92,7 @@ from dcp_otel.tracing.light import with_span  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import bytecode  # noqa: E402
 
-ARMS = ("plain", "own", "by hand", "design core", "settled", "back-to-back")
+ARMS = ("plain", "own", "by hand", "design core", "trivial ops", "settled", "back-to-back")
 #: The bare span's attributes: as many as a step's own, of the same kinds.
 _BARE_ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-1000", "dcp.operation": "save",
                     "dcp.world_size": 1}  # fmt: skip
@@ -205,6 +209,34 @@ class _DesignCore(DCPLoggerTap):
         return wrapper
 
 
+class _TrivialOps(DCPLoggerTap):
+    """The tap, its recorder's hot path replaced by ``loops`` additions to a local integer per record."""
+
+    def __init__(self, logger: Any, loops: int) -> None:
+        super().__init__(logger, SimpleNamespace(on_record=self._count))  # type: ignore[arg-type]
+        self.loops = loops
+
+    def _count(self, msg: dict[str, Any]) -> bool:
+        x = 0
+        for _ in range(self.loops):
+            x += 1  # noqa: SIM113 - the work is the counting
+        return True
+
+
+def _trivial_loops(save: Callable[[], None], logger: Any, ops_added: float) -> int:
+    """Loops per record that make a save's added bytecode (against ``logger`` alone) ``ops_added``."""
+    counted = {}
+    for loops in (0, 10):
+        dcp_logger._dcp_logger = _TrivialOps(logger, loops)  # type: ignore[assignment]
+        try:
+            counted[loops] = bytecode(save)
+        finally:
+            dcp_logger._dcp_logger = logger
+    plain = bytecode(save)
+    per_loop = (counted[10] - counted[0]) / 10  # per save: every record loops
+    return max(0, round((ops_added - (counted[0] - plain)) / per_loop))
+
+
 def _records_per_save(save: Callable[[], None]) -> int:
     """DCP log records one save hands dcp-otel's tap (torch's logger global is the tap while instrumented)."""
     tap: Any = dcp_logger._dcp_logger
@@ -249,8 +281,9 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     Keys: ``plain``/``settled``/``back-to-back`` (median wall seconds per save),
     ``cpu_<arm>`` (median training-thread CPU seconds per save),
     ``bare_span_cpu`` (seconds), ``records`` (per save), ``builder_cpu`` (the
-    builder's CPU seconds per save), ``ops_plain``/``ops_traced``/``ops_bare``
-    (bytecode per save and per bare span).
+    builder's CPU seconds per save), ``ops_plain``/``ops_traced``/``ops_trivial``/``ops_bare``
+    (bytecode per save and per bare span), ``trivial_share`` (the trivial-ops arm's added CPU over
+    the bill, median cycle; ``_low``/``_high``: the extreme cycles).
     """
     warnings.simplefilter("ignore")
     registry = CollectorRegistry()
@@ -270,9 +303,33 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
             def one_save() -> None:
                 dcp.save(state, checkpoint_id=os.path.join(root, "c0"))
 
+            # The bytecode first (the trivial-ops arm is sized by it), after warm saves: plain, then traced
+            # (settled between saves).
+            for _ in range(3):
+                one_save()
+            found["ops_plain"] = min(bytecode(one_save) for _ in range(3))
+            dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
+            for _ in range(3):
+                one_save()
+                dcp_otel.flush(timeout_s=30)
+            found["records"] = _records_per_save(one_save)
+            dcp_otel.flush(timeout_s=30)
+            traced_ops = []
+            for _ in range(3):
+                traced_ops.append(bytecode(one_save))
+                dcp_otel.flush(timeout_s=30)
+            found["ops_traced"] = min(traced_ops)
+            dcp_otel.uninstrument()
+            exporter.clear()
+            torch_logger = dcp_logger._dcp_logger
+            loops = _trivial_loops(one_save, torch_logger, found["ops_traced"] - found["ops_plain"])
+            dcp_logger._dcp_logger = _TrivialOps(torch_logger, loops)  # type: ignore[assignment]
+            found["ops_trivial"] = bytecode(one_save)
+            dcp_logger._dcp_logger = torch_logger
+
             for block in range(len(ARMS) * blocks):
                 arm = order[block % len(order)]
-                on = arm not in ("plain", "by hand", "design core")  # dcp-otel instrumented
+                on = arm not in ("plain", "by hand", "design core", "trivial ops")  # dcp-otel instrumented
                 if on:
                     dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
                 _block(1, root, state, settle=on)  # untimed: the first save after a switch
@@ -291,6 +348,8 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                     _block(1, root, state)
                     gc.collect()
                     design._log().clear()
+                if arm == "trivial ops":
+                    dcp_logger._dcp_logger = _TrivialOps(torch_logger, loops)  # type: ignore[assignment]
                 held: list[tuple[Any, Any]] = []
                 if arm == "own":  # the builder gets this block's operations when it ends (an instance attribute)
                     builder.submit = lambda op, calls=None, held=held: held.append((op, calls))
@@ -301,6 +360,8 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                     found["core_records"] = len(design._log()) / saves
                     design.unwrap()
                     dcp_logger._dcp_logger = design.logger
+                if arm == "trivial ops":
+                    dcp_logger._dcp_logger = torch_logger
                 if arm == "by hand":
                     dcp_logger._dcp_logger = by_hand.logger
                     found["spans_by_hand"] = by_hand.spans / saves
@@ -323,22 +384,6 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                         provider.force_flush()
                     exporter.clear()
                     dcp_otel.uninstrument()
-            # The bytecode, after everything is warm: plain, then traced (settled between saves).
-            for _ in range(3):
-                one_save()
-            found["ops_plain"] = min(bytecode(one_save) for _ in range(3))
-            dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
-            for _ in range(3):
-                one_save()
-                dcp_otel.flush(timeout_s=30)
-            found["records"] = _records_per_save(one_save)
-            dcp_otel.flush(timeout_s=30)
-            traced_ops = []
-            for _ in range(3):
-                traced_ops.append(bytecode(one_save))
-                dcp_otel.flush(timeout_s=30)
-            found["ops_traced"] = min(traced_ops)
-            dcp_otel.uninstrument()
             found["ops_bare"] = min(bytecode(lambda: _bare_span_cpu_ns(tracer, 1)) for _ in range(5))
             exporter.clear()
     for arm, took in arms.items():
@@ -360,6 +405,9 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     found["core_amid_spans"] = statistics.median(
         (c["design core"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles)  # fmt: skip
     found["builder_cpu"] = builder_ns / max(built, 1) / 1e9
+    trivial = sorted((c["trivial ops"] - c["plain"]) / (c["own"] - c["plain"]) for c in cycles)
+    found["trivial_share"], found["trivial_share_low"], found["trivial_share_high"] = \
+        statistics.median(trivial), trivial[0], trivial[-1]  # fmt: skip
     return found
 
 
@@ -376,6 +424,8 @@ def bill(found: dict[str, float]) -> dict[str, float]:
             "core_spans": found["core_spans"], "core_spans_low": found["core_spans_low"],
             "core_spans_high": found["core_spans_high"], "core_amid_spans": found["core_amid_spans"], "builder_us": found["builder_cpu"] * 1e6,
             "builder_spans": found["builder_cpu"] / bare,
+            "trivial_us": (found["cpu_trivial ops"] - found["cpu_plain"]) * 1e6,
+            "trivial_ops": found["ops_trivial"] - found["ops_plain"],
             "ops_added": found["ops_traced"] - found["ops_plain"],
             "ops_spans": (found["ops_traced"] - found["ops_plain"]) / found["ops_bare"]}  # fmt: skip
 
@@ -409,6 +459,9 @@ def main() -> None:
           f"{found['core_records']:.0f} raw records per save)")  # fmt: skip
     print(f"  {'added bytecode per save':<50} {b['ops_added']:9.0f} op = {b['ops_spans']:.2f} bare spans of "
           f"{found['ops_bare']:.0f} op")  # fmt: skip
+    print(f"  {'as many trivial instructions (a loop), added CPU':<50} {b['trivial_us']:9.1f} us for {b['trivial_ops']:.0f} op "
+          f"= {found['trivial_share']:.2f} of the bill (cycles: {found['trivial_share_low']:.2f} to "
+          f"{found['trivial_share_high']:.2f})")  # fmt: skip
     print(f"  {'the builder CPU per save (its own thread)':<50} {b['builder_us']:9.1f} us = "
           f"{b['builder_spans']:.1f} bare spans")  # fmt: skip
 

@@ -128,6 +128,8 @@ def main() -> None:
           f"cycles {r['core_spans_low']:.1f} to {r['core_spans_high']:.1f}; {r['core_amid_spans']:.1f} made amid saves)")  # fmt: skip
     print(f"  with the builder's work between saves (settled)  {r['settled_us']:8.1f} us per save")
     print(f"  bytecode added                   {r['ops_added']:8.0f} op per save = {r['ops_spans']:.2f} bare spans")
+    print(f"  as many trivial instructions     {r['trivial_us']:8.1f} us per save = {r['trivial_share']:.2f} of the bill "
+          "(the count of instructions is not where the bill is)")  # fmt: skip
     print(f"  the builder's CPU (own thread)   {r['builder_us']:8.1f} us per save = {r['builder_spans']:.1f} bare spans")
     print("\nthe background builder (its own thread; rank 0 of the 2-rank cases)")
     print(f"{'case':<56} {'ms per checkpoint':>18} {'peak queue':>11}")

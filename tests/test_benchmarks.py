@@ -46,6 +46,11 @@ def test_fixed_cost_prints_the_real_save_bill_in_bare_spans() -> None:
     assert ops is not None, out
     # Deterministic: dcp-otel's work on the training thread is thousands of instructions, a bare span hundreds.
     assert int(ops.group(1)) > 1_000 and 300 < int(ops.group(3)) < 5_000, out
+    # As many instructions as dcp-otel adds, doing nothing (a loop at the same hook): sized by the count above.
+    trivial = re.search(r"as many trivial instructions \(a loop\), added CPU +(-?[\d.]+) us for (\d+) op = (-?[\d.]+) of "
+                        r"the bill \(cycles: (-?[\d.]+) to (-?[\d.]+)\)", out)  # fmt: skip
+    assert trivial is not None and float(trivial.group(4)) <= float(trivial.group(3)) <= float(trivial.group(5)), out
+    assert abs(int(trivial.group(2)) - int(ops.group(1))) <= 0.05 * int(ops.group(1)), out
     builder = re.search(r"the builder CPU per save \(its own thread\) +([\d.]+) us", out)
     assert builder is not None and float(builder.group(1)) > 0, out  # the builder built the saves it was given
 
