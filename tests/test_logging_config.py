@@ -153,6 +153,8 @@ def test_torchs_own_log_lines_keep_the_file_and_line_torch_logged_them_from(trac
     assert traced.spans(), "the save was traced: the tap was in place"
     assert {(Path(file).name, function) for file, _, function, _, _ in with_tap} == {("logger.py", "wrapper")}
     assert with_tap == _without_the_tap(tmp_path / "b")
+    # The frame logging skips still says whose it is, in a profile or a traceback.
+    assert "dcp_otel" in type(dcp_logging._dcp_logger).debug.__code__.co_name
 
 
 def test_a_logger_whose_debug_is_its_own_still_has_it_called_with_the_callers_line(traced, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
