@@ -180,3 +180,27 @@ def test_a_logger_whose_debug_is_its_own_still_has_it_called_with_the_callers_li
     assert seen_with_tap == len(with_tap) > 0 and len(called) == seen_with_tap + len(without)
     assert {function for _, _, function, _, _ in with_tap} == {"own_debug"}
     assert with_tap == without
+
+
+def test_a_stand_in_logger_of_another_kind_gets_every_record_and_the_tap_never_raises() -> None:
+    """Whatever stands in torch's logger global (an adapter with slots, no ``__dict__``) is called as torch
+    would call it, keywords included; only logging's own ``Logger.debug`` is taken short."""
+    from types import SimpleNamespace
+
+    from dcp_otel.attach.logger_tap import DCPLoggerTap
+
+    class Slotted:
+        __slots__ = ("seen",)
+
+        def __init__(self) -> None:
+            self.seen: list[tuple[object, dict[str, object]]] = []
+
+        def debug(self, msg: object, *args: object, **kwargs: object) -> None:
+            self.seen.append((msg, kwargs))
+
+    stand_in, fed = Slotted(), []
+    tap = DCPLoggerTap(stand_in, SimpleNamespace(on_record=lambda msg: fed.append(msg) or True))  # type: ignore[arg-type]
+    tap.debug({"event": "start"})
+    tap.debug({"event": "end"}, stacklevel=3)
+    assert fed == [{"event": "start"}, {"event": "end"}]
+    assert stand_in.seen == [({"event": "start"}, {}), ({"event": "end"}, {"stacklevel": 3})]

@@ -68,7 +68,8 @@ class DCPLoggerTap:
             self._general(msg)
         logger = self.logger
         # This frame counts as logging's own (_as_loggings_own): the caller's stack level passes unchanged.
-        if "debug" in logger.__dict__ or type(logger).debug is not _LOGGER_DEBUG:  # a logger of its own kind
+        # (The class first: any Logger has a __dict__, a stand-in of another kind may not.)
+        if type(logger).debug is not _LOGGER_DEBUG or "debug" in logger.__dict__:  # a logger of its own kind
             logger.debug(msg, *args, **kwargs)
         elif logger.isEnabledFor(_DEBUG):  # what Logger.debug does, one frame fewer
             logger._log(_DEBUG, msg, args, **kwargs)
