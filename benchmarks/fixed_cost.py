@@ -8,7 +8,7 @@ collectives, the metadata) and logs what every save logs: the operation, its ste
 records (counted here, per save: 14 for this state dict), and 4 of DCP's collectives, each a span with its pickled
 bytes. That is the work a user's save gives dcp-otel, whatever the model's size.
 
-Blocks of saves alternate six arms, and their medians are compared:
+Blocks of saves alternate seven arms, and their medians are compared:
 
 * plain (``uninstrument()``): torch alone, its own logging included, measured the same way;
 * own: traced (``instrument(detail="full")``, spans to an in-memory exporter through the batch
