@@ -223,8 +223,8 @@ class _TrivialOps(DCPLoggerTap):
         return True
 
 
-def _trivial_loops(save: Callable[[], None], logger: Any, ops_added: float) -> int:
-    """Loops per record that make a save's added bytecode (against ``logger`` alone) ``ops_added``."""
+def _trivial_loops(save: Callable[[], None], logger: Any, ops_plain: float, ops_added: float) -> int:
+    """Loops per record that make a save's added bytecode ``ops_added`` (``ops_plain``: with ``logger`` alone)."""
     counted = {}
     for loops in (0, 10):
         dcp_logger._dcp_logger = _TrivialOps(logger, loops)  # type: ignore[assignment]
@@ -232,9 +232,14 @@ def _trivial_loops(save: Callable[[], None], logger: Any, ops_added: float) -> i
             counted[loops] = bytecode(save)
         finally:
             dcp_logger._dcp_logger = logger
-    plain = bytecode(save)
     per_loop = (counted[10] - counted[0]) / 10  # per save: every record loops
-    return max(0, round((ops_added - (counted[0] - plain)) / per_loop))
+    return max(0, round((ops_added - (counted[0] - ops_plain)) / per_loop))
+
+
+def _spread(found: dict[str, float], key: str, per_cycle: list[float]) -> None:
+    """``found[key]``: the median cycle's figure; ``key_low``/``key_high``: the lowest and highest cycle's."""
+    found[key] = statistics.median(per_cycle)
+    found[f"{key}_low"], found[f"{key}_high"] = min(per_cycle), max(per_cycle)
 
 
 def _records_per_save(save: Callable[[], None]) -> int:
@@ -322,7 +327,7 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
             dcp_otel.uninstrument()
             exporter.clear()
             torch_logger = dcp_logger._dcp_logger
-            loops = _trivial_loops(one_save, torch_logger, found["ops_traced"] - found["ops_plain"])
+            loops = _trivial_loops(one_save, torch_logger, found["ops_plain"], found["ops_traced"] - found["ops_plain"])
             dcp_logger._dcp_logger = _TrivialOps(torch_logger, loops)  # type: ignore[assignment]
             found["ops_trivial"] = bytecode(one_save)
             dcp_logger._dcp_logger = torch_logger
@@ -391,23 +396,17 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     for arm, took in arms.items():
         found[f"cpu_{arm}"] = statistics.median(cpu for _, cpu in took) / 1e9
     found["bare_span_cpu"] = statistics.median(bare) / 1e9
-    per_cycle = sorted((c["own"] - c["plain"]) / c["bare"] for c in cycles)
-    found["bare_spans"] = statistics.median(per_cycle)
-    found["bare_spans_low"], found["bare_spans_high"] = per_cycle[0], per_cycle[-1]
-    # The same bill in bare spans made amid real saves (the "by hand" arm, the same hook, timed the same way).
+    # The bill in bare spans timed in a loop, and in bare spans made amid real saves (the "by hand" arm, the
+    # same hook, timed the same way); the design core's in both; the trivial ops' as a share of the bill.
     spans = found["spans_by_hand"]
-    amid = sorted((c["own"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles)
-    found["amid_spans"] = statistics.median(amid)
-    found["amid_spans_low"], found["amid_spans_high"] = amid[0], amid[-1]
+    _spread(found, "bare_spans", [(c["own"] - c["plain"]) / c["bare"] for c in cycles])
+    _spread(found, "amid_spans", [(c["own"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles])
     found["cpu_amid_span"] = (found["cpu_by hand"] - found["cpu_plain"]) / spans
-    core = sorted((c["design core"] - c["plain"]) / c["bare"] for c in cycles)
-    found["core_spans"], found["core_spans_low"], found["core_spans_high"] = statistics.median(core), core[0], core[-1]
+    _spread(found, "core_spans", [(c["design core"] - c["plain"]) / c["bare"] for c in cycles])
     found["core_amid_spans"] = statistics.median(
         (c["design core"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles)  # fmt: skip
     found["builder_cpu"] = builder_ns / max(built, 1) / 1e9
-    trivial = sorted((c["trivial ops"] - c["plain"]) / (c["own"] - c["plain"]) for c in cycles)
-    found["trivial_share"], found["trivial_share_low"], found["trivial_share_high"] = \
-        statistics.median(trivial), trivial[0], trivial[-1]  # fmt: skip
+    _spread(found, "trivial_share", [(c["trivial ops"] - c["plain"]) / (c["own"] - c["plain"]) for c in cycles])
     return found
 
 
