@@ -47,12 +47,13 @@ class DCPEvent(NamedTuple):
 
 
 class OperationFields(NamedTuple):
-    """What a new operation needs from its start record; parsed once per operation."""
+    """What a new operation needs from its start record; parsed once per operation.
+
+    (Its storage and planner class names are read by ``OperationStarter.class_attributes``, for nested
+    calls too.)
+    """
 
     checkpoint_id: str | None
-    storage_writer: str | None
-    storage_reader: str | None
-    planner: str | None
     backend: str | None
     global_rank: int | None
     group_rank: int | None  # rank in the process group DCP was given (torch logs "local_rank")
@@ -64,9 +65,6 @@ def operation_fields(details: Mapping[str, Any]) -> OperationFields:
     get = details.get
     return OperationFields(
         checkpoint_id=_opt_str(get("checkpoint_id")),
-        storage_writer=_opt_str(get("storage_writer")),
-        storage_reader=_opt_str(get("storage_reader")),
-        planner=_opt_str(get("planner")),
         backend=_opt_str(get("backend")),
         global_rank=_opt_int(get("global_rank")),
         group_rank=_opt_int(get("local_rank")),

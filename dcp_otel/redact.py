@@ -50,12 +50,14 @@ def redact_checkpoint_id(checkpoint_id: str | os.PathLike[str] | None) -> str:
     if checkpoint_id is None:
         return ""
     text = os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else str(checkpoint_id)
-    text = text.split("#", 1)[0]  # a fragment is never needed to name a checkpoint
+    if "#" in text:
+        text = text.split("#", 1)[0]  # a fragment is never needed to name a checkpoint
     head, sep, query = text.partition("?")
     if sep:
         params = [p.partition("=") for p in query.split("&") if p]
         query = "&".join(k + ("=" + REDACTED if eq else "") for k, eq, _ in params)
-    match = _SCHEME.match(head)
+    # (A path, the usual id, has no "://": no regular expression to run at every operation's start.)
+    match = _SCHEME.match(head) if "://" in head else None
     if match:
         authority_start = match.end()
         slash = head.find("/", authority_start)

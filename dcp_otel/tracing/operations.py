@@ -29,6 +29,8 @@ from dcp_otel._selftelemetry import logger, report
 from dcp_otel.config import InstrumentOptions, traces_off
 from dcp_otel.events import DCPEvent, operation_fields
 from dcp_otel.redact import redact_checkpoint_id
+from dcp_otel.tracing.light import SPAN_KEY, with_span
+from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.records import Operation, new_span_id
 from dcp_otel.tracing.trace_ids import (
     CheckpointKey,
@@ -179,25 +181,26 @@ class OperationStarter:
             attributes[semconv.ATTR_GENERATION] = generation
         if fields.backend:
             attributes[semconv.ATTR_BACKEND] = fields.backend
-        attributes.update(self.class_attributes(event))
+        if has_class_fields(event.details):
+            attributes.update(self.class_attributes(event))
         # Once per operation (every call of it inherits it), and not even that when the sampler is constant.
         flags = static_flags if static_flags is not None else sampling_flags(tracer, ids.trace_id)
         op = Operation(event.func_name, rank, tracer, attributes, ids.trace_id, flags)
         op.span_id = op.exemplar_span_id = new_span_id()
 
-        caller = trace.get_current_span(ctx)
-        caller_ctx = caller.get_span_context()
-        if caller_ctx.is_valid:
-            op.caller = caller_ctx
-            if caller.is_recording():
-                add_link = getattr(caller, "add_link", None)
-                if add_link is not None:
-                    add_link(SpanContext(ids.trace_id, op.span_id, False, flags),
-                             {semconv.ATTR_LINK_KIND: semconv.LINK_CHECKPOINT})  # fmt: skip
+        caller = ctx.get(SPAN_KEY)  # trace.get_current_span(ctx), without its calls; None: no span
+        if caller is not None and isinstance(caller, trace.Span):
+            caller_ctx = caller.get_span_context()
+            if caller_ctx.is_valid:
+                op.caller = caller_ctx
+                if caller.is_recording():
+                    add_link = getattr(caller, "add_link", None)
+                    if add_link is not None:
+                        add_link(SpanContext(ids.trace_id, op.span_id, False, flags),
+                                 {semconv.ATTR_LINK_KIND: semconv.LINK_CHECKPOINT})  # fmt: skip
         if is_coordinator and chosen_ids:  # the builder emits the root with these ids
             op.root_span_id = ids.root_span_id
-            root = SpanContext(ids.trace_id, ids.root_span_id, False, flags)
-            return op, trace.set_span_in_context(NonRecordingSpan(root), ctx)
+            return op, with_span(ctx, NonRecordingSpan(light_span_context(ids.trace_id, ids.root_span_id, flags)))
         # A proxy or no-op tracer (no SDK configured) records nothing: nothing to warn about.
         if is_coordinator and not _is_noop(tracer):
             report(

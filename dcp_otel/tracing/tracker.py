@@ -30,12 +30,13 @@ from typing import Any
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan
 
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
-from dcp_otel.events import DCPEvent
+from dcp_otel.events import MAX_FUNC_NAME, DCPEvent
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.builder import SpanBuilder
 from dcp_otel.tracing.collectives import CollectiveCalls
@@ -234,6 +235,11 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 return False
             ctx = light_get_current()
             op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
+            if op is None and len(func_name) <= MAX_FUNC_NAME:
+                # A new operation, what every save, load and async save starts with: straight to its start,
+                # as the general path would take it (torch mutates the record before its end: a copy).
+                self._start(DCPEvent(kind, uuid, func_name, time_ns, None, dict(msg)), ctx)
+                return True
             if type(op) is not Operation or "storage_writer" in msg or "storage_reader" in msg or "planner" in msg \
                     or op.interrupted is not None:  # fmt: skip
                 return False
@@ -296,19 +302,21 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
 
     def _push(
         self, uuid: str, func_name: str, time_ns: int, op: Operation, attributes: dict[str, Any],
-        ctx: context_api.Context, new_ctx: context_api.Context | None = None, span_id: int = 0,
+        ctx: context_api.Context, begins: Operation | None = None, span_id: int = 0,
     ) -> Call:  # fmt: skip
         """Make a light span current while call ``uuid`` runs, and remember the call until it ends.
 
-        The general path (operations, nested saves); :meth:`on_record` does the
-        same for a plain step in one frame: keep the two in step.
+        ``begins``: the operation this call begins, made current with it. The general path (operations,
+        nested saves); :meth:`on_record` does the same for a plain step in one frame: keep the two in step.
         """
         span_id = span_id or new_span_id()
         call = Call(uuid, func_name, time_ns, span_id, ctx.get(SPAN_KEY), op, attributes)  # type: ignore[arg-type]
         if func_name == _STATEFUL_PARENT:
             call.keys = KeyStats(self.options.slowest_keys)
         light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
-        call.token = light_attach(with_span(new_ctx if new_ctx is not None else ctx, light))
+        # One new Context: set_value(OPERATION_KEY, ...) then set_span_in_context, without the copy between.
+        call.token = light_attach(with_span(ctx, light) if begins is None else
+                                  Context({**ctx, OPERATION_KEY: begins, SPAN_KEY: light}))  # fmt: skip
         stack = self._stack()
         if not stack and op.adopted:  # a top-level call of an operation continued in this process
             call.owns_part = True
@@ -317,10 +325,12 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         self._open[uuid] = call
         return call
 
-    def _start(self, event: DCPEvent) -> None:
+    def _start(self, event: DCPEvent, ctx: context_api.Context | None = None) -> None:
+        """A call starts: a step of the operation current in ``ctx`` (default: the current context), or one."""
         if self._over_limit(event.uuid):
             return
-        ctx = context_api.get_current()
+        if ctx is None:
+            ctx = light_get_current()
         enclosing = ctx.get(OPERATION_KEY)
         if type(enclosing) is Operation and enclosing.interrupted is not None:
             # This thread was inside an operation the process ended (SIGINT, caught): its context
@@ -342,7 +352,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         op, parent_ctx = self.starter.begin(event, ctx, self._seq)
         # The operation travels with the context, into the async save thread too.
         call = self._push(event.uuid, event.func_name, event.time_ns, op, op.attributes, parent_ctx,
-                          context_api.set_value(OPERATION_KEY, op, parent_ctx), op.span_id)  # fmt: skip
+                          op, op.span_id)  # fmt: skip
         call.kind = KIND_OPERATION
         call.owns_part = True
         op.add_part()
