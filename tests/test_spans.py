@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+import dcp_otel
 from dcp_otel import semconv
 from tests.spans_io import SpanRecord, named
 
@@ -157,3 +159,24 @@ def test_bookkeeping_is_empty_after_every_operation(traced, tmp_path: Path) -> N
     assert (recorder.open_count(), recorder.stack_depth()) == (0, 0)
     dcp.load(state(), checkpoint_id=str(tmp_path / "c"))
     assert (recorder.open_count(), recorder.stack_depth()) == (0, 0)
+
+
+def test_a_built_operation_leaves_nothing_for_the_garbage_collector(traced, tmp_path: Path) -> None:
+    # Calls name their operation and it lists them: unless the builder breaks that cycle, every checkpoint's
+    # calls (and the storage writer and write results its operation holds) wait for a collection.
+    dcp.save(state(), checkpoint_id=str(tmp_path / "warm"))
+    dcp_otel.flush(timeout_s=30)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage, to be read
+    try:
+        dcp.save(state(), checkpoint_id=str(tmp_path / "c"))
+        dcp.load(state(), checkpoint_id=str(tmp_path / "c"))
+        assert dcp_otel.flush(timeout_s=30)
+        gc.collect()
+        left = [type(o) for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    ours = {t.__qualname__ for t in left if t.__module__.startswith(("dcp_otel", "opentelemetry"))}
+    theirs = {t.__qualname__ for t in left if t.__name__ in ("FileSystemWriter", "FileSystemReader", "WriteResult")}
+    assert (ours, theirs) == (set(), set())

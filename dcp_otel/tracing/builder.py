@@ -116,6 +116,8 @@ class SpanBuilder:
             # Metrics never depend on spans: its metrics are recorded here, on the caller's thread, which
             # pays that (no span, no exporter) only while the builder is this far behind.
             self._record_metrics(*item)
+            if calls is None:  # dropped: its cycle broken as a built one's is (see _run)
+                op.calls, op.gathered = [], []
             return
         if thread is None:
             self._start_thread()
@@ -175,6 +177,13 @@ class SpanBuilder:
                 self._build(op, calls, late=calls is not op.calls)
             except Exception:  # noqa: BLE001
                 report("builder_error", "dcp_otel failed to build a checkpoint's spans", exc_info=True)
+            if calls is op.calls:
+                # Each call names its operation and the operation lists its calls: a cycle, which only the
+                # garbage collector would free (with the storage writer and write results the operation
+                # holds), collections the training thread then pays for. Built, nothing reads them again
+                # (a late part comes with its own list): freed here, by reference counting.
+                op.calls, op.gathered = [], []
+            op = calls = None  # type: ignore[assignment]  # (not kept until the next operation comes)
             with self._cond:
                 self._unbuilt -= 1
                 self.busy_ns += time.thread_time_ns() - started
