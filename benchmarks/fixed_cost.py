@@ -17,8 +17,8 @@ Blocks of saves alternate seven arms, and their medians are compared:
 * by hand: uninstrumented, but a bare span made for each DCP call at the same hook (torch's logger
   global), started with four attributes and made current at the call's start record, detached and
   ended at its end: what a bare span costs amid a real save, the second unit of the bill;
-* design core: uninstrumented, but at the same hooks (torch's logger global, and wrapt wrappers at the
-  collective and pickling points dcp-otel patches) only what the training thread would still do if
+* design core: uninstrumented, but at the same hooks (torch's logger global, and wrappers made as
+  dcp-otel makes them at the collective and pickling points it patches) only what the training thread would still do if
   all pairing moved to the builder (the design that would reach 5 bare spans; not built): each record
   appended raw to a per-thread log, a light span made current for each call's start and reset at its
   end, each collective's start, end and pickled bytes appended raw. The floor of that design, amid
@@ -85,7 +85,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
 from dcp_otel.attach.logger_tap import DCPLoggerTap  # noqa: E402
-from dcp_otel.attach.patches import PATCHES, resolve  # noqa: E402
+from dcp_otel.attach.patches import PATCHES, resolve, wrap_plainly  # noqa: E402
 from dcp_otel.tracing.light import span_context as light_span_context  # noqa: E402
 from dcp_otel.tracing.light import with_span  # noqa: E402
 
@@ -151,7 +151,7 @@ class _DesignCore(DCPLoggerTap):
     """The training thread's part of the raw-records design, at dcp-otel's hooks (see the module doc).
 
     This is the tap (passing each record on to torch's logger as it does), its recorder's hot path
-    replaced by a raw append, and wrapt wrappers at the same collective and pickling points; each only
+    replaced by a raw append, and wrappers (made as dcp-otel makes them) at the same collective and pickling points; each only
     appends a raw tuple to a per-thread log, and a call's start makes a light span (a chosen span id,
     non-recording) current.
     """
@@ -191,7 +191,8 @@ class _DesignCore(DCPLoggerTap):
                 continue
             owner, attr = target
             self.wrapped.append((owner, attr, vars(owner)[attr]))
-            wrapt.wrap_function_wrapper(owner, attr, self._raw(attr))
+            if not (patch.hot and wrap_plainly(owner, attr, self._raw(attr))):  # as dcp-otel wraps it
+                wrapt.wrap_function_wrapper(owner, attr, self._raw(attr))
 
     def unwrap(self) -> None:
         for owner, attr, original in reversed(self.wrapped):

@@ -21,10 +21,12 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FunctionType, MethodType
 from typing import Any
 
 import wrapt
@@ -52,12 +54,18 @@ LOGGER_ATTR = "_dcp_logger"
 
 @dataclass(frozen=True)
 class Patch:
-    """One torch callable we wrap, and what is lost without it."""
+    """One torch callable we wrap, and what is lost without it.
+
+    ``hot``: called for every collective of every save on the training thread, so wrapped by
+    :func:`wrap_plainly` rather than by ``wrapt`` (whose bound wrapper, made at every call of a method,
+    cost 49,000 of the 690,000 instructions dcp-otel added to a save; ``benchmarks/instructions.py``).
+    """
 
     module: str
     name: str  # "function" or "Class.method"
     lost: str
     wrapper: Callable[[Hooks], Callable[..., Any]]
+    hot: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,17 +198,20 @@ PATCHES: tuple[Patch, ...] = (
         "_DistWrapper.gather_object",
         "no written/read byte counts, no dcp.collective.gather_object span",
         _collective_wrapper("gather_object"),
+        hot=True,
     ),
     # DCP's other object collectives, and the methods whose step names them ("plan", "write", "read").
-    *(Patch(_DCP_UTILS, f"_DistWrapper.{method}", f"no dcp.collective.{method} span", _collective_wrapper(method))
+    *(Patch(_DCP_UTILS, f"_DistWrapper.{method}", f"no dcp.collective.{method} span", _collective_wrapper(method),
+            hot=True)
       for method in ("scatter_object", "broadcast_object", "all_gather_object", "barrier")),  # fmt: skip
     *(Patch(_DCP_UTILS, f"_DistWrapper.{pattern}", "dcp.collective.* spans without dcp.collective.step",
-            _collective_scope_wrapper(pattern))
+            _collective_scope_wrapper(pattern), hot=True)
       for pattern in ("reduce_scatter", "all_reduce", "all_gather", "broadcast")),  # fmt: skip
     # Where torch.distributed pickles and unpickles the objects of a collective (module-level functions
     # its collectives call by name): the bytes a collective moved.
-    Patch(_C10D, "_object_to_tensor", "no dcp.collective.sent_bytes", _object_bytes_wrapper(sent=True)),
-    Patch(_C10D, "_tensor_to_object", "no dcp.collective.received_bytes", _object_bytes_wrapper(sent=False)),
+    Patch(_C10D, "_object_to_tensor", "no dcp.collective.sent_bytes", _object_bytes_wrapper(sent=True), hot=True),
+    Patch(_C10D, "_tensor_to_object", "no dcp.collective.received_bytes", _object_bytes_wrapper(sent=False),
+          hot=True),
     Patch(
         "torch.distributed.checkpoint.utils",
         "_wrap_exception",
@@ -284,6 +295,37 @@ class Installed:
         self.tap = self.logger_module = None
 
 
+def wrap_plainly(owner: Any, attr: str, wrapper: Callable[..., Any]) -> bool:
+    """Replace a plain function of a module, or a plain method of a class, by a function calling ``wrapper``.
+
+    ``wrapper`` is called as ``wrapt`` calls it, ``wrapper(wrapped, instance, args, kwargs)`` (``wrapped``
+    bound to the instance for a method), and the replacement carries the original's name, docstring and
+    ``__wrapped__``. Anything else (a static or class method, a builtin, a callable object): ``False``, and
+    nothing changed; ``wrapt`` handles those.
+    """
+    if isinstance(owner, type):
+        method = vars(owner).get(attr)
+        if type(method) is not FunctionType:
+            return False
+
+        @functools.wraps(method)
+        def bound(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return wrapper(MethodType(method, self), self, args, kwargs)
+
+        setattr(owner, attr, bound)
+        return True
+    function = getattr(owner, attr, None)
+    if type(function) is not FunctionType:
+        return False
+
+    @functools.wraps(function)
+    def called(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(function, None, args, kwargs)
+
+    setattr(owner, attr, called)
+    return True
+
+
 def _no_feed(record: dict[str, Any]) -> None:
     pass
 
@@ -342,7 +384,8 @@ def install(
             continue
         owner, attr = target
         original = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
-        wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(hooks))
+        if not (patch.hot and wrap_plainly(owner, attr, patch.wrapper(hooks))):
+            wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(hooks))
         installed.wrapped.append((owner, attr, original))
     entries = (
         (replace_daemon_entry, f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})"),
