@@ -6,7 +6,8 @@
 Rows come from overhead.py (span cost per step; save, load, async save on 2
 ranks), metric_sinks.py (Prometheus and OpenTelemetry metrics, on the caller's
 thread and on the builder's), metrics_overhead.py (put_metric paths), faults.py (saves with a dead
-or hung OTLP endpoint), fixed_cost.py (the caller's bill of a real save: a save that is all fixed cost, in a gloo world of one), process_async.py (the traced checkpoint daemon) and stall_watchdog.py (a save with
+or hung OTLP endpoint), fixed_cost.py (the caller's bill of a real save: a save that is all fixed cost, in a gloo world of one),
+instructions.py (the same bill counted in instructions by valgrind's callgrind), process_async.py (the traced checkpoint daemon) and stall_watchdog.py (a save with
 the stall watchdog ticking or stopped, and the watchdog's own CPU).
 Each compares instrumented with uninstrumented runs interleaved in this run
 (medians), never with a number from elsewhere. The series budget is
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import faults  # noqa: E402
 import fixed_cost  # noqa: E402
+import instructions  # noqa: E402
 import metric_sinks  # noqa: E402
 import metrics_overhead  # noqa: E402
 import overhead  # noqa: E402
@@ -80,6 +82,10 @@ def rows(quick: bool) -> list[Row]:
     found.append(("real save: the design core (not built), in bare spans", REAL_SAVE["core_spans"], 1.0, 5.0, "x"))
     found.append(("real save: bytecode added / bare span (deterministic)", REAL_SAVE["ops_added"],
                   REAL_SAVE["ops_bare"], 5.0, "op"))  # fmt: skip
+    counted = instructions.measure(saves=10 if quick else 20, spans=100 if quick else 200)
+    REAL_SAVE.update({f"callgrind_{key}": value for key, value in counted.items()})
+    found.append(("real save: instructions added / bare span (callgrind)", counted["added"], counted["ir_bare"], 5.0,
+                  "Ir"))  # fmt: skip
     found.append(("real save, 1 gloo rank, wall, builder done between saves", real["settled"] * 1e3,
                   real["plain"] * 1e3, None, "ms"))  # fmt: skip
     found.append(("real save, 1 gloo rank, wall, back to back", real["back-to-back"] * 1e3, real["plain"] * 1e3,
@@ -128,6 +134,9 @@ def main() -> None:
           f"cycles {r['core_spans_low']:.1f} to {r['core_spans_high']:.1f}; {r['core_amid_spans']:.1f} made amid saves)")  # fmt: skip
     print(f"  with the builder's work between saves (settled)  {r['settled_us']:8.1f} us per save")
     print(f"  bytecode added                   {r['ops_added']:8.0f} op per save = {r['ops_spans']:.2f} bare spans")
+    print(f"  instructions added (callgrind)   {r['callgrind_added']:8.0f} Ir per save = {r['callgrind_spans']:.2f} bare "
+          f"spans (L1 misses per 1,000 added: {r['callgrind_misses_per_k']:.1f}; a bare span in a loop: "
+          f"{r['callgrind_bare_misses_per_k']:.1f})")  # fmt: skip
     print(f"  as many trivial instructions     {r['trivial_us']:8.1f} us per save = {r['trivial_share']:.2f} of the bill "
           "(the count of instructions is not where the bill is)")  # fmt: skip
     print(f"  the builder's CPU (own thread)   {r['builder_us']:8.1f} us per save = {r['builder_spans']:.1f} bare spans")

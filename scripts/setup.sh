@@ -2,7 +2,8 @@
 # Set up everything dcp-otel needs on a fresh machine, idempotently:
 #   - .venv with torch==2.13.0 (the CPU build; a bare "torch" could pull a multi-GB
 #     CUDA build), numpy (torch's object collectives need it) and dcp-otel itself;
-#   - with --prometheus / --browser, Prometheus and promtool / Chromium and its driver (Debian).
+#   - with --prometheus / --browser / --valgrind, Prometheus and promtool / Chromium and its driver /
+#     valgrind (benchmarks/instructions.py counts a save's instructions with it) (Debian).
 # Re-running is cheap: packages are reinstalled only when pyproject.toml (or the checkout) changes.
 # VENV and TORCH_VERSION choose another environment: scripts/test.sh makes a cached one with
 # torch 2.15.0, the other tested release (a CUDA build, about 5.7 GB, run on CPU).
@@ -35,11 +36,13 @@ fi
 # System tools the tests use (Debian packages), each installed only when missing:
 #   --prometheus  prometheus and promtool
 #   --browser     chromium and chromium-driver (the HTML report's browser test)
+#   --valgrind    valgrind (benchmarks/instructions.py and its test)
 debs=()
 for flag in "$@"; do
     case "$flag" in
         --prometheus) command -v promtool >/dev/null 2>&1 || debs+=(prometheus) ;;
         --browser) command -v chromedriver >/dev/null 2>&1 || debs+=(chromium chromium-driver) ;;
+        --valgrind) command -v valgrind >/dev/null 2>&1 || debs+=(valgrind) ;;
         *) echo "setup: unknown option $flag" >&2; exit 2 ;;
     esac
 done

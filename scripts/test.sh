@@ -8,7 +8,7 @@
 # (first time: about 3 minutes to download and install, 5.7 GB), in $DCP_OTEL_CACHE (default ~/.cache/dcp-otel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --prometheus --browser
+bash scripts/setup.sh --prometheus --browser --valgrind
 .venv/bin/python -m pytest "$@"
 [ "$#" -gt 0 ] && exit 0
 

@@ -70,3 +70,24 @@ def test_caller_parts_prints_each_part_in_bare_spans() -> None:
                         r"\(wrapt ([\d.]+) us, plain ([\d.]+) us a call\)", done.stdout)  # fmt: skip
     assert wrapped is not None, done.stdout
     assert abs(float(wrapped.group(3)) - float(wrapped.group(4)) - float(wrapped.group(1))) < 0.02, done.stdout
+
+
+def test_instructions_counts_the_real_save_bill_with_callgrind() -> None:
+    # valgrind comes with the test command's set-up (scripts/setup.sh --valgrind): without it this fails.
+    done = subprocess.run([sys.executable, "benchmarks/instructions.py", "--saves", "3", "--spans", "30"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    out = done.stdout
+    counts = re.search(r"instructions per save, plain / traced +([\d,]+) / ([\d,]+)", out)
+    added = re.search(r"added per save +([\d,]+) = ([\d.]+) bare spans of ([\d,]+)", out)
+    assert counts is not None and added is not None, out
+    plain, traced = (int(counts.group(i).replace(",", "")) for i in (1, 2))
+    # A save runs millions of instructions; dcp-otel's hooks add some (never none), a bare span tens of thousands.
+    assert 1_000_000 < plain < traced, out
+    assert int(added.group(1).replace(",", "")) == traced - plain, out
+    assert 10_000 < int(added.group(3).replace(",", "")) < 1_000_000, out
+    collector = re.search(r"of which the garbage collector +(-?[\d.]+) \(with it off: (-?[\d,]+) added\)", out)
+    misses = re.search(r"L1 misses added per save, code / data +(-?[\d,]+) / (-?[\d,]+) \(a bare span in a loop: "
+                       r"([\d,]+) / ([\d,]+)\)", out)  # fmt: skip
+    assert collector is not None and misses is not None, out
+    assert int(misses.group(3).replace(",", "")) > 0, out  # callgrind's cache model ran

@@ -57,8 +57,9 @@ class Patch:
     """One torch callable we wrap, and what is lost without it.
 
     ``hot``: called for every collective of every save on the training thread, so wrapped by
-    :func:`wrap_plainly` rather than by ``wrapt`` (whose bound wrapper, made at every call of a method,
-    cost 49,000 of the 690,000 instructions dcp-otel added to a save; ``benchmarks/instructions.py``).
+    :func:`wrap_plainly` rather than by ``wrapt``, whose bound wrapper, made at every call of a method,
+    cost about 44,000 instructions per save (counted by callgrind, as ``benchmarks/instructions.py``
+    counts; dcp-otel then added some 690,000 to a save).
     """
 
     module: str
