@@ -185,11 +185,11 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         """The hot path: one record of DCP's logger, a step's start inside an operation or an end.
 
         One frame for the two records every DCP step logs (what would read more
-        naturally as three small methods costs a third more here). Returns
-        ``False``, having done nothing, for anything else (a new operation, a
-        call that names its own storage or planner like a nested save, a
-        per-key call, an exception, anything malformed): the tap's general
-        path takes those.
+        naturally as three small methods costs a third more here); a new
+        operation's start goes from here straight to :meth:`_start`. Returns
+        ``False``, having done nothing, for anything else (a call that names
+        its own storage or planner like a nested save, a per-key call, an
+        exception, anything malformed): the tap's general path takes those.
         """
         try:
             if type(msg) is not dict:
