@@ -76,7 +76,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.distributed.checkpoint.logger as dcp_logger  # noqa: E402
-import wrapt  # noqa: E402
 from opentelemetry import context, trace  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
@@ -85,7 +84,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
 from dcp_otel.attach.logger_tap import DCPLoggerTap  # noqa: E402
-from dcp_otel.attach.patches import PATCHES, resolve, wrap_plainly  # noqa: E402
+from dcp_otel.attach.patches import PATCHES, resolve, wrap  # noqa: E402
 from dcp_otel.tracing.light import span_context as light_span_context  # noqa: E402
 from dcp_otel.tracing.light import with_span  # noqa: E402
 
@@ -191,8 +190,7 @@ class _DesignCore(DCPLoggerTap):
                 continue
             owner, attr = target
             self.wrapped.append((owner, attr, vars(owner)[attr]))
-            if not (patch.hot and wrap_plainly(owner, attr, self._raw(attr))):  # as dcp-otel wraps it
-                wrapt.wrap_function_wrapper(owner, attr, self._raw(attr))
+            wrap(owner, attr, self._raw(attr), patch.hot)  # as dcp-otel wraps it
 
     def unwrap(self) -> None:
         for owner, attr, original in reversed(self.wrapped):

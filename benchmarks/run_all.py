@@ -138,7 +138,7 @@ def main() -> None:
           f"spans (L1 misses per 1,000 added: {r['callgrind_misses_per_k']:.1f}; a bare span in a loop: "
           f"{r['callgrind_bare_misses_per_k']:.1f})")  # fmt: skip
     print(f"  as many trivial instructions     {r['trivial_us']:8.1f} us per save = {r['trivial_share']:.2f} of the bill "
-          "(the count of instructions is not where the bill is)")  # fmt: skip
+          "(the count of bytecode is not where the bill is)")  # fmt: skip
     print(f"  the builder's CPU (own thread)   {r['builder_us']:8.1f} us per save = {r['builder_spans']:.1f} bare spans")
     print("\nthe background builder (its own thread; rank 0 of the 2-rank cases)")
     print(f"{'case':<56} {'ms per checkpoint':>18} {'peak queue':>11}")

@@ -327,6 +327,12 @@ def wrap_plainly(owner: Any, attr: str, wrapper: Callable[..., Any]) -> bool:
     return True
 
 
+def wrap(owner: Any, attr: str, wrapper: Callable[..., Any], hot: bool) -> None:
+    """Wrap ``owner.attr`` with ``wrapper`` (wrapt's signature): plainly when ``hot`` and it can be, else by wrapt."""
+    if not (hot and wrap_plainly(owner, attr, wrapper)):
+        wrapt.wrap_function_wrapper(owner, attr, wrapper)
+
+
 def _no_feed(record: dict[str, Any]) -> None:
     pass
 
@@ -385,8 +391,7 @@ def install(
             continue
         owner, attr = target
         original = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
-        if not (patch.hot and wrap_plainly(owner, attr, patch.wrapper(hooks))):
-            wrapt.wrap_function_wrapper(owner, attr, patch.wrapper(hooks))
+        wrap(owner, attr, patch.wrapper(hooks), patch.hot)
         installed.wrapped.append((owner, attr, original))
     entries = (
         (replace_daemon_entry, f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})"),

@@ -302,11 +302,11 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
 
     def _push(
         self, uuid: str, func_name: str, time_ns: int, op: Operation, attributes: dict[str, Any],
-        ctx: context_api.Context, begins: Operation | None = None, span_id: int = 0,
+        ctx: context_api.Context, begins: bool = False, span_id: int = 0,
     ) -> Call:  # fmt: skip
         """Make a light span current while call ``uuid`` runs, and remember the call until it ends.
 
-        ``begins``: the operation this call begins, made current with it. The general path (operations,
+        ``begins``: the call begins ``op``, made current with it. The general path (operations,
         nested saves); :meth:`on_record` does the same for a plain step in one frame: keep the two in step.
         """
         span_id = span_id or new_span_id()
@@ -315,8 +315,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
             call.keys = KeyStats(self.options.slowest_keys)
         light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
         # One new Context: set_value(OPERATION_KEY, ...) then set_span_in_context, without the copy between.
-        call.token = light_attach(with_span(ctx, light) if begins is None else
-                                  Context({**ctx, OPERATION_KEY: begins, SPAN_KEY: light}))  # fmt: skip
+        call.token = light_attach(Context({**ctx, OPERATION_KEY: op, SPAN_KEY: light}) if begins else
+                                  with_span(ctx, light))  # fmt: skip
         stack = self._stack()
         if not stack and op.adopted:  # a top-level call of an operation continued in this process
             call.owns_part = True
@@ -352,7 +352,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         op, parent_ctx = self.starter.begin(event, ctx, self._seq)
         # The operation travels with the context, into the async save thread too.
         call = self._push(event.uuid, event.func_name, event.time_ns, op, op.attributes, parent_ctx,
-                          op, op.span_id)  # fmt: skip
+                          True, op.span_id)  # fmt: skip
         call.kind = KIND_OPERATION
         call.owns_part = True
         op.add_part()
