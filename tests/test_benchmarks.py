@@ -84,7 +84,7 @@ def test_instructions_counts_the_real_save_bill_with_callgrind() -> None:
     plain, traced = (int(counts.group(i).replace(",", "")) for i in (1, 2))
     # A save runs millions of instructions; dcp-otel's hooks add some (never none), a bare span tens of thousands.
     assert 1_000_000 < plain < traced, out
-    assert int(added.group(1).replace(",", "")) == traced - plain, out
+    assert abs(int(added.group(1).replace(",", "")) - (traced - plain)) <= 1, out  # each rounded to a whole one
     assert 10_000 < int(added.group(3).replace(",", "")) < 1_000_000, out
     collector = re.search(r"of which the garbage collector +(-?[\d.]+) \(with it off: (-?[\d,]+) added\)", out)
     misses = re.search(r"L1 misses added per save, code / data +(-?[\d,]+) / (-?[\d,]+) \(a bare span in a loop: "
