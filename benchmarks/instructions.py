@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 #: (arm, whether the garbage collector runs); "bare" runs bare spans, the others saves.
 ARMS = (("plain", True), ("traced", True), ("plain", False), ("traced", False), ("bare", True))
-_WARM = 4
+_WARM = 10  # past CPython 3.11's 8 calls before a function is specialized (quickened): none of that in the region
 
 #: valgrind's client request on x86-64 (``VALGRIND_DO_CLIENT_REQUEST_EXPR`` in valgrind.h) as a function of
 #: one argument, the request's six words: rax = the words, rdx = 0 (what runs natively returns), the four
