@@ -17,14 +17,16 @@ Usage (what the patches do)::
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.tracing.light import span_context as light_span_context
-from dcp_otel.tracing.records import KIND_COLLECTIVE, Call, failure_of, new_span_id
+from dcp_otel.tracing.records import KIND_COLLECTIVE, Call, failure_of
+
+_getrandbits = random.getrandbits
 
 if TYPE_CHECKING:
     from dcp_otel.tracing.builder import SpanBuilder
@@ -37,8 +39,6 @@ class CollectiveCalls:
         _local: threading.local
         _open: dict[str, Call]
         builder: SpanBuilder
-
-        def _stack(self) -> list[Call]: ...
 
     def collective_scope(self, pattern: str, step: object) -> object:
         """``_DistWrapper.<pattern>(step, ...)`` begins: the collectives it makes belong to torch's ``step``.
@@ -75,10 +75,10 @@ class CollectiveCalls:
             op = parent.op
             if op is None or not parent.span_id or parent.kind == KIND_COLLECTIVE or op.interrupted is not None:
                 return None
-            span_id = new_span_id()
-            parent_ctx = light_span_context(op.trace_id, parent.span_id, op.flags)
-            call = Call(f"collective-{span_id:016x}", method, time.time_ns(), span_id, parent_ctx, op,
-                        op.step_attributes, KIND_COLLECTIVE)  # fmt: skip
+            span_id = _getrandbits(64) or 1  # (new_span_id, one call fewer)
+            # Keyed in the open calls by a hex id (DCP's uuids have dashes: never the same); its parent is
+            # its step, whose context the builder makes (nothing runs under a collective: no context now).
+            call = Call(hex(span_id), method, time.time_ns(), span_id, parent, op, op.step_attributes, KIND_COLLECTIVE)
             extra = getattr(local, "collective", None)
             if extra is not None:
                 call.extra = extra
@@ -92,7 +92,7 @@ class CollectiveCalls:
     def collective_ended(self, call: Call, exc: BaseException | None) -> None:
         """The collective returned, or raised ``exc`` (which then propagates out of the operation)."""
         try:
-            stack = self._stack()
+            stack = self._local.stack  # there since collective_started, on this same thread
             if not stack or stack[-1] is not call:
                 if call not in stack:  # ended already: the process was ending (SIGINT, caught)
                     return

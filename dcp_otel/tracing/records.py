@@ -112,7 +112,7 @@ class Call:
         func_name: str,
         start_ns: int,
         span_id: int,
-        parent: SpanContext | trace.Span | None,
+        parent: SpanContext | trace.Span | Call | None,
         op: Operation | None,
         attributes: dict[str, Any],
         kind: str = KIND_STEP,
@@ -122,7 +122,7 @@ class Call:
         self.start_ns = start_ns
         self.end_ns = 0
         self.span_id = span_id  # 0: a per-key call, summarized on its parent, no span
-        self.parent = parent  # the span (or its context) current when the call started
+        self.parent = parent  # the span (or its context) current when the call started; a collective's: its step
         self.op = op
         self.attributes = attributes  # shared, never mutated (replaced when they change)
         self.token: object | None = None
@@ -144,7 +144,10 @@ class Call:
     def parent_context(self) -> SpanContext | None:
         """The valid span context of the parent, if any."""
         parent = self.parent
-        if parent is not None and not isinstance(parent, SpanContext):
+        if isinstance(parent, Call):  # a collective's step: its context made here, off the caller's thread
+            op = self.op
+            parent = SpanContext(op.trace_id, parent.span_id, False, op.flags) if op is not None else None
+        elif parent is not None and not isinstance(parent, SpanContext):
             parent = parent.get_span_context() if isinstance(parent, trace.Span) else None
         return parent if parent is not None and parent.is_valid else None
 
