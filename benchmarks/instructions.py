@@ -21,10 +21,11 @@ Only the measured region counts: callgrind collects inside libc's ``qsort`` (``-
 the region runs as its comparison callback (through ``ctypes``), after warm-up saves outside it and a
 full collection. callgrind instruments nothing until the warm-up is done (a client request starts it;
 one more round then runs instrumented but outside the count, so its cache model starts warm): torch's
-import alone takes ~40 s under full instrumentation, an arm now ~15 s. Counts repeat to within 0.2 %
-from run to run (thread scheduling and the garbage collector's timing). One region per process:
-``--dump-after`` does not separate regions here (glibc's ``qsort`` jumps into ``qsort_r``, which other
-code may call too).
+import alone takes ~40 s under full instrumentation, an arm now ~15 s (on x86-64, where the request's
+machine code can run; elsewhere callgrind instruments from the start: slower, the same counts).
+Counts repeat to within 0.2 % from run to run (thread scheduling and the garbage collector's timing).
+One region per process: ``--dump-after`` does not separate regions here (glibc's ``qsort`` jumps into
+``qsort_r``, which other code may call too).
 
 Printed: instructions (Ir) per save, plain and traced, and the difference in bare spans' worth of
 instructions; then the level-1 cache misses of callgrind's cache model (I1: code, D1: data; the host's
@@ -83,12 +84,20 @@ def _client_request(request: int) -> int:
     return int(call(ctypes.addressof(words)))
 
 
-def _start_instrumentation() -> None:
-    """Have callgrind instrument from here on, not from the interpreter's start: torch's import and the
-    warm-up run uninstrumented, about 4x faster. Elsewhere than x86-64 callgrind instruments from the
-    start (``--instr-atstart=yes``) and this does nothing."""
+def _sends_requests() -> bool:
+    """Whether this machine can run :func:`_client_request`: x86-64, and memory it may write and execute
+    (a hardened kernel may refuse it). Outside valgrind the request returns 0."""
     if platform.machine() != "x86_64":
-        return
+        return False
+    try:
+        return _client_request(_RUNNING_ON_VALGRIND) == 0
+    except (OSError, ValueError):
+        return False
+
+
+def _start_instrumentation() -> None:
+    """Have callgrind instrument from here on (it was started with ``--instr-atstart=no``): torch's import
+    and the warm-up ran uninstrumented, about 4x faster."""
     if _client_request(_RUNNING_ON_VALGRIND) != 1:
         raise RuntimeError("valgrind did not answer its client request: this arm's counts would be empty")
     _client_request(_START_INSTRUMENTATION)
@@ -110,8 +119,11 @@ def _in_region(run: Callable[[], None]) -> None:
     libc.qsort(items, 2, ctypes.sizeof(ctypes.c_int), compare_type(compare))
 
 
-def child(arm: str, count: int, collector: bool) -> None:
-    """One arm, in a process under callgrind: warm up, then ``count`` saves (or bare spans) in the region."""
+def child(arm: str, count: int, collector: bool, requests: bool) -> None:
+    """One arm, in a process under callgrind: warm up, then ``count`` saves (or bare spans) in the region.
+
+    ``requests``: callgrind waits for :func:`_start_instrumentation` (else it instrumented from the start).
+    """
     warnings.simplefilter("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
@@ -139,7 +151,8 @@ def child(arm: str, count: int, collector: bool) -> None:
 
             saves(_WARM)
             region = functools.partial(saves, count)
-        _start_instrumentation()
+        if requests:
+            _start_instrumentation()
         # One more round instrumented but not counted, so callgrind's cache model starts warm as the region.
         region() if arm == "bare" else saves(1)
         gc.collect()
@@ -150,13 +163,13 @@ def child(arm: str, count: int, collector: bool) -> None:
         os._exit(0)  # the region is counted; tearing down the process group is not worth valgrind's time
 
 
-def counted(arm: str, count: int, collector: bool, workdir: str) -> dict[str, int]:
+def counted(arm: str, count: int, collector: bool, workdir: str, requests: bool) -> dict[str, int]:
     """callgrind's totals for one arm, run in a process of its own."""
     out = os.path.join(workdir, f"callgrind.{arm}.{int(collector)}")
-    instr = "no" if platform.machine() == "x86_64" else "yes"
+    instr = "no" if requests else "yes"
     command = ["valgrind", "--tool=callgrind", f"--instr-atstart={instr}", "--collect-atstart=no", "--toggle-collect=*qsort*", "--cache-sim=yes",
                f"--callgrind-out-file={out}", sys.executable, __file__, "--child", arm, str(count),
-               "1" if collector else "0"]  # fmt: skip
+               "1" if collector else "0", "1" if requests else "0"]  # fmt: skip
     env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts in every run
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0 or not os.path.exists(out):
@@ -180,9 +193,11 @@ def measure(saves: int = 20, spans: int = 200) -> dict[str, float]:
     """
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed: apt-get install -y valgrind (or scripts/setup.sh --valgrind)")
+    requests = _sends_requests()
     with tempfile.TemporaryDirectory(prefix="dcp-otel-callgrind-") as workdir, \
             concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # fmt: skip
-        jobs = {(arm, collector): pool.submit(counted, arm, spans if arm == "bare" else saves, collector, workdir)
+        jobs = {(arm, collector): pool.submit(counted, arm, spans if arm == "bare" else saves, collector, workdir,
+                                              requests)
                 for arm, collector in ARMS}  # fmt: skip
         totals = {key: job.result() for key, job in jobs.items()}
     found: dict[str, float] = {}
@@ -205,10 +220,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--saves", type=int, default=20)
     parser.add_argument("--spans", type=int, default=200)
-    parser.add_argument("--child", nargs=3, metavar=("ARM", "COUNT", "COLLECTOR"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("ARM", "COUNT", "COLLECTOR", "REQUESTS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), args.child[2] == "1")
+        child(args.child[0], int(args.child[1]), args.child[2] == "1", args.child[3] == "1")
         return
     import torch
 
