@@ -74,7 +74,7 @@ def test_caller_parts_prints_each_part_in_bare_spans() -> None:
 
 def test_instructions_counts_the_real_save_bill_with_callgrind() -> None:
     # valgrind comes with the test command's set-up (scripts/setup.sh --valgrind): without it this fails.
-    # About 30 s: five valgrind processes, each instrumenting only from the end of its warm-up.
+    # About 45 s: five valgrind processes, each instrumenting only from the end of its warm-up.
     done = subprocess.run([sys.executable, "benchmarks/instructions.py", "--saves", "3", "--spans", "30"], cwd=REPO,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
