@@ -1,6 +1,6 @@
 """Every benchmark, one table: what dcp-otel costs, as ratios measured side by side in one run.
 
-    .venv/bin/python benchmarks/run_all.py            # ~15 min on 2 cores
+    .venv/bin/python benchmarks/run_all.py            # ~10 min on 2 cores
     .venv/bin/python benchmarks/run_all.py --quick    # fewer repetitions, ~6 min
 
 Rows come from overhead.py (span cost per step; save, load, async save on 2
