@@ -189,7 +189,7 @@ class OperationStarter:
         op.span_id = op.exemplar_span_id = new_span_id()
 
         caller = ctx.get(SPAN_KEY)  # trace.get_current_span(ctx), without its calls; None: no span
-        if caller is not None and isinstance(caller, trace.Span):
+        if isinstance(caller, trace.Span):
             caller_ctx = caller.get_span_context()
             if caller_ctx.is_valid:
                 op.caller = caller_ctx
