@@ -197,15 +197,20 @@ class _DesignCore(DCPLoggerTap):
             setattr(owner, attr, original)
         self.wrapped.clear()
 
-    def _raw(self, name: str) -> Callable[..., Any]:
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            log = self._log()
-            log.append((None, name, "start", time.time_ns()))
-            result = wrapped(*args, **kwargs)
-            log.append((None, name, "end", time.time_ns()))
-            return result
+    def _raw(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A hot patch's replacer (``patches.Patch``): the replacement appends raw records around the original."""
 
-        return wrapper
+        def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
+            def replacement(*args: Any, **kwargs: Any) -> Any:  # (a method's self is args[0])
+                log = self._log()
+                log.append((None, name, "start", time.time_ns()))
+                result = original(*args, **kwargs)
+                log.append((None, name, "end", time.time_ns()))
+                return result
+
+            return replacement
+
+        return replacer
 
 
 class _TrivialOps(DCPLoggerTap):

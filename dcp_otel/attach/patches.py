@@ -26,7 +26,7 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FunctionType, MethodType
+from types import FunctionType
 from typing import Any
 
 import wrapt
@@ -50,16 +50,22 @@ logger = logging.getLogger("dcp_otel")
 
 LOGGER_MODULE = "torch.distributed.checkpoint.logger"
 LOGGER_ATTR = "_dcp_logger"
+#: A hot patch's: given the original function, the function that takes its place (:class:`Patch`).
+Replacer = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 @dataclass(frozen=True)
 class Patch:
     """One torch callable we wrap, and what is lost without it.
 
-    ``hot``: called for every collective of every save on the training thread, so wrapped by
-    :func:`wrap_plainly` rather than by ``wrapt``, whose bound wrapper, made at every call of a method,
-    cost about 44,000 instructions per save (counted by callgrind, as ``benchmarks/instructions.py``
-    counts; dcp-otel then added some 690,000 to a save).
+    ``wrapper`` makes a wrapper in ``wrapt``'s signature, ``wrapper(wrapped, instance, args, kwargs)``.
+    ``hot``: called for every collective of every save on the training thread. ``wrapper`` then makes a
+    *replacer* instead: given the original function, the function that takes its place, called exactly
+    as the original is (a method's with ``self`` first) and calling it directly (:func:`replace_plainly`).
+    One frame per call: ``wrapt``'s bound wrapper, made at every call of a method, cost about 44,000
+    instructions per save, and a plain function calling a wrapper in wrapt's signature (a bound method
+    made per call, the arguments packed twice) some 25,000 more (counted by callgrind, as
+    ``benchmarks/instructions.py`` counts).
     """
 
     module: str
@@ -103,73 +109,82 @@ def _storage_setup_wrapper(hooks: Hooks) -> Callable[..., Any]:
     return wrapper
 
 
-def _collective_wrapper(method: str) -> Callable[[Hooks], Callable[..., Any]]:
-    """One of ``_DistWrapper``'s object collectives, as a ``dcp.collective.<method>`` span."""
+def _collective_wrapper(method: str) -> Callable[[Hooks], Replacer]:
+    """One of ``_DistWrapper``'s object collectives, as a ``dcp.collective.<method>`` span (a hot patch)."""
 
-    def make(hooks: Hooks) -> Callable[..., Any]:
+    def make(hooks: Hooks) -> Replacer:
         recorder = hooks.recorder
         gathers = method == "gather_object"
 
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if gathers:  # this rank's write results or read plan, on their way to the coordinator
-                recorder.on_gathered(args[0] if args else kwargs.get("object"), getattr(instance, "group", None))
-            # Without torch.distributed (a single process) DCP's wrapper makes no collective at all.
-            call = recorder.collective_started(method) if getattr(instance, "use_dist", True) else None
-            if call is None:
-                return wrapped(*args, **kwargs)
-            try:
-                result = wrapped(*args, **kwargs)
-            except BaseException as exc:
-                recorder.collective_ended(call, exc)
-                raise
-            recorder.collective_ended(call, None)
-            return result
+        def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
+            def replacement(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if gathers:  # this rank's write results or read plan, on their way to the coordinator
+                    recorder.on_gathered(args[0] if args else kwargs.get("object"), getattr(self, "group", None))
+                # Without torch.distributed (a single process) DCP's wrapper makes no collective at all.
+                call = recorder.collective_started(method) if getattr(self, "use_dist", True) else None
+                if call is None:
+                    return original(self, *args, **kwargs)
+                try:
+                    result = original(self, *args, **kwargs)
+                except BaseException as exc:
+                    recorder.collective_ended(call, exc)
+                    raise
+                recorder.collective_ended(call, None)
+                return result
 
-        return wrapper
+            return replacement
+
+        return replacer
 
     return make
 
 
-def _collective_scope_wrapper(pattern: str) -> Callable[[Hooks], Callable[..., Any]]:
-    """``_DistWrapper.reduce_scatter("plan", ...)`` and its kin: their collectives belong to torch's step."""
+def _collective_scope_wrapper(pattern: str) -> Callable[[Hooks], Replacer]:
+    """``_DistWrapper.reduce_scatter("plan", ...)`` and its kin: their collectives belong to torch's step (hot)."""
 
-    def make(hooks: Hooks) -> Callable[..., Any]:
+    def make(hooks: Hooks) -> Replacer:
         recorder = hooks.recorder
 
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            previous = recorder.collective_scope(pattern, args[0] if args else kwargs.get("step"))
-            try:
-                return wrapped(*args, **kwargs)
-            finally:
-                recorder.end_collective_scope(previous)
+        def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
+            def replacement(self: Any, *args: Any, **kwargs: Any) -> Any:
+                previous = recorder.collective_scope(pattern, args[0] if args else kwargs.get("step"))
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    recorder.end_collective_scope(previous)
 
-        return wrapper
+            return replacement
+
+        return replacer
 
     return make
 
 
-def _object_bytes_wrapper(sent: bool) -> Callable[[Hooks], Callable[..., Any]]:
+def _object_bytes_wrapper(sent: bool) -> Callable[[Hooks], Replacer]:
     """torch.distributed pickles (``sent``) or unpickles an object of a collective: its bytes, counted on
     DCP's collective this thread is in (``_object_to_tensor`` returns the byte tensor; ``_tensor_to_object``
     is given its ``tensor_size``)."""
 
-    def make(hooks: Hooks) -> Callable[..., Any]:
+    def make(hooks: Hooks) -> Replacer:
         recorder = hooks.recorder
 
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            result = wrapped(*args, **kwargs)
-            call = recorder.current_collective()
-            if call is not None:
-                try:
-                    if sent:
-                        call.sent_bytes += int(result[0].numel())
-                    else:
-                        call.received_bytes += int(args[1] if len(args) > 1 else kwargs["tensor_size"])
-                except Exception:  # noqa: BLE001 - a torch whose functions differ: no bytes, no harm
-                    pass
-            return result
+        def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
+            def replacement(*args: Any, **kwargs: Any) -> Any:
+                result = original(*args, **kwargs)
+                call = recorder.current_collective()
+                if call is not None:
+                    try:
+                        if sent:
+                            call.sent_bytes += int(result[0].numel())
+                        else:
+                            call.received_bytes += int(args[1] if len(args) > 1 else kwargs["tensor_size"])
+                    except Exception:  # noqa: BLE001 - a torch whose functions differ: no bytes, no harm
+                        pass
+                return result
 
-        return wrapper
+            return replacement
+
+        return replacer
 
     return make
 
@@ -296,41 +311,39 @@ class Installed:
         self.tap = self.logger_module = None
 
 
-def wrap_plainly(owner: Any, attr: str, wrapper: Callable[..., Any]) -> bool:
-    """Replace a plain function of a module, or a plain method of a class, by a function calling ``wrapper``.
+def replace_plainly(owner: Any, attr: str, replacer: Replacer) -> bool:
+    """Put ``replacer(original)`` in the place of a plain function of a module or a plain method of a class.
 
-    ``wrapper`` is called as ``wrapt`` calls it, ``wrapper(wrapped, instance, args, kwargs)`` (``wrapped``
-    bound to the instance for a method), and the replacement carries the original's name, docstring and
-    ``__wrapped__``. Anything else (a static or class method, a builtin, a callable object): ``False``, and
-    nothing changed; ``wrapt`` handles those.
+    The replacement carries the original's name, docstring and ``__wrapped__``. Anything else (a static
+    or class method, a builtin, a callable object): ``False``, and nothing changed; :func:`wrap` then
+    hands the replacer to ``wrapt``.
     """
-    if isinstance(owner, type):
-        method = vars(owner).get(attr)
-        if type(method) is not FunctionType:
-            return False
-
-        @functools.wraps(method)
-        def bound(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return wrapper(MethodType(method, self), self, args, kwargs)
-
-        setattr(owner, attr, bound)
-        return True
-    function = getattr(owner, attr, None)
-    if type(function) is not FunctionType:
+    original = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    if type(original) is not FunctionType:
         return False
-
-    @functools.wraps(function)
-    def called(*args: Any, **kwargs: Any) -> Any:
-        return wrapper(function, None, args, kwargs)
-
-    setattr(owner, attr, called)
+    setattr(owner, attr, functools.wraps(original)(replacer(original)))
     return True
 
 
+def _through_wrapt(replacer: Replacer, method: bool) -> Callable[..., Any]:
+    """A replacer as a wrapper in wrapt's signature (a replacement made per call: only where
+    :func:`replace_plainly` cannot replace). ``method``: the replacement takes ``self`` first."""
+    if method:
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return replacer(lambda _self, *a, **k: wrapped(*a, **k))(instance, *args, **kwargs)
+    else:
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return replacer(wrapped)(*args, **kwargs)
+    return wrapper
+
+
 def wrap(owner: Any, attr: str, wrapper: Callable[..., Any], hot: bool) -> None:
-    """Wrap ``owner.attr`` with ``wrapper`` (wrapt's signature): plainly when ``hot`` and it can be, else by wrapt."""
-    if not (hot and wrap_plainly(owner, attr, wrapper)):
+    """Wrap ``owner.attr``: ``hot``, ``wrapper`` is a replacer (:class:`Patch`), put in the original's place
+    when that is a plain function; otherwise, or not hot, ``wrapper`` in wrapt's signature, by wrapt."""
+    if not hot:
         wrapt.wrap_function_wrapper(owner, attr, wrapper)
+    elif not replace_plainly(owner, attr, wrapper):
+        wrapt.wrap_function_wrapper(owner, attr, _through_wrapt(wrapper, isinstance(owner, type)))
 
 
 def _no_feed(record: dict[str, Any]) -> None:
