@@ -390,3 +390,56 @@ def test_opentelemetry_instrument_that_configured_nothing_is_named_by_dcp_otel(t
     assert run.returncode == 0, run.stderr
     said = [line for line in run.stderr.splitlines() if "DCP spans go nowhere" in line]
     assert len(said) == 1 and "pip install opentelemetry-distro" in said[0], run.stderr
+
+
+def test_a_hot_patch_takes_the_originals_place_or_goes_through_wrapt_when_it_cannot() -> None:
+    """A hot patch's replacer gets the original and returns what is called instead, exactly as the original
+    (on a class, the instance first): in the original's place for a plain function or method, through
+    wrapt for anything else (a static method, a builtin), with the same arguments and results either way."""
+    import math
+    import types
+
+    from dcp_otel.attach.patches import wrap
+
+    seen: list[tuple[object, ...]] = []
+
+    def replacer(original):
+        def replacement(*args, **kwargs):
+            seen.append(args)
+            return original(*args, **kwargs)
+
+        return replacement
+
+    class Collectives:
+        def gather_object(self, obj, *, dst=0):
+            return (self, obj, dst)
+
+        @staticmethod
+        def barrier(tag):
+            return f"barrier {tag}"
+
+    module = types.ModuleType("fake_c10d")
+    module.sqrt = math.sqrt  # a builtin: not a plain function
+
+    def _object_to_tensor(obj, device, group=None):
+        return (obj, device, group)
+
+    module._object_to_tensor = _object_to_tensor
+    plain_method = vars(Collectives)["gather_object"]
+    for owner, attr in ((Collectives, "gather_object"), (Collectives, "barrier"), (module, "sqrt"),
+                        (module, "_object_to_tensor")):  # fmt: skip
+        wrap(owner, attr, replacer, hot=True)
+
+    one = Collectives()
+    assert one.gather_object("plan", dst=1) == (one, "plan", 1)
+    assert Collectives.barrier("x") == one.barrier("x") == "barrier x"
+    assert module.sqrt(9.0) == 3.0
+    assert module._object_to_tensor("o", "cpu", group="g") == ("o", "cpu", "g")
+    # In the original's place (one frame, named and documented as the original), or wrapt's proxy.
+    assert type(vars(Collectives)["gather_object"]) is types.FunctionType
+    assert vars(Collectives)["gather_object"].__wrapped__ is plain_method
+    assert module._object_to_tensor.__wrapped__ is _object_to_tensor
+    assert module._object_to_tensor.__name__ == "_object_to_tensor"
+    assert type(module.sqrt) is not types.BuiltinFunctionType  # wrapt's FunctionWrapper
+    # A replacement on a class takes the instance first: wrapt gives a static method's as None.
+    assert seen == [(one, "plan"), (None, "x"), (None, "x"), (9.0,), ("o", "cpu")]

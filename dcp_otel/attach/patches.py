@@ -327,7 +327,8 @@ def replace_plainly(owner: Any, attr: str, replacer: Replacer) -> bool:
 
 def _through_wrapt(replacer: Replacer, method: bool) -> Callable[..., Any]:
     """A replacer as a wrapper in wrapt's signature (a replacement made per call: only where
-    :func:`replace_plainly` cannot replace). ``method``: the replacement takes ``self`` first."""
+    :func:`replace_plainly` cannot replace). ``method``: the replacement takes the instance first (wrapt's
+    ``instance``: ``None`` for a static method)."""
     if method:
         def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return replacer(lambda _self, *a, **k: wrapped(*a, **k))(instance, *args, **kwargs)
