@@ -25,7 +25,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
 from dcp_otel.tracing.operations import OPERATION_KEY
-from dcp_otel.tracing.records import MAX_KEY_TEXT, Call, Operation, failure_of
+from dcp_otel.tracing.records import Call, KeyCall, Operation, failure_of, key_of
 
 #: What carries byte counts: write results, local read plans, a consolidation's output folder, a checkpointer's file.
 _GATHERED_TYPES = (list, LoadPlan, ConsolidatedOutput, CheckpointFile)
@@ -48,7 +48,7 @@ class CallFacts:
             if not stack or stack[-1].keys is None:
                 report("orphan_key_event", "dropped a per-key DCP event with no enclosing state-dict conversion")
                 return
-            stack.append(Call(uuid, func_name, time_ns, 0, None, None, {}))
+            stack.append(KeyCall(uuid, func_name, time_ns))
             return
         if not stack or stack[-1].uuid != uuid:
             report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
@@ -57,11 +57,10 @@ class CallFacts:
         parent_keys = stack[-1].keys if stack else None
         if parent_keys is None:
             return
-        key = func_name[len(semconv.STATEFUL_KEY_PREFIX) :][:MAX_KEY_TEXT]
         if kind == "end":
-            parent_keys.add(key, max(0, time_ns - call.start_ns))
+            parent_keys.add(func_name, max(0, time_ns - call.start_ns))
         else:
-            parent_keys.failed_key = key
+            parent_keys.failed_key = key_of(func_name)
 
     def on_storage_resolved(self, storage: object, reader: bool) -> None:
         """DCP chose the storage for the current operation (``_storage_setup``).

@@ -54,8 +54,8 @@ from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_cla
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
     KIND_OPERATION,
-    MAX_KEY_TEXT,
     Call,
+    KeyCall,
     KeyStats,
     Operation,
     failure_of,
@@ -65,10 +65,7 @@ from dcp_otel.tracing.trace_ids import SequenceCounter
 from dcp_otel.tracing.uploads import InFlight
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
-_KEY_PREFIX_LEN = len(_KEY_PREFIX)
 _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
-#: A per-key call's attributes (it has no span: never read, never mutated).
-_NO_ATTRIBUTES: dict[str, Any] = {}
 _getrandbits = random.getrandbits
 #: Operations that wait in steps of their own (the checkpointer's barrier, its wait for the previous write).
 _WAITING_IN_STEPS = frozenset({semconv.CHECKPOINTER_SAVE, semconv.CHECKPOINTER_ASYNC_SAVE})
@@ -222,7 +219,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 if not call.span_id:  # a per-key call (no span): its time joins its conversion's summary
                     keys = stack[-1].keys if stack else None
                     if keys is not None:
-                        keys.add(call.func_name[_KEY_PREFIX_LEN:][:MAX_KEY_TEXT], max(0, time_ns - call.start_ns))
+                        took = time_ns - call.start_ns
+                        keys.add(call.func_name, took if took > 0 else 0)
                     return True
                 op = call.op
                 if op is None or op.submitted or call.owns_part:  # not a plain step
@@ -248,7 +246,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
             if func_name.startswith(_KEY_PREFIX):  # a state dict's per-key call (2 records a key): no span, no context
                 if not stack or stack[-1].keys is None:
                     return False  # (the general path reports it)
-                stack.append(Call(uuid, func_name, time_ns, 0, None, None, _NO_ATTRIBUTES))
+                stack.append(KeyCall(uuid, func_name, time_ns))
                 return True
             ctx = light_get_current()
             op = ctx.get(OPERATION_KEY)  # a Context is a dict: get_value without the call
