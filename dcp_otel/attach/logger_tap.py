@@ -64,7 +64,7 @@ class DCPLoggerTap:
     # torch calls exactly these two: debug (start, end) and error (exception). Any other
     # method is the logger's own (``__getattr__``), as for code that is not DCP's.
     def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        if not self._fast(msg):  # a step's two records take the recorder's hot path, in one call
+        if not self._fast(msg):  # a step's two records (and a key's) take the recorder's hot path, in one call
             self._general(msg)
         logger = self.logger
         # This frame counts as logging's own (_as_loggings_own): the caller's stack level passes unchanged.
@@ -80,8 +80,8 @@ class DCPLoggerTap:
 
     def feed(self, msg: Any) -> None:
         """Hand one DCP record (torch's dict) to the recorder."""
-        # The two records of every DCP step go straight to the recorder's hot path;
-        # everything else (operations, per-key calls, exceptions, malformed records) takes the general one.
+        # The two records of every DCP step (and of every key of a state dict) go straight to the hot path;
+        # everything else (operations, exceptions, malformed records) takes the general one.
         if not self._fast(msg):
             self._general(msg)
 

@@ -182,7 +182,7 @@ class KeyCall(Call):
     token = None
     children_ns = 0
 
-    def __init__(self, uuid: str, func_name: str, start_ns: int) -> None:  # noqa: D107
+    def __init__(self, uuid: str, func_name: str, start_ns: int) -> None:
         self.uuid = uuid
         self.func_name = func_name
         self.start_ns = start_ns
