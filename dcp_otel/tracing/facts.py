@@ -42,7 +42,12 @@ class CallFacts:
         def _close(self, call: Call, end_ns: int, parent: Call | None) -> None: ...
 
     def on_key_event(self, kind: str, uuid: str, func_name: str, time_ns: int) -> None:
-        """The hot path for ``_stateful_to_state_dict.<key>``: no span, just a summary."""
+        """A ``_stateful_to_state_dict.<key>`` record on the general path: no span, just a summary.
+
+        torch's own per-key records are recorded by the hot path (``SpanRecorder.on_record``), which does
+        the same in its own frame: keep the two in step. What reaches here is the rest: a key's exception,
+        an orphan or unmatched record (reported), a record of another type than ``dict``.
+        """
         stack = self._stack()
         if kind == "start":
             if not stack or stack[-1].keys is None:
