@@ -57,6 +57,22 @@ def test_fixed_cost_prints_the_real_save_bill_in_bare_spans() -> None:
     assert builder is not None and float(builder.group(1)) > 0, out  # the builder built the saves it was given
 
 
+def test_per_key_prints_the_bytecode_and_time_dcp_otel_adds_per_key() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/per_key.py", "--keys", "40", "--timed-keys", "100", "--blocks", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ops = re.search(r"bytecode per save of 40 keys, plain / traced +(\d+) / (\d+) op\n +added per key +(-?[\d.]+) op "
+                    r"\(([\d.]+) % of the plain save's\)", done.stdout)  # fmt: skip
+    assert ops is not None, done.stdout
+    plain, traced, per_key = int(ops.group(1)), int(ops.group(2)), float(ops.group(3))
+    # Two records a key reach dcp-otel: each costs some bytecode, and far less than a bare span's 1,000 or so.
+    assert 10 < per_key < 2000 and abs((traced - plain) / 40 - per_key) < 0.1, done.stdout
+    cpu = re.search(r"CPU per save of 100 keys, plain / traced +([\d.]+) / ([\d.]+) ms +ratio ([\d.]+) +added "
+                    r"([-+][\d.]+) us per key \(medians of 6 saves per arm\)", done.stdout)  # fmt: skip
+    assert cpu is not None, done.stdout
+    assert abs(float(cpu.group(2)) / float(cpu.group(1)) - float(cpu.group(3))) < 0.002, done.stdout
+
+
 def test_caller_parts_prints_each_part_in_bare_spans() -> None:
     done = subprocess.run([sys.executable, "benchmarks/caller_parts.py", "--repeats", "2"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
