@@ -119,6 +119,38 @@ def test_uninstrument_restores_every_original_object(provider) -> None:
     assert dcp_logger() is logger_before and logger_before.handlers == handlers_before  # type: ignore[attr-defined]
 
 
+def test_uninstrument_leaves_a_wrapper_another_tool_put_over_ours(provider, tmp_path: Path) -> None:
+    """Another tool wraps after instrument(): uninstrument() keeps its wrappers, and ours under them go quiet."""
+    before_setup, before_logger = dcp_saver._storage_setup, dcp_logger()
+    dcp_otel.instrument(tracer_provider=provider[0])
+    calls: list[str] = []
+    ours_setup, ours_logger = dcp_saver._storage_setup, dcp_logger()
+
+    def theirs_setup(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("setup")
+        return ours_setup(*args, **kwargs)
+
+    class TheirLogger:  # a stand-in of their own over our tap, passing everything on
+        def __getattr__(self, name: str) -> object:
+            calls.append(name) if name in ("debug", "error") else None
+            return getattr(ours_logger, name)
+
+    dcp_saver._storage_setup, dcp_logger_module._dcp_logger = theirs_setup, TheirLogger()
+    try:
+        dcp_otel.uninstrument()
+        assert dcp_saver._storage_setup is theirs_setup and isinstance(dcp_logger(), TheirLogger)
+        provider[1].clear()
+        state = {"w": torch.arange(4.0)}
+        dcp.save(state, checkpoint_id=str(tmp_path / "after"))
+        loaded = {"w": torch.zeros(4)}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "after"))
+        assert torch.equal(loaded["w"], state["w"]) and "setup" in calls and "debug" in calls  # still called
+        dcp_otel.flush()
+        assert provider[1].get_finished_spans() == ()  # ours, under theirs, record nothing
+    finally:
+        dcp_saver._storage_setup, dcp_logger_module._dcp_logger = before_setup, before_logger
+
+
 def test_instrumenting_twice_only_warns_and_records_once(provider, tmp_path: Path, caplog) -> None:
     dcp_otel.instrument(tracer_provider=provider[0])
     try:

@@ -74,7 +74,7 @@ class DaemonBootstrap:
     resource: dict[str, Any] = field(default_factory=dict)
     relay: Connection | None = None
     stall_after_s: float | None = None
-    #: End open calls on SIGTERM/SIGINT in the daemon too (its rank ends it with SIGTERM).
+    #: End open calls on SIGTERM in the daemon too (its rank ends it with SIGTERM).
     signals: bool = True
 
 
@@ -236,9 +236,11 @@ def replace_entry(owner_of: Callable[[], type], name: str, replacement_spec: str
     replacement = resolve_callable(replacement_spec)
     if original.__func__ is not replacement:
         sys.modules[replacement.__module__].TORCH_ENTRY = original.__func__  # type: ignore[attr-defined]
-    setattr(owner, name, staticmethod(replacement))
+    placed = staticmethod(replacement)
+    setattr(owner, name, placed)
 
     def restore() -> None:
-        setattr(owner, name, original)
+        if vars(owner).get(name) is placed:  # only ours: not what another tool put over it since
+            setattr(owner, name, original)
 
     return restore

@@ -53,6 +53,10 @@ class DCPLoggerTap:
         self.recorder = recorder
         self._fast = recorder.on_record
 
+    def go_inert(self) -> None:
+        """Feed nothing from now on, and pass every call on to torch's logger (left under another stand-in)."""
+        self._fast = _fed_nothing
+
     def __getattr__(self, name: str) -> Any:
         if name in ("logger", "recorder", "_fast"):  # not set yet (a copy being built): never recurse
             raise AttributeError(name)
@@ -104,6 +108,10 @@ class DCPLoggerTap:
         # exception object (type, traceback) is the one being handled now.
         exc_value = sys.exc_info()[1] if event.kind == "exception" else None
         self.recorder.on_event(event, exc_value)
+
+
+def _fed_nothing(msg: Any) -> bool:
+    return True  # "taken": the general path is not tried either
 
 
 def _as_loggings_own(method: Any) -> None:

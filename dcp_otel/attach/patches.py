@@ -289,15 +289,29 @@ class Installed:
     logger_module: Any = None  # torch's module whose ``_dcp_logger`` the tap replaced
     carrier: AsyncContextCarrier | None = None
     bridge: ProcessBridge | None = None
-    wrapped: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, attribute, original)
+    wrapped: list[tuple[Any, str, Any, Any]] = field(default_factory=list)  # (owner, attribute, original, ours)
+    #: On while installed: the non-hot wrappers pass calls through once it is off (see :meth:`remove`).
+    switch: list[bool] = field(default_factory=lambda: [True])
+    left_in_place: list[str] = field(default_factory=list)
     restore_entries: list[Callable[[], None]] = field(default_factory=list)  # of spawned processes
     missing: list[str] = field(default_factory=list)
 
     def remove(self) -> None:
-        for owner, attr, original in reversed(self.wrapped):
-            # The exact object we replaced: unwrapping a staticmethod would leave its bare
-            # function behind, which the class would then bind as a method.
-            setattr(owner, attr, original)
+        """Detach: put back each original where our replacement is still in place.
+
+        Where another tool has put its own wrapper over ours since, theirs stays (removing it would undo
+        their work): ours, under it, only passes calls through from now on (a non-hot wrapper is switched
+        off; a hot one finds no DCP operation open, as the recorder gets no records any more).
+        """
+        self.switch[0] = False
+        for owner, attr, original, placed in reversed(self.wrapped):
+            current = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+            if current is placed:
+                # The exact object we replaced: unwrapping a staticmethod would leave its bare
+                # function behind, which the class would then bind as a method.
+                setattr(owner, attr, original)
+            else:
+                self.left_in_place.append(f"{getattr(owner, '__name__', owner)}.{attr}")
         self.wrapped.clear()
         for restore in reversed(self.restore_entries):
             restore()
@@ -308,6 +322,12 @@ class Installed:
             original, current = self.tap.logger, getattr(self.logger_module, LOGGER_ATTR, None)
             if current is self.tap:  # only ours: not what someone set since
                 setattr(self.logger_module, LOGGER_ATTR, original)
+            else:  # under someone else's stand-in: passes records on to torch's logger, feeds nothing
+                self.tap.go_inert()
+                self.left_in_place.append(f"{LOGGER_MODULE}.{LOGGER_ATTR}")
+        if self.left_in_place:
+            logger.info("dcp_otel: uninstrumented; left in place under another tool's wrapper (passing calls "
+                        "through): %s", ", ".join(self.left_in_place))  # fmt: skip
         self.tap = self.logger_module = None
 
 
@@ -338,13 +358,28 @@ def _through_wrapt(replacer: Replacer, method: bool) -> Callable[..., Any]:
     return wrapper
 
 
-def wrap(owner: Any, attr: str, wrapper: Callable[..., Any], hot: bool) -> None:
+def wrap(owner: Any, attr: str, wrapper: Callable[..., Any], hot: bool, switch: list[bool] | None = None) -> Any:
     """Wrap ``owner.attr``: ``hot``, ``wrapper`` is a replacer (:class:`Patch`), put in the original's place
-    when that is a plain function; otherwise, or not hot, ``wrapper`` in wrapt's signature, by wrapt."""
+    when that is a plain function; otherwise, or not hot, ``wrapper`` in wrapt's signature, by wrapt.
+
+    ``switch``: a non-hot wrapper passes calls through once ``switch[0]`` is false. Returns what now
+    stands at ``owner.attr``.
+    """
     if not hot:
-        wrapt.wrap_function_wrapper(owner, attr, wrapper)
+        wrapt.wrap_function_wrapper(owner, attr, wrapper if switch is None else _switched(wrapper, switch))
     elif not replace_plainly(owner, attr, wrapper):
         wrapt.wrap_function_wrapper(owner, attr, _through_wrapt(wrapper, isinstance(owner, type)))
+    return vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+
+def _switched(wrapper: Callable[..., Any], switch: list[bool]) -> Callable[..., Any]:
+    """``wrapper``, or a plain pass-through once ``switch[0]`` is off (a wrapper left under another tool's)."""
+    def switched(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if switch[0]:
+            return wrapper(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    return switched
 
 
 def _no_feed(record: dict[str, Any]) -> None:
@@ -405,8 +440,8 @@ def install(
             continue
         owner, attr = target
         original = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
-        wrap(owner, attr, patch.wrapper(hooks), patch.hot)
-        installed.wrapped.append((owner, attr, original))
+        placed = wrap(owner, attr, patch.wrapper(hooks), patch.hot, installed.switch)
+        installed.wrapped.append((owner, attr, original, placed))
     entries = (
         (replace_daemon_entry, f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})"),
         (checkpointer.replace_process_entry, f"{checkpointer.PROCESS_MODULE}.{checkpointer.PROCESS_CLASS}."
