@@ -28,6 +28,7 @@ logger = logging.getLogger("dcp_otel")
 
 #: Seconds between two log lines for the same reason (counts are kept regardless).
 LOG_INTERVAL_S = 60.0
+_LOCK_WAIT_S = 0.5
 
 _lock = threading.Lock()
 _counts: Counter[str] = Counter()
@@ -60,13 +61,19 @@ def report(reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
             except Exception:  # noqa: BLE001 - counting a problem must not become one
                 pass
         now = time.monotonic()
-        with _lock:
+        # Bounded: a thread that holds it may be frozen (the main thread, in a signal handler waiting for
+        # the thread that reports now); that report is then dropped rather than the ending hung.
+        if not _lock.acquire(timeout=_LOCK_WAIT_S):
+            return
+        try:
             _counts[reason] += 1
             last = _last_logged.get(reason)
             if last is not None and now - last < LOG_INTERVAL_S:
                 return
             _last_logged[reason] = now
             suppressed = _counts[reason] - 1
+        finally:
+            _lock.release()
         if suppressed:
             msg += " (%d occurrences so far)"
             args = (*args, suppressed + 1)

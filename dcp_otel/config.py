@@ -98,11 +98,12 @@ class InstrumentOptions:
             successful runs in this process, at least 60 s; 300 s before it has
             any. ``0`` (``off``): no stall reports (the live progress gauge
             stays). See :mod:`dcp_otel.live.watchdog`.
-        signals: on SIGTERM or SIGINT (where the disposition is still the
-            default: a handler the application installed stays in charge), end
-            every open DCP call as failed, build and flush its spans within
-            ``flush_timeout_s``, then let the signal act as it would have. ``False``
-            (``$DCP_OTEL_SIGNALS=off``): nothing is installed. See
+        signals: on SIGTERM (where the disposition is still the default: a
+            handler the application installs, before or after, stays in charge),
+            end every open DCP call as failed, build and flush its spans within
+            ``flush_timeout_s``, then let SIGTERM act as it would have. SIGINT is
+            never taken. ``False`` (``$DCP_OTEL_SIGNALS=off``): nothing is
+            installed, and the wakeup fd is left alone. See
             :mod:`dcp_otel.live.signals`.
     """
 

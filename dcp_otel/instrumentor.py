@@ -129,7 +129,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         self._queue_watch = QueueFullWatch()
         ending = self._watch(options, sink, metrics, otel, relay, process_name)
         self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s, otel,
-                                     end_open=lambda: ending.end_open_calls(semconv.INTERRUPTED_AT_EXIT))  # fmt: skip
+                                     end_open=lambda: ending.end_open_calls(semconv.INTERRUPTED_AT_EXIT),
+                                     clock=ending.clock)  # fmt: skip
         atexit.register(self._exit_flush)
 
     def _watch(self, options: InstrumentOptions, sink: MetricsSink | None, metrics: CheckpointMetrics | None,
@@ -228,7 +229,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     @property
     def signals(self) -> SignalGuard | None:
-        """The SIGTERM/SIGINT guard (``None`` when signals are off or not instrumented)."""
+        """The SIGTERM guard and wakeup fd reader (``None`` when signals are off or not instrumented)."""
         return self._signals
 
     @property

@@ -67,7 +67,7 @@ ATTR_END_UNKNOWN: Final = "dcp.end_unknown"
 #: whose step raised, as every rank learns them from torch.
 ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
 #: str on a span the process ended because it was terminating while the call was still open:
-#: the signal's name (``SIGTERM``, ``SIGINT``) or INTERRUPTED_AT_EXIT.
+#: ``SIGTERM``, or INTERRUPTED_AT_EXIT (a Ctrl-C ends a call by the KeyboardInterrupt that unwinds it).
 ATTR_INTERRUPTED: Final = "dcp.interrupted"
 INTERRUPTED_AT_EXIT: Final = "exit"
 
@@ -188,7 +188,7 @@ ENV_MAX_QUEUED_OPERATIONS: Final = "DCP_OTEL_MAX_QUEUED_OPERATIONS"  # finished 
 #: Seconds without progress after which an open DCP call is reported stalled; "auto" (the default)
 #: derives it from the operation's own history, "off" (or 0) turns stall reports off.
 ENV_STALL_AFTER_S: Final = "DCP_OTEL_STALL_AFTER_S"
-#: "off" leaves SIGTERM and SIGINT alone (default "on": spans survive termination).
+#: "off" leaves SIGTERM and the signal wakeup fd alone (default "on": spans survive termination).
 ENV_SIGNALS: Final = "DCP_OTEL_SIGNALS"
 #: A value every rank of one rendezvous round shares (set by dcp-otel-run for its workers).
 ENV_GENERATION: Final = "DCP_OTEL_GENERATION"

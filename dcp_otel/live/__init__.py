@@ -14,8 +14,10 @@ from outside the caller's thread:
   at once, ``dcp_stalls_total``, one warning);
 * :mod:`~dcp_otel.live.ending`: ending every open call as failed when the
   process ends, then building and flushing within ``flush_timeout_s``;
-* :mod:`~dcp_otel.live.signals`: SIGTERM and SIGINT, even while the main thread
-  is blocked in a collective;
+* :mod:`~dcp_otel.live.signals`: SIGTERM, even while the main thread is
+  blocked in a collective, without ever deciding how the process ends;
+* :mod:`~dcp_otel.live.wakeup`: the signal wakeup fd, held only while nobody
+  else (asyncio, trio) wants it;
 * :mod:`~dcp_otel.live.watchdog`: the one background thread per process that
   ties them together.
 

@@ -1,6 +1,6 @@
 """When the process ends with DCP calls still open: end them as failed, with the stack, and flush.
 
-A rank stopped by its scheduler (SIGTERM), interrupted (SIGINT), or exiting
+A rank stopped by its scheduler (SIGTERM), or exiting
 with a call still open would otherwise take that call's spans with it, and
 every finished span still in its batch processor. :meth:`Ending.end_open_calls`
 ends every open call of the process as ERROR, saying where it was ("terminated
@@ -10,20 +10,23 @@ the exception's stack trace, and ``dcp.interrupted`` on each span; the
 operations go to the builder. :meth:`Ending.flush` then builds them and
 flushes spans and metrics, all within ``flush_timeout_s``.
 
-It runs on whatever thread noticed the end (a signal handler on the main
-thread, the watchdog reading the signal's wakeup fd, ``atexit``), while the
-threads inside the calls may be blocked for good.
+It runs on a thread of its own (started by the watchdog when a SIGTERM
+arrives) or in ``atexit``, while the threads inside the calls may be blocked
+for good, or frozen in a signal handler that waits for it.
+
+The process waits for it once: :class:`EndingClock` starts at the first sign of
+the end (a SIGTERM, interpreter exit) and every later one keeps that deadline;
+a further signal cuts it short, never restarts it.
 
 Usage::
 
     ending = Ending(recorder, live, otel_metrics, flush_timeout_s=10)
-    ending.end_open_calls("SIGTERM")
-    ending.flush(deadline=time.monotonic() + 10)
+    deadline = ending.clock.start()
+    ending("SIGTERM", {main_thread_id: interrupted_frame})
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -36,6 +39,43 @@ from dcp_otel.metrics.otel import OTelCheckpointMetrics
 from dcp_otel.tracing.flushing import flush_all
 from dcp_otel.tracing.records import Operation
 from dcp_otel.tracing.tracker import SpanRecorder
+
+
+class EndingClock:
+    """The one deadline a process waits for its telemetry as it ends (see the module).
+
+    Written from the main thread (a signal handler, ``atexit``) and the
+    watchdog without a lock: a signal handler must never take one. Each field
+    is one attribute store, and a race between two starts only picks one of
+    two deadlines a few microseconds apart.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.deadline: float | None = None  # time.monotonic() seconds; None: not started
+
+    @property
+    def started(self) -> bool:
+        return self.deadline is not None
+
+    def start(self) -> float:
+        """The deadline: now plus the timeout the first time, the same one every later time."""
+        deadline = self.deadline
+        if deadline is None:
+            deadline = self.deadline = time.monotonic() + self.timeout_s
+        return deadline
+
+    def cut(self) -> None:
+        """A further signal: the wait ends now."""
+        self.deadline = time.monotonic()
+
+    def remaining(self) -> float:
+        deadline = self.deadline
+        return self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def reset(self) -> None:
+        """(a forked child: its parent's end is not its own)"""
+        self.deadline = None
 
 
 def description(cause: str, p: Progress | None, stack: ThreadStack | None) -> str:
@@ -64,20 +104,21 @@ class Ending:
         self._live = live
         self._otel_metrics = otel_metrics
         self.flush_timeout_s = flush_timeout_s
+        self.clock = EndingClock(flush_timeout_s)
         self._after_build = after_build  # a checkpoint process relays the failures to its rank
 
-    def end_open_calls(self, cause: str, frame: FrameType | None = None) -> list[Operation]:
+    def end_open_calls(self, cause: str, frames: dict[int, FrameType] | None = None) -> list[Operation]:
         """End every open call as failed because of ``cause`` (a signal's name, or ``"exit"``); never raises.
 
-        ``frame``: where this thread was interrupted (a signal handler's frame),
-        so its stack does not end in dcp-otel's own frames.
+        ``frames``: thread id to where that thread was interrupted (the frame a
+        signal handler was given), so its stack shows that, not the handler.
         """
         try:
             progress = {id(p.op): p for p in self._live.progress()}
             threads = {ident for call, ident in self._recorder.open_calls() if ident is not None}
-            here = threading.get_ident()
+            given = frames or {}
             stacks = {ident: stack for ident in threads
-                      if (stack := thread_stack(ident, frame if ident == here else None)) is not None}  # fmt: skip
+                      if (stack := thread_stack(ident, given.get(ident))) is not None}  # fmt: skip
 
             def describe(op: Operation) -> str:
                 p = progress.get(id(op))
@@ -99,9 +140,9 @@ class Ending:
             report("flush_error", "dcp_otel failed to flush as the process ended", exc_info=True)
             return False
 
-    def __call__(self, cause: str, frame: FrameType | None = None) -> None:
-        """End the open calls and flush, within ``flush_timeout_s`` (0: dcp-otel starts no flush)."""
-        deadline = time.monotonic() + self.flush_timeout_s
-        self.end_open_calls(cause, frame)
+    def __call__(self, cause: str, frames: dict[int, FrameType] | None = None) -> None:
+        """End the open calls and flush, by the clock's deadline (0 s: dcp-otel starts no flush)."""
+        deadline = self.clock.start()
+        self.end_open_calls(cause, frames)
         if self.flush_timeout_s > 0:
             self.flush(deadline)

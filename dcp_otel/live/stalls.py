@@ -8,9 +8,12 @@ watchdog calls :meth:`StallReporter.report`, which, while the call is still open
   since the last progress, the threshold, the stuck thread's stack
   (``code.stacktrace``) and, when that thread is blocked in a
   ``torch.distributed`` collective, which one (``dcp.stall.collective``): it is
-  waiting for other ranks. It then asks the tracer provider to flush, on a
-  thread of its own, so the span leaves the process now rather than with the
-  next batch, and survives a SIGKILL that follows;
+  waiting for other ranks. The span is made, ended and flushed on a thread of
+  its own, in order (past 16 waiting behind a stuck exporter, a report's span
+  is skipped and counted as ``stall_span_skipped``), so it
+  leaves the process now rather than with the next batch and survives a
+  SIGKILL that follows, and the watchdog never waits for an exporter (with a
+  ``SimpleSpanProcessor``, ``span.end()`` exports in the calling thread);
 * counts ``dcp_stalls_total{operation, step, rank}`` (the first report of a
   stall only);
 * logs one WARNING line naming the rank, step, seconds and top frames.
@@ -24,6 +27,8 @@ Usage::
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,15 +36,16 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from dcp_otel import semconv
+from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report as report_problem
 from dcp_otel.live.progress import Progress
 from dcp_otel.live.stacks import ThreadStack, thread_stack
 from dcp_otel.metrics.prometheus import MetricsSink
-from dcp_otel.tracing.flushing import BoundedFlush
 from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
+#: Stall spans waiting for the export thread, past which more are skipped (and counted).
+_QUEUED = 16
 
 
 class StallReporter:
@@ -52,7 +58,14 @@ class StallReporter:
         self._where = where
         self._after_count = after_count  # a checkpoint process relays its count to its rank now
         self._flush_timeout_s = flush_timeout_s
-        self._flush: BoundedFlush | None = None
+        self._queue: queue.Queue[tuple[Progress, float, int, ThreadStack | None, int]] = queue.Queue(_QUEUED)
+        self._exporter: threading.Thread | None = None
+        _forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child: the parent's export thread is not there, and its queue's lock may be held."""
+        self._queue = queue.Queue(_QUEUED)
+        self._exporter = None
         self.reported = 0
 
     def report(self, p: Progress, threshold_s: float, number: int, now_ns: int | None = None) -> None:
@@ -66,8 +79,7 @@ class StallReporter:
                 if self._after_count is not None:
                     self._after_count()
             if p.op.sampled:
-                self._span(p, threshold_s, number, stack, now_ns)
-                self._flush_now()
+                self._export(p, threshold_s, number, stack, now_ns)
             self.reported += 1
         except Exception:  # noqa: BLE001 - a report must never break the watchdog, nor training
             report_problem("stall_report_error", "dcp_otel failed to report a stalled DCP call", exc_info=True)
@@ -111,9 +123,32 @@ class StallReporter:
                                     attributes=attributes, start_time=now_ns)  # fmt: skip
         span.end(end_time=now_ns)
 
-    def _flush_now(self) -> None:
-        """Flush the provider on a thread of its own: the watchdog never waits for an exporter."""
-        previous = self._flush
-        if previous is not None and previous.running():
-            return  # one at a time: a hung exporter does not pile up threads
-        self._flush = BoundedFlush(self._recorder.provider(), "span", time.monotonic() + self._flush_timeout_s)
+    def _export(self, p: Progress, threshold_s: float, number: int, stack: ThreadStack | None, now_ns: int) -> None:
+        """Queue the span for the export thread: the watchdog never waits for an exporter."""
+        try:
+            self._queue.put_nowait((p, threshold_s, number, stack, now_ns))
+        except queue.Full:
+            report_problem("stall_span_skipped", "dcp_otel skipped a stall span: the ones before it are still "
+                                                 "being exported (the span exporter is stuck)")  # fmt: skip
+            return
+        if self._exporter is None or not self._exporter.is_alive():
+            self._exporter = threading.Thread(target=self._export_all, name="dcp-otel-stall-export", daemon=True)
+            self._exporter.start()
+
+    def _export_all(self) -> None:
+        while True:  # for the life of the process, once a stall was reported (idle in get(): costs nothing)
+            item = self._queue.get()
+            try:
+                self._span(*item)
+                force_flush = getattr(self._recorder.provider(), "force_flush", None)
+                if force_flush is not None:  # out now, not with the next batch: it survives a SIGKILL after it
+                    force_flush(int(self._flush_timeout_s * 1000))
+            except Exception:  # noqa: BLE001 - a report must never break anything
+                report_problem("stall_report_error", "dcp_otel failed to export a stall span", exc_info=True)
+            finally:
+                self._queue.task_done()
+
+    def wait_exported(self, timeout_s: float) -> bool:
+        """Until every stall span reported so far is exported (for tests and flushes); ``False`` past the timeout."""
+        with self._queue.all_tasks_done:
+            return self._queue.all_tasks_done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout_s)

@@ -13,7 +13,9 @@ and:
 
 Between ticks it sleeps in ``select`` on the signal guard's wakeup fd, so a
 SIGTERM reaches it at once even while the main thread is blocked in C
-(:class:`~dcp_otel.live.signals.SignalGuard`).
+(:class:`~dcp_otel.live.signals.SignalGuard`). Nothing it does waits for an
+exporter (stall spans and the ending are exported on threads of their own), so
+it always reads the next signal at once.
 
 It never takes part in a collective, never touches a torch object, and never
 runs on the caller's thread: a DCP call costs the same with it as without it
@@ -129,20 +131,33 @@ class Watchdog:
 
     def _run(self) -> None:
         wakeup = self._wakeup()
+        signals = self._signals
+        if signals is not None:
+            signals.reader_alive = True
         next_tick = time.monotonic()
-        while not self._stopped:
-            try:
-                ready, _, _ = select.select([wakeup], [], [], max(0.0, next_tick - time.monotonic()))
-                if ready:
-                    self._read_signals(wakeup)
-                if self._stopped:
-                    return
-                if time.monotonic() >= next_tick:
-                    self.check()
+        wake_for_signals: float | None = None
+        try:
+            while not self._stopped:
+                try:
+                    until = next_tick if wake_for_signals is None else min(next_tick, wake_for_signals)
+                    ready, _, _ = select.select([wakeup], [], [], max(0.0, until - time.monotonic()))
+                    if ready:
+                        self._read_signals(wakeup)
+                    if signals is not None:
+                        # Never blocks: the ending and flushes run on threads of their own, so the next
+                        # signal is read at once whatever an exporter does.
+                        wake_for_signals = signals.service()
+                    if self._stopped:
+                        return
+                    if time.monotonic() >= next_tick:
+                        self.check()
+                        next_tick = time.monotonic() + self.tick_s
+                except Exception:  # noqa: BLE001 - the watchdog never dies of a telemetry problem
+                    report("watchdog_error", "dcp_otel's watchdog failed a tick", exc_info=True)
                     next_tick = time.monotonic() + self.tick_s
-            except Exception:  # noqa: BLE001 - the watchdog never dies of a telemetry problem
-                report("watchdog_error", "dcp_otel's watchdog failed a tick", exc_info=True)
-                next_tick = time.monotonic() + self.tick_s
+        finally:
+            if signals is not None:
+                signals.reader_alive = False
 
     def _read_signals(self, wakeup: socket.socket) -> None:
         try:
@@ -152,9 +167,10 @@ class Watchdog:
         except OSError:  # closed under us (a fork, an uninstrument): wait for the next tick
             time.sleep(self.tick_s)
             return
-        for signum in data:
-            if signum and self._signals is not None:
-                self._signals.on_wakeup(signum)
+        if self._signals is not None:
+            for signum in data:
+                if signum:
+                    self._signals.on_byte(signum)
 
     # --- a tick -----------------------------------------------------------------------
     def check(self, now_ns: int | None = None) -> None:

@@ -25,12 +25,21 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from opentelemetry import trace
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.metrics.otel import OTelCheckpointMetrics
 from dcp_otel.tracing.tracker import SpanRecorder
+
+
+class Clock(Protocol):
+    """The process's one ending deadline (:class:`dcp_otel.live.ending.EndingClock`, which imports this module)."""
+
+    def start(self) -> float: ...
+
+    def cut(self) -> None: ...
 
 
 class BoundedFlush:
@@ -135,27 +144,40 @@ class ExitFlush:
 
     Calls still open at exit (after waiting, within half the timeout, for the
     async uploads to end) are ended by ``end_open`` ("interrupted at exit")
-    before the flush.
+    before the flush. ``clock`` (an :class:`~dcp_otel.live.ending.EndingClock`,
+    shared with the SIGTERM handling) makes it one wait per process: a SIGTERM
+    that arrives during the exit flush keeps its deadline, and a Ctrl-C
+    (``KeyboardInterrupt``) during it ends the wait at once, quietly, where
+    Python would print it as an exception ignored in an ``atexit`` callback.
     """
 
     def __init__(self, recorder: SpanRecorder, timeout_s: float, otel_metrics: OTelCheckpointMetrics | None = None,
-                 end_open: Callable[[], object] | None = None) -> None:  # fmt: skip
+                 end_open: Callable[[], object] | None = None, clock: Clock | None = None) -> None:  # fmt: skip
         self._recorder = recorder
         self._timeout_s = timeout_s
         self._otel_metrics = otel_metrics
         self._end_open = end_open
+        self._clock = clock
         self._pid = os.getpid()
 
     def __call__(self) -> None:
         # A forked child inherits atexit hooks, but the spans are the parent's.
         if os.getpid() != self._pid or self._timeout_s <= 0:
             return
-        deadline = time.monotonic() + self._timeout_s
-        if self._end_open is not None and self._recorder.open_calls():
-            self._recorder.uploads.wait(self._timeout_s / 2)
-            if self._recorder.open_calls():
-                self._end_open()
-        _, failed = _flush(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()))
+        deadline = self._clock.start() if self._clock is not None else time.monotonic() + self._timeout_s
+        failed: list[object]
+        try:
+            if self._end_open is not None and self._recorder.open_calls():
+                self._recorder.uploads.wait(max(0.0, min(self._timeout_s / 2, deadline - time.monotonic())))
+                if self._recorder.open_calls():
+                    self._end_open()
+            _, failed = _flush(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:  # Ctrl-C again: the wait ends now, never restarted
+            if self._clock is not None:
+                self._clock.cut()
+            failed = [self._recorder.provider()]
+            if self._otel_metrics is not None:
+                failed.append(self._otel_metrics.provider())
         for provider in failed:
             # This exporter is stuck or failing. The SDK's own exit hook would now shut the provider down and
             # wait for that exporter again (30 s per batch processor or metric reader, plus the

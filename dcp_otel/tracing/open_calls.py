@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 #: Interrupted calls whose late end events are still recognized (and dropped).
 MAX_INTERRUPTED = 4096
+#: The longest the ending waits for a lock that the code it interrupted may hold.
+LOCK_WAIT_S = 0.5
 
 
 class OpenCalls:
@@ -75,28 +77,33 @@ class OpenCalls:
         Returns the operations ended.
         """
         ended: list[Operation] = []
+        # Bounded: a thread frozen (in a signal handler) or stuck while holding it must not hang the ending.
+        if not self._interrupt_lock.acquire(timeout=LOCK_WAIT_S):
+            report("recorder_error", "dcp_otel could not end the open DCP calls: another ending holds them")
+            return ended
         try:
-            with self._interrupt_lock:
-                now = time.time_ns()
-                by_op: dict[int, tuple[Operation, list[tuple[Call, int | None]]]] = {}
-                for call, ident in self.open_calls():
-                    if call.end_ns == 0 and call.op is not None:
-                        by_op.setdefault(id(call.op), (call.op, []))[1].append((call, ident))
-                for ident, stack in list(self._stacks.items()):
-                    on_thread = tuple(stack)
-                    for call in on_thread:
-                        self._interrupted[call.uuid] = None
-                    stack.clear()
-                    outermost = next((call.token for call in on_thread if call.token is not None), None)
-                    if outermost is not None:  # that thread's context, to restore should it call DCP again
-                        self._stale_tokens[ident] = outermost
-                while len(self._interrupted) > MAX_INTERRUPTED:
-                    self._interrupted.pop(next(iter(self._interrupted)))
-                for op, calls in by_op.values():
-                    self._end_interrupted(op, calls, cause, describe(op), stacks or {}, now)
-                    ended.append(op)
+            now = time.time_ns()
+            by_op: dict[int, tuple[Operation, list[tuple[Call, int | None]]]] = {}
+            for call, ident in self.open_calls():
+                if call.end_ns == 0 and call.op is not None:
+                    by_op.setdefault(id(call.op), (call.op, []))[1].append((call, ident))
+            for ident, stack in list(self._stacks.items()):
+                on_thread = tuple(stack)
+                for call in on_thread:
+                    self._interrupted[call.uuid] = None
+                stack.clear()
+                outermost = next((call.token for call in on_thread if call.token is not None), None)
+                if outermost is not None:  # that thread's context, to restore should it call DCP again
+                    self._stale_tokens[ident] = outermost
+            while len(self._interrupted) > MAX_INTERRUPTED:
+                self._interrupted.pop(next(iter(self._interrupted)))
+            for op, calls in by_op.values():
+                self._end_interrupted(op, calls, cause, describe(op), stacks or {}, now)
+                ended.append(op)
         except Exception:  # noqa: BLE001 - the process is ending: whatever can be kept is
             report("recorder_error", "dcp_otel failed to end the open DCP calls", exc_info=True)
+        finally:
+            self._interrupt_lock.release()
         return ended
 
     def _end_interrupted(self, op: Operation, calls: list[tuple[Call, int | None]], cause: str, description: str,
@@ -126,10 +133,16 @@ class OpenCalls:
                 return
             op.calls.extend(finished)
             op.interrupted = cause
-            with op.lock:
+            # The operation's lock is held for a few bytecodes at a time; held longer, its holder is frozen
+            # (the main thread, in the signal handler that waits for this) or gone: go on without it.
+            locked = op.lock.acquire(timeout=LOCK_WAIT_S)
+            try:
                 op.end_ns = max(op.end_ns, now)
                 op.failed = op.failed or description
                 op.submitted = True
+            finally:
+                if locked:
+                    op.lock.release()
             self.builder.submit(op)
         finally:
             for _ in range(claimed):

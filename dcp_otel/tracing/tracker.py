@@ -96,7 +96,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         # uuids of calls ended because the process was ending: their own end, if it ever comes, is dropped.
         self._interrupted: dict[str, None] = {}
         self._stale_tokens: dict[int, object] = {}  # thread id -> the context token its interrupted calls left
-        self._interrupt_lock = threading.RLock()  # a second signal may come while the first is handled
+        self._interrupt_lock = threading.RLock()  # the ending thread and atexit may both end the open calls
         self._max_open = options.max_open_spans
         self._seq = SequenceCounter()
         self.uploads = InFlight()
@@ -113,7 +113,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         self._stacks = {}
         self._interrupted = {}
         self._stale_tokens = {}
-        self._interrupt_lock = threading.RLock()  # a second signal may come while the first is handled
+        self._interrupt_lock = threading.RLock()  # the ending thread and atexit may both end the open calls
         self._seq.reset_lock()
         self.uploads = InFlight()
 
