@@ -62,6 +62,7 @@ def main() -> None:
     if mode == "user":
         signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
     handlers_before = {s.name: repr(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT)}
+    set_wakeup_fd = signal.set_wakeup_fd  # the interpreter's: dcp-otel's stand-in hides its own fd from callers
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(OTLPJsonFileExporter(out / "spans.jsonl")))
     if not plain:
@@ -70,9 +71,9 @@ def main() -> None:
         dcp_otel.instrument(tracer_provider=provider)
     result["handlers_changed"] = [s.name for s in (signal.SIGTERM, signal.SIGINT)
                                   if repr(signal.getsignal(s)) != handlers_before[s.name]]  # fmt: skip
-    wakeup = signal.set_wakeup_fd(-1)  # -1: nobody holds it; put back as it was
+    wakeup = set_wakeup_fd(-1)  # -1: nobody holds it; put back as it was
     if wakeup != -1:
-        signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
+        set_wakeup_fd(wakeup, warn_on_full_buffer=False)
     result["wakeup_fd_taken"] = wakeup != -1
     state = {"w": torch.arange(256.0)}
     ready = out / "ready"
