@@ -11,7 +11,7 @@
   all a save's records would cost the training thread if pairing moved to the builder;
 * a method call through a ``wrapt`` wrapper, and through a plain function calling a wrapper in wrapt's
   signature (how dcp-otel wrapped DCP's collectives before), each less the same call through a
-  replacement as dcp-otel's patches now put in a collective's place (``patches.replace_plainly``:
+  replacement as dcp-otel's patches now put in a collective's place (``wrapping.replace_plainly``:
   one frame, calling the original directly): what each step saved per call.
 
 The unit is a bare SDK span: ``start_span`` with four attributes, made current, detached, ended,
@@ -44,7 +44,7 @@ from opentelemetry import context, trace  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
-from dcp_otel.attach.patches import replace_plainly  # noqa: E402
+from dcp_otel.attach.wrapping import replace_plainly  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixed_cost import gloo_world_of_one  # noqa: E402

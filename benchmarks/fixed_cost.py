@@ -84,7 +84,8 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
 from dcp_otel.attach.logger_tap import DCPLoggerTap  # noqa: E402
-from dcp_otel.attach.patches import PATCHES, resolve, wrap  # noqa: E402
+from dcp_otel.attach.patches import PATCHES, resolve
+from dcp_otel.attach.wrapping import wrap  # noqa: E402
 from dcp_otel.tracing.light import span_context as light_span_context  # noqa: E402
 from dcp_otel.tracing.light import with_span  # noqa: E402
 

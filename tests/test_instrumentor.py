@@ -431,7 +431,7 @@ def test_a_hot_patch_takes_the_originals_place_or_goes_through_wrapt_when_it_can
     import math
     import types
 
-    from dcp_otel.attach.patches import wrap
+    from dcp_otel.attach.wrapping import wrap
 
     seen: list[tuple[object, ...]] = []
 

@@ -21,15 +21,11 @@ Usage::
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FunctionType
 from typing import Any
-
-import wrapt
 
 from dcp_otel.attach import checkpointer, unlogged_calls
 from dcp_otel.attach.async_process import (
@@ -42,6 +38,7 @@ from dcp_otel.attach.async_process import (
 from dcp_otel.attach.async_thread import AsyncContextCarrier
 from dcp_otel.attach.logger_tap import DCPLoggerTap
 from dcp_otel.attach.unlogged_calls import consolidated, logged_call, public_call
+from dcp_otel.attach.wrapping import Replacer, wrap
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.tracker import SpanRecorder
@@ -50,8 +47,6 @@ logger = logging.getLogger("dcp_otel")
 
 LOGGER_MODULE = "torch.distributed.checkpoint.logger"
 LOGGER_ATTR = "_dcp_logger"
-#: A hot patch's: given the original function, the function that takes its place (:class:`Patch`).
-Replacer = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 @dataclass(frozen=True)
@@ -61,7 +56,7 @@ class Patch:
     ``wrapper`` makes a wrapper in ``wrapt``'s signature, ``wrapper(wrapped, instance, args, kwargs)``.
     ``hot``: called for every collective of every save on the training thread. ``wrapper`` then makes a
     *replacer* instead: given the original function, the function that takes its place, called exactly
-    as the original is (a method's with ``self`` first) and calling it directly (:func:`replace_plainly`).
+    as the original is (a method's with ``self`` first) and calling it directly (:func:`~dcp_otel.attach.wrapping.replace_plainly`).
     One frame per call: ``wrapt``'s bound wrapper, made at every call of a method, cost about 44,000
     instructions per save, and a plain function calling a wrapper in wrapt's signature (a bound method
     made per call, the arguments packed twice) some 25,000 more (counted by callgrind, as
@@ -329,57 +324,6 @@ class Installed:
             logger.info("dcp_otel: uninstrumented; left in place under another tool's wrapper (passing calls "
                         "through): %s", ", ".join(self.left_in_place))  # fmt: skip
         self.tap = self.logger_module = None
-
-
-def replace_plainly(owner: Any, attr: str, replacer: Replacer) -> bool:
-    """Put ``replacer(original)`` in the place of a plain function of a module or a plain method of a class.
-
-    The replacement carries the original's name, docstring and ``__wrapped__``. Anything else (a static
-    or class method, a builtin, a callable object): ``False``, and nothing changed; :func:`wrap` then
-    hands the replacer to ``wrapt``.
-    """
-    original = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
-    if type(original) is not FunctionType:
-        return False
-    setattr(owner, attr, functools.wraps(original)(replacer(original)))
-    return True
-
-
-def _through_wrapt(replacer: Replacer, method: bool) -> Callable[..., Any]:
-    """A replacer as a wrapper in wrapt's signature (a replacement made per call: only where
-    :func:`replace_plainly` cannot replace). ``method``: the replacement takes the instance first (wrapt's
-    ``instance``: ``None`` for a static method)."""
-    if method:
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return replacer(lambda _self, *a, **k: wrapped(*a, **k))(instance, *args, **kwargs)
-    else:
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return replacer(wrapped)(*args, **kwargs)
-    return wrapper
-
-
-def wrap(owner: Any, attr: str, wrapper: Callable[..., Any], hot: bool, switch: list[bool] | None = None) -> Any:
-    """Wrap ``owner.attr``: ``hot``, ``wrapper`` is a replacer (:class:`Patch`), put in the original's place
-    when that is a plain function; otherwise, or not hot, ``wrapper`` in wrapt's signature, by wrapt.
-
-    ``switch``: a non-hot wrapper passes calls through once ``switch[0]`` is false. Returns what now
-    stands at ``owner.attr``.
-    """
-    if not hot:
-        wrapt.wrap_function_wrapper(owner, attr, wrapper if switch is None else _switched(wrapper, switch))
-    elif not replace_plainly(owner, attr, wrapper):
-        wrapt.wrap_function_wrapper(owner, attr, _through_wrapt(wrapper, isinstance(owner, type)))
-    return vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
-
-
-def _switched(wrapper: Callable[..., Any], switch: list[bool]) -> Callable[..., Any]:
-    """``wrapper``, or a plain pass-through once ``switch[0]`` is off (a wrapper left under another tool's)."""
-    def switched(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if switch[0]:
-            return wrapper(wrapped, instance, args, kwargs)
-        return wrapped(*args, **kwargs)
-
-    return switched
 
 
 def _no_feed(record: dict[str, Any]) -> None:
