@@ -19,16 +19,37 @@ Or with no code change: ``opentelemetry-instrument python train.py``.
 
 from __future__ import annotations
 
-from typing import Any
-
-from opentelemetry.trace import TracerProvider
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from dcp_otel import _selftelemetry
-from dcp_otel.elastic.handler import OTelMetricHandler
-from dcp_otel.instrumentor import DCPInstrumentor
-from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.tracing.flushing import flush_all
 from dcp_otel.version import __version__
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
+    from dcp_otel.elastic.handler import OTelMetricHandler
+    from dcp_otel.instrumentor import DCPInstrumentor
+    from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
+
+#: Imported when first used: what needs torch (the instrumentor, the elastic handler) is not loaded by
+#: ``import dcp_otel`` itself, so the command line (``dcp-otel report``, ``check``, ``--version``) and the
+#: mixin run where torch is not installed.
+_LAZY = {
+    "DCPInstrumentor": "dcp_otel.instrumentor",
+    "OTelMetricHandler": "dcp_otel.elastic.handler",
+    "MetricsEndpoint": "dcp_otel.metrics.exposition",
+    "start_metrics_server": "dcp_otel.metrics.exposition",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcp_otel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "DCPInstrumentor",
@@ -56,6 +77,8 @@ def instrument(tracer_provider: TracerProvider | None = None, **options: Any) ->
     Raises:
         ValueError: an unknown option or a bad value.
     """
+    from dcp_otel.instrumentor import DCPInstrumentor
+
     instrumentor = DCPInstrumentor()
     instrumentor.instrument(tracer_provider=tracer_provider, **options)
     return instrumentor
@@ -63,6 +86,8 @@ def instrument(tracer_provider: TracerProvider | None = None, **options: Any) ->
 
 def uninstrument() -> None:
     """Undo :func:`instrument`: torch's original objects are restored."""
+    from dcp_otel.instrumentor import DCPInstrumentor
+
     DCPInstrumentor().uninstrument()
 
 
@@ -86,6 +111,9 @@ def flush(timeout_s: float = 30.0, tracer_provider: TracerProvider | None = None
         future.result()
         dcp_otel.flush()
     """
+    from dcp_otel.instrumentor import DCPInstrumentor
+    from dcp_otel.tracing.flushing import flush_all
+
     instrumentor = DCPInstrumentor()
     return flush_all(instrumentor.recorder, instrumentor.otel_metrics, timeout_s, tracer_provider)
 
@@ -96,6 +124,8 @@ def diagnostics() -> dict[str, int]:
     Example: ``{"open_spans": 0, "malformed_event": 2}``. Telemetry problems are
     counted here (and logged, rate-limited) instead of raised.
     """
+    from dcp_otel.instrumentor import DCPInstrumentor
+
     recorder = DCPInstrumentor().recorder
     result = {"open_spans": recorder.open_count() if recorder is not None else 0}
     result.update(_selftelemetry.counts())

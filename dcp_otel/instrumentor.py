@@ -23,6 +23,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from prometheus_client import REGISTRY
 
 from dcp_otel import semconv
+from dcp_otel.attach import releases
 from dcp_otel.attach.patches import Installed, install
 from dcp_otel.config import InstrumentOptions, differing_options
 from dcp_otel.live.ending import Ending
@@ -40,8 +41,8 @@ from dcp_otel.tracing.flushing import ExitFlush, flush_all
 from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
-#: The instrumented dependency, as opentelemetry-instrumentation expects it.
-_instruments = ("torch >= 2.4",)
+#: The instrumented dependency, as opentelemetry-instrumentation expects it (not a dependency of the package).
+_instruments = (releases.INSTRUMENTS,)
 #: BaseInstrumentor's own keywords, not dcp-otel options.
 _BASE_KWARGS = frozenset({"skip_dep_check", "raise_exception_on_conflict"})
 
@@ -94,6 +95,11 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         relay: MetricsRelay | None = kwargs.pop("_metrics_sink", None)
         process_name: str | None = kwargs.pop("_process_name", None)
         options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
+        import torch  # (BaseInstrumentor checked it is installed, and not older than releases.OLDEST)
+
+        untested = releases.untested_release_warning(torch.__version__)
+        if untested is not None:
+            logger.warning(untested)
         registry = options.registry if options.registry is not None else REGISTRY
         metrics = otel = drain = None
         if relay is None and semconv.SINK_PROMETHEUS in options.metrics:

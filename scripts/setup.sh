@@ -29,7 +29,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         | grep -v "^WARNING: Location" >&2 || true
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]" 2>&1 \
         | grep -v "^WARNING: Location" >&2 || true
-    "$VENV/bin/python" -c "import torch, numpy, dcp_otel; assert torch.__version__.startswith('$TORCH_VERSION')"
+    # dcp-otel does not depend on torch: installing it must leave the torch installed first as it was.
+    "$VENV/bin/python" -c "import torch, numpy, dcp_otel; v = torch.__version__; assert v.startswith('$TORCH_VERSION'), f'installing dcp-otel moved torch from $TORCH_VERSION to {v}'"
     echo "$want" > "$stamp"
 fi
 
