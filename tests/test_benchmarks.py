@@ -8,12 +8,14 @@ the bytecode it counts is of the right order.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).parent.parent
 
@@ -115,3 +117,30 @@ def test_instructions_counts_the_real_save_bill_with_callgrind() -> None:
                        r"([\d,]+) / ([\d,]+)\)", out)  # fmt: skip
     assert collector is not None and misses is not None, out
     assert int(misses.group(3).replace(",", "")) > 0, out  # callgrind's cache model ran
+
+
+def run_gpu_check(*args: str) -> str:
+    done = subprocess.run(["bash", "scripts/gpu-check.sh", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_gpu_check_runs_as_printed_on_cpu_tensors(tmp_path: Path) -> None:
+    """scripts/gpu-check.sh's GPU-independent parts: every call, the span names, both gloo ranks, the table."""
+    out = run_gpu_check("--cpu", "--gib", "0.02", "--reps", "1", "--dir", str(tmp_path / "c"))
+    assert "state dict: 8 bf16 tensors on cpu, 0.02 GiB" in out, out
+    names = re.search(r"span names \((\d+)\): (.*)", out)
+    assert names is not None and {"dcp.save", "dcp.load", "dcp.async_save", "dcp.async_upload", "dcp.stage_state_dict",
+                                  "dcp.create_checkpoint_daemon_process"} <= set(names.group(2).split(", ")), out  # fmt: skip
+    assert re.search(r"staging \(device to host, pinned\): 0\.02 GiB in [\d.]+ s \(fastest of \d+\): [\d.]+ GB/s", out)
+    for call in ("save", "async_save", "load"):
+        assert re.search(rf"  {call} +plain +[\d.]+ ms +instrumented +[\d.]+ ms \([\d.]+\) +plain again", out), out
+    assert "one trace for the save across ranks: True" in out and "FAILED" not in out, out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-check.sh is run on one by hand)")
+def test_the_gpu_check_on_a_gpu_adds_no_device_synchronisation_and_names_the_same_spans(tmp_path: Path) -> None:
+    out = run_gpu_check("--gib", "0.5", "--reps", "1", "--dir", str(tmp_path / "c"))
+    assert "device synchronisations" in out and "none added" in out, out
+    assert "span names on CPU tensors: the same" in out and "FAILED" not in out, out
