@@ -140,6 +140,7 @@ def test_a_stall_is_reported_at_its_threshold_and_again_at_two_and_four_times_it
         for age_s in (threshold - 1, threshold + 1, 1.5 * threshold, 2 * threshold + 1, 3 * threshold, 4 * threshold + 1):
             ticks.check(now_ns=since + int(age_s * 1e9))
     assert instrumentor.watchdog.reporter is not None and instrumentor.watchdog.reporter.wait_exported(30)
+    assert instrumentor.watchdog.reporter.reported == 3 and "stall_report_error" not in dcp_otel.diagnostics()
     stalls = sorted(named(traced.spans(), semconv.SPAN_STALL), key=lambda s: s.attributes[semconv.ATTR_STALL_REPORT])
     assert [s.attributes[semconv.ATTR_STALL_REPORT] for s in stalls] == [1, 2, 3]
     assert [round(s.attributes[semconv.ATTR_STALL_SECONDS]) for s in stalls] == [

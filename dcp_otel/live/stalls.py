@@ -60,13 +60,13 @@ class StallReporter:
         self._flush_timeout_s = flush_timeout_s
         self._queue: queue.Queue[tuple[Progress, float, int, ThreadStack | None, int]] = queue.Queue(_QUEUED)
         self._exporter: threading.Thread | None = None
+        self.reported = 0
         _forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
         """A forked child: the parent's export thread is not there, and its queue's lock may be held."""
         self._queue = queue.Queue(_QUEUED)
         self._exporter = None
-        self.reported = 0
 
     def report(self, p: Progress, threshold_s: float, number: int, now_ns: int | None = None) -> None:
         """Report that ``p`` has made no progress for over ``threshold_s`` (the ``number``-th time). Never raises."""
