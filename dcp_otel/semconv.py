@@ -220,6 +220,7 @@ LABEL_GROUP: Final = "group"
 LABEL_NAME: Final = "name"
 LABEL_REASON: Final = "reason"
 LABEL_ERROR_TYPE: Final = "error_type"
+LABEL_DEVICE: Final = "device"  # a device type: cuda, cpu, ...
 
 #: What kind of instrument a metric is, in both APIs.
 KIND_HISTOGRAM: Final = "histogram"
@@ -292,6 +293,10 @@ ASYNC_PHASE_DURATION: Final = MetricSpec(
     "dcp_async_phase_duration_seconds", "dcp.async_phase.duration", "s", KIND_HISTOGRAM, (LABEL_PHASE, LABEL_RANK),
     "Duration of async save phases: staging and upload.", DURATION_BUCKETS,
 )  # fmt: skip
+STAGED_BYTES: Final = MetricSpec(
+    "dcp_staged_bytes", "dcp.staged", "By", KIND_COUNTER, (LABEL_DEVICE, LABEL_RANK),
+    "Bytes this rank staged for async saves (copied out of the state dict), by the device they came from.",
+)  # fmt: skip
 COLLECTIVE_WAIT: Final = MetricSpec(
     "dcp_collective_wait_seconds", "dcp.collective_wait", "s", KIND_HISTOGRAM, (LABEL_OPERATION, LABEL_RANK),
     "Part of an operation not covered by this rank's own steps: waiting for other ranks.", DURATION_BUCKETS,
@@ -331,7 +336,7 @@ STALLS: Final = MetricSpec(
 #: What finished operations record (the builder, from each operation's calls).
 CHECKPOINT_METRICS: Final = (
     OPERATION_DURATION, STEP_DURATION, OPERATION_COUNT, WRITTEN_BYTES, READ_BYTES, ASYNC_IN_FLIGHT, ASYNC_PHASE_DURATION,
-    COLLECTIVE_WAIT, LAST_SUCCESS, TELEMETRY_PROBLEMS, FAILURES,
+    STAGED_BYTES, COLLECTIVE_WAIT, LAST_SUCCESS, TELEMETRY_PROBLEMS, FAILURES,
 )  # fmt: skip
 #: Read from the open calls when metrics are collected, not recorded: present only while a call is open.
 LIVE_METRICS: Final = (IN_PROGRESS, STALL_THRESHOLD)
@@ -408,6 +413,15 @@ EXEMPLAR_SPAN_ID: Final = "span_id"
 #: Span attributes carrying the same byte counts as the counters.
 ATTR_WRITTEN_BYTES: Final = "dcp.written_bytes"  # int, on the operation span
 ATTR_READ_BYTES: Final = "dcp.read_bytes"  # int, on the operation span
+METRIC_STAGED_BYTES: Final = STAGED_BYTES.prometheus  # dcp_staged_bytes_total
+#: On the staging step (``dcp.stage_state_dict``) and the staging future's span (``dcp.async_staging``): what an
+#: async save copied out of the state dict before it returned (the copy that blocks training).
+ATTR_STAGING_BYTES: Final = "dcp.staging.bytes"  # int: the tensors' bytes (a DTensor's or ShardedTensor's local part)
+ATTR_STAGING_DEVICE: Final = "dcp.staging.device"  # str: where they were, "cuda:0"; several: "cpu,cuda:0"
+ATTR_STAGING_PINNED: Final = "dcp.staging.pinned"  # bool: into pinned (page-locked) host memory
+ATTR_STAGING_SHARED: Final = "dcp.staging.shared"  # bool: into shared memory (for the async save process)
+#: float: bytes over the seconds of the span that covers the copy (the staging future's where there is one).
+ATTR_STAGING_RATE: Final = "dcp.staging.bytes_per_second"
 
 ENV_METRICS_PORT: Final = "DCP_OTEL_METRICS_PORT"  # base port; each rank serves on base + LOCAL_RANK
 ENV_METRICS_ADDR: Final = "DCP_OTEL_METRICS_ADDR"

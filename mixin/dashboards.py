@@ -261,11 +261,15 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
             "Async save phases p95", "s", "Staging (blocks training) and upload (until durable).",
             _query(quantile("0.95", sc.METRIC_ASYNC_PHASE_DURATION, "phase"), "{{phase}}", exemplar=True)))
         .with_panel(_timeseries(
+            "Bytes staged per second", "Bps",
+            "What async saves copied out of the state dict (the copy that blocks training), by the device it came from.",
+            _query(f"sum by (device) (rate({sc.METRIC_STAGED_BYTES}_total{s()}[{RATE}]))", "{{device}}")))
+        .with_panel(_timeseries(
             "Async saves in flight", "short", "Per rank; one that stays up means an upload that does not finish.",
             _query(f"sum by (rank) ({sc.METRIC_ASYNC_IN_FLIGHT}{s()})", "rank {{rank}}")))
         .with_panel(_timeseries(
             "Age of the last successful checkpoint", "s", "Per operation: how much progress a crash would lose.",
-            _query(f"time() - max by (operation) ({sc.METRIC_LAST_SUCCESS}{s()})", "{{operation}}"), w=24))
+            _query(f"time() - max by (operation) ({sc.METRIC_LAST_SUCCESS}{s()})", "{{operation}}")))
         .with_row(Row("dcp-otel itself"))
         .with_panel(_stat(
             "Telemetry problems", "short",

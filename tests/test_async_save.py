@@ -171,3 +171,44 @@ def test_uninstrument_during_an_upload_never_turns_the_successful_save_into_a_fa
         assert spans[name].attributes[semconv.ATTR_END_UNKNOWN] is True
         assert spans[name].status == "UNSET"
     assert spans[semconv.SPAN_ASYNC_UPLOAD].status != "ERROR" and semconv.SPAN_CHECKPOINT in spans
+
+
+def test_the_staging_spans_say_what_was_staged_from_where_into_what_memory_and_how_fast(traced, tmp_path: Path) -> None:
+    """Bytes, device, pinned/shared and rate of the copy an async save makes before it returns (CPU tensors here;
+    scripts/gpu-check.sh shows the same from cuda:0)."""
+    state = {"a": torch.ones(1000), "nested": {"b": torch.zeros(10, 10, dtype=torch.float64)}, "step": 3}
+    expected = 1000 * 4 + 100 * 8
+    dcp.async_save(state, checkpoint_id=str(tmp_path / "default")).result()  # torch's default: staged in the call
+    stager = DefaultStager(StagingOptions(False, False, True, False))  # staged by a future, on the stager's thread
+    response = dcp.async_save(state, checkpoint_id=str(tmp_path / "future"), async_stager=stager)
+    response.upload_completion.result()
+    stager.close()
+    assert dcp_otel.flush()
+    spans = traced.spans()
+    steps = named(spans, "dcp.stage_state_dict")
+    (future,) = named(spans, semconv.SPAN_ASYNC_STAGING)
+    assert len(steps) == 2
+    for span in (*steps, future):
+        assert span.attributes[semconv.ATTR_STAGING_BYTES] == expected
+        assert span.attributes[semconv.ATTR_STAGING_DEVICE] == "cpu"
+        assert span.attributes[semconv.ATTR_STAGING_PINNED] is False and span.attributes[semconv.ATTR_STAGING_SHARED] is False
+    # The rate is over the span that covers the copy: the step where it staged, the future where one did.
+    (in_call,) = [s for s in steps if s.trace_id != future.trace_id]
+    (submitting,) = [s for s in steps if s.trace_id == future.trace_id]
+    for span in (in_call, future):
+        rate = span.attributes[semconv.ATTR_STAGING_RATE]
+        assert rate == expected / ((span.end_ns - span.start_ns) / 1e9)
+    assert semconv.ATTR_STAGING_RATE not in submitting.attributes
+    assert traced.registry.get_sample_value(f"{semconv.METRIC_STAGED_BYTES}_total", {"device": "cpu", "rank": "0"}) == 2 * expected
+
+
+def test_what_a_stager_copies_is_read_from_sizes_and_devices_only() -> None:
+    from dcp_otel.tracing.staged import device_type, staged
+
+    class Blocking:
+        cache_staged_state_dict = True
+
+    facts = staged(Blocking(), {"x": [torch.ones(3, dtype=torch.bfloat16), (torch.ones(2, dtype=torch.int64),)], "y": None})
+    assert facts == (3 * 2 + 2 * 8, "cpu", True, False)
+    assert staged(DefaultStager(StagingOptions(False, True, False, False)), {}) == (0, "", False, True)
+    assert device_type("cpu,cuda:0") == "cpu" and device_type("cuda:3") == "cuda"

@@ -77,6 +77,10 @@ def test_the_daemon_save_and_its_steps_join_the_trace_of_the_async_save(mode: st
         assert {"dcp.local_step", "dcp.write_data", "dcp.finish_checkpoint"} <= {s.name for s in steps}
         roots = [s for s in spans if s.trace_id == upload.trace_id and s.name == semconv.SPAN_CHECKPOINT]
         assert len(roots) == 1  # still one checkpoint, one root
+        # The rank staged the state dict for the daemon: what, from where, how fast.
+        (stage,) = [s for s in spans if s.trace_id == upload.trace_id and s.name == "dcp.stage_state_dict"]
+        assert stage.attributes[semconv.ATTR_STAGING_BYTES] > 0 and stage.attributes[semconv.ATTR_STAGING_DEVICE] == "cpu"
+        assert stage.attributes[semconv.ATTR_STAGING_RATE] > 0
     if mode == "env":  # the daemon built its SDK from OTEL_*, with the rank's resource and its own pid
         assert {s.resource["service.name"] for s in saves} == {"process-async-test"}
         assert {s.resource["process.pid"] for s in saves} == {seen["daemon_pid"]}

@@ -92,6 +92,16 @@ def _wrap_exception_wrapper(hooks: Hooks) -> Callable[..., Any]:
     return wrapper
 
 
+def _stager_wrapper(hooks: Hooks) -> Callable[..., Any]:
+    recorder = hooks.recorder
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recorder.on_staging(instance, args[0] if args else kwargs.get("state_dict"))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
 def _storage_setup_wrapper(hooks: Hooks) -> Callable[..., Any]:
     recorder = hooks.recorder
 
@@ -196,6 +206,7 @@ def _consolidation_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:
 _DCP_UTILS = "torch.distributed.checkpoint.utils"
 _C10D = "torch.distributed.distributed_c10d"
 _NO_STORAGE_CLASS = "no storage class on spans when DCP infers it from checkpoint_id"
+_NO_STAGING_FACTS = "no staged bytes, device or rate on the staging spans"
 _NO_PROCESS_TRACE = "the save in the async save process is not part of the checkpoint's trace"
 _NO_DAEMON = "the async save process is not traced"
 _NO_DAEMON_METRICS = "no metrics from the async save process"
@@ -204,6 +215,10 @@ PATCHES: tuple[Patch, ...] = (
     # save and load each import _storage_setup into their own namespace.
     Patch("torch.distributed.checkpoint.state_dict_saver", "_storage_setup", _NO_STORAGE_CLASS, _storage_setup_wrapper),
     Patch("torch.distributed.checkpoint.state_dict_loader", "_storage_setup", _NO_STORAGE_CLASS, _storage_setup_wrapper),
+    # What an async save stages (bytes, devices, pinned/shared): DefaultStager, and BlockingAsyncStager (whose
+    # stage FileSystemWriter inherits).
+    *(Patch("torch.distributed.checkpoint.staging", f"{stager}.stage", _NO_STAGING_FACTS, _stager_wrapper)
+      for stager in ("DefaultStager", "BlockingAsyncStager")),  # fmt: skip
     Patch(
         "torch.distributed.checkpoint.utils",
         "_DistWrapper.gather_object",

@@ -110,6 +110,7 @@ class OTelCheckpointMetrics:
         self.operations = create_instrument(m, semconv.OPERATION_COUNT)
         self.written_bytes = create_instrument(m, semconv.WRITTEN_BYTES)
         self.read_bytes = create_instrument(m, semconv.READ_BYTES)
+        self.staged_bytes = create_instrument(m, semconv.STAGED_BYTES)
         self.async_in_flight = create_instrument(m, semconv.ASYNC_IN_FLIGHT)
         self.async_phase = create_instrument(m, semconv.ASYNC_PHASE_DURATION)
         self.collective_wait = create_instrument(m, semconv.COLLECTIVE_WAIT)
@@ -194,6 +195,10 @@ class OTelCheckpointMetrics:
     def bytes_read(self, rank: str, amount: int) -> None:
         if amount > 0:
             self.read_bytes.add(amount, {semconv.LABEL_RANK: rank})
+
+    def bytes_staged(self, device: str, rank: str, amount: int) -> None:
+        if amount > 0:
+            self.staged_bytes.add(amount, {semconv.LABEL_DEVICE: device, semconv.LABEL_RANK: rank})
 
     def async_handed_off(self, rank: str) -> None:
         self.async_in_flight.add(1, {semconv.LABEL_RANK: rank})

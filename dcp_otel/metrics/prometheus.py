@@ -135,6 +135,8 @@ class MetricsSink(Protocol):
 
     def bytes_read(self, rank: str, amount: int) -> None: ...
 
+    def bytes_staged(self, device: str, rank: str, amount: int) -> None: ...
+
     def async_handed_off(self, rank: str) -> None: ...
 
     def async_phase_done(self, phase: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None: ...
@@ -171,6 +173,7 @@ class CheckpointMetrics:
             self.operations: Counter = new(semconv.OPERATION_COUNT)
             self.written_bytes: Counter = new(semconv.WRITTEN_BYTES)
             self.read_bytes: Counter = new(semconv.READ_BYTES)
+            self.staged_bytes: Counter = new(semconv.STAGED_BYTES)
             self.async_in_flight: Gauge = new(semconv.ASYNC_IN_FLIGHT)
             self.async_phase: Histogram = new(semconv.ASYNC_PHASE_DURATION)
             self.collective_wait: Histogram = new(semconv.COLLECTIVE_WAIT)
@@ -253,6 +256,10 @@ class CheckpointMetrics:
     def bytes_read(self, rank: str, amount: int) -> None:
         if amount > 0:
             self.read_bytes.labels(rank).inc(amount)
+
+    def bytes_staged(self, device: str, rank: str, amount: int) -> None:
+        if amount > 0:
+            self.staged_bytes.labels(device, rank).inc(amount)
 
     def async_handed_off(self, rank: str) -> None:
         self.async_in_flight.labels(rank).inc()
@@ -356,6 +363,9 @@ class ForwardingSink:
 
     def bytes_read(self, rank: str, amount: int) -> None:
         self._forward("bytes_read", rank, amount)
+
+    def bytes_staged(self, device: str, rank: str, amount: int) -> None:
+        self._forward("bytes_staged", device, rank, amount)
 
     def async_handed_off(self, rank: str) -> None:
         self._forward("async_handed_off", rank)

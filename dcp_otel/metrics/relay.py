@@ -35,7 +35,7 @@ from dcp_otel.metrics.prometheus import ForwardingSink, LiveEntry, MetricsSink
 
 #: The observations a daemon can make (the operation itself belongs to the rank).
 RELAYED = frozenset(
-    {"operation_done", "step_done", "bytes_written", "bytes_read", "async_handed_off", "async_phase_done", "async_upload_done",
+    {"operation_done", "step_done", "bytes_written", "bytes_read", "bytes_staged", "async_handed_off", "async_phase_done", "async_upload_done",
      "stalled", "failure_started"}
 )  # fmt: skip
 #: Not a metric: where the daemon's open operations are now (its live progress), replacing the last one sent.

@@ -48,12 +48,14 @@ from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
     KIND_OPERATION,
+    KIND_STAGING,
     KIND_STEP,
     MAX_STATUS_TEXT,
     Call,
     DurationHistory,
     Operation,
 )
+from dcp_otel.tracing.staged import device_type
 from dcp_otel.tracing.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
 
 #: The attributes a summary-only operation span keeps of its operation's.
@@ -313,6 +315,7 @@ def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool =
     exemplar, rank = op.exemplar, op.rank_label
     if not late:
         count_bytes(op, metrics)
+        count_staging(op, metrics)
     for call in calls:
         if call.kind != KIND_STEP or not call.span_id:
             continue
@@ -339,6 +342,29 @@ def failure_origin(calls: list[Call]) -> str | None:
     own += [c for c in calls if c.failure is not None and c.failure.origin is not None and c.kind == KIND_OPERATION]
     first = min(own, key=lambda c: c.end_ns, default=None)
     return first.failure.origin if first is not None and first.failure is not None else None
+
+
+def count_staging(op: Operation, metrics: MetricsSink | None) -> None:
+    """What the async save staged, on its staging spans (the rate over the one covering the copy) and counted."""
+    facts = op.staging
+    if facts is None:
+        return
+    calls = [c for c in op.calls if c.kind == KIND_STAGING or (c.kind == KIND_STEP and c.func_name in semconv.STAGING_STEPS)]
+    attributes: dict[str, Any] = {
+        semconv.ATTR_STAGING_BYTES: facts.nbytes,
+        semconv.ATTR_STAGING_DEVICE: facts.devices,
+        semconv.ATTR_STAGING_PINNED: facts.pinned,
+        semconv.ATTR_STAGING_SHARED: facts.shared,
+    }
+    # The staging future's span covers the copy where staging is asynchronous (the step then only submits it).
+    copy = next((c for c in calls if c.kind == KIND_STAGING), calls[0] if calls else None)
+    for call in calls:
+        extra = {**(call.extra or {}), **attributes}
+        if call is copy and call.duration_s > 0:
+            extra[semconv.ATTR_STAGING_RATE] = facts.nbytes / call.duration_s
+        call.extra = extra
+    if metrics is not None and facts.devices:
+        metrics.bytes_staged(device_type(facts.devices), op.rank_label, facts.nbytes)
 
 
 def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:

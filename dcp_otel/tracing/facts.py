@@ -26,6 +26,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
 from dcp_otel.tracing.operations import OPERATION_KEY
 from dcp_otel.tracing.records import Call, KeyCall, Operation, failure_of, key_of
+from dcp_otel.tracing.staged import staged
 
 #: What carries byte counts: write results, local read plans, a consolidation's output folder, a checkpointer's file.
 _GATHERED_TYPES = (list, LoadPlan, ConsolidatedOutput, CheckpointFile)
@@ -66,6 +67,15 @@ class CallFacts:
             parent_keys.add(func_name, max(0, time_ns - call.start_ns))
         else:
             parent_keys.failed_key = key_of(func_name)
+
+    def on_staging(self, stager: object, state_dict: object) -> None:
+        """An async save's stager is given ``state_dict`` to copy (on the caller's thread, before the copy)."""
+        try:
+            op = context_api.get_value(OPERATION_KEY)
+            if isinstance(op, Operation) and op.staging is None:
+                op.staging = staged(stager, state_dict)
+        except Exception:  # noqa: BLE001
+            report("recorder_error", "dcp_otel failed to read what an async save stages", exc_info=True)
 
     def on_storage_resolved(self, storage: object, reader: bool) -> None:
         """DCP chose the storage for the current operation (``_storage_setup``).

@@ -21,7 +21,7 @@ import random
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext, TraceFlags
@@ -188,6 +188,15 @@ class KeyCall(Call):
         self.start_ns = start_ns
 
 
+class Staged(NamedTuple):
+    """What a stager was given to copy: bytes, from which devices, into which kind of host memory."""
+
+    nbytes: int
+    devices: str  # "cuda:0", or sorted and joined: "cpu,cuda:0"
+    pinned: bool
+    shared: bool
+
+
 class Operation:
     """One checkpoint operation on this rank: the unit that owns a trace and is built as one.
 
@@ -202,7 +211,7 @@ class Operation:
         "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
         "wait_s", "lock", "storage", "exemplar_span_id", "_exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
-        "group", "collective_error",
+        "group", "collective_error", "staging",
     )  # fmt: skip
 
     def __init__(
@@ -249,6 +258,7 @@ class Operation:
         self.interrupted: str | None = None  # ended by the process ending (SIGTERM, exit) while open
         self.group: object | None = None  # the process group DCP ran it on, once seen (None: the default)
         self.collective_error = 0  # id() of the exception one of its collectives raised, while it propagates
+        self.staging: Staged | None = None  # what an async save's stager copied (dcp_otel.tracing.facts)
         self.lock = threading.Lock()
 
     @property
