@@ -120,13 +120,14 @@ def span_names(exporter: InMemorySpanExporter) -> list[str]:
     return sorted({s.name for s in exporter.get_finished_spans()})
 
 
-def staging(exporter: InMemorySpanExporter) -> list[float]:
-    """Seconds of each staging: the staging future's span where staging is asynchronous (the step then only
-    submits it), else the ``stage_state_dict`` step."""
+def staging(exporter: InMemorySpanExporter) -> list[tuple[float, dict[str, Any]]]:
+    """Seconds and ``dcp.staging.*`` attributes of each staging: the staging future's span where staging is
+    asynchronous (the step then only submits it), else the ``stage_state_dict`` step."""
     spans = exporter.get_finished_spans()
     names = {s.name for s in spans}
     name = semconv.SPAN_ASYNC_STAGING if semconv.SPAN_ASYNC_STAGING in names else "dcp.stage_state_dict"
-    return [(s.end_time - s.start_time) / 1e9 for s in spans if s.name == name]
+    return [((s.end_time - s.start_time) / 1e9, {k: v for k, v in (s.attributes or {}).items() if k.startswith("dcp.staging.")})
+            for s in spans if s.name == name]  # fmt: skip
 
 
 def syncs(call: Callable[[], object]) -> int:
@@ -186,9 +187,14 @@ def one_process(args: argparse.Namespace) -> None:
     names = span_names(traced.exporter)
     print(f"span names ({len(names)}): {', '.join(names)}")
     if stage:
-        best = min(stage)
+        best, attributes = min(stage, key=lambda found: found[0])
         print(f"staging (device to host, pinned): {size / 2**30:.2f} GiB in {best:.3f} s (fastest of {len(stage)}): "
               f"{size / best / 1e9:.1f} GB/s")  # fmt: skip
+        rate = attributes.get(semconv.ATTR_STAGING_RATE)
+        print(f"  its span says: bytes {attributes.get(semconv.ATTR_STAGING_BYTES)} (state dict: {size}), device "
+              f"{attributes.get(semconv.ATTR_STAGING_DEVICE)}, pinned {attributes.get(semconv.ATTR_STAGING_PINNED)}, "
+              f"shared {attributes.get(semconv.ATTR_STAGING_SHARED)}, "
+              f"{'-' if rate is None else f'{rate / 1e9:.1f} GB/s'}")  # fmt: skip
     if cuda:
         counted: dict[str, list[tuple[int, int]]] = {"plain": [], "traced": []}
         for arm in ("plain", "traced", "plain", "traced"):
