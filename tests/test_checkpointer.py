@@ -113,6 +113,10 @@ def test_an_async_save_is_one_trace_with_the_checkpoint_process_write_under_the_
         assert run.parent(ops[rank]) is root
         for caller_side in (uploads, staging, stage, hand_off):
             assert run.parent(caller_side[rank]) is ops[rank] and caller_side[rank].span_id not in process_ids
+        # What its DefaultStager copied: bytes, from the CPU, into shared memory for the checkpoint process.
+        assert stage[rank].attributes[semconv.ATTR_STAGING_BYTES] > 0
+        assert stage[rank].attributes[semconv.ATTR_STAGING_DEVICE] == "cpu"
+        assert isinstance(stage[rank].attributes[semconv.ATTR_STAGING_SHARED], bool)
         # The write ran in the checkpoint process, continuing the rank's upload.
         assert writes[rank].span_id in process_ids and barriers[rank].span_id in process_ids
         assert run.parent(writes[rank]) is uploads[rank] and run.parent(barriers[rank]) is writes[rank]

@@ -115,6 +115,16 @@ def step(name: str, after: Callable[[Hooks], After] | None = None) -> Callable[[
     return lambda hooks: logged_call(hooks.feed, name, after(hooks) if after is not None else None)
 
 
+def staged_by(hooks: Hooks) -> After:
+    """After its ``DefaultStager.stage``: what it was given to copy (bytes, devices; pinned/shared from its config)."""
+    on_staging = hooks.recorder.on_staging
+
+    def after(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        on_staging(instance, args[0] if args else kwargs.get("state_dict"))
+
+    return after
+
+
 def rank_file(written: bool) -> Callable[[Hooks], After]:
     """After a writer's ``write`` (a reader's ``read``): its rank's file, for the builder to count."""
 
@@ -239,7 +249,7 @@ POINTS: tuple[tuple[str, str, str, Callable[[Hooks], Wrapper]], ...] = (
     (CHECKPOINTER_MODULE, "AsyncCheckpointer.load", f"no dcp.{semconv.CHECKPOINTER_LOAD} span",
      operation(semconv.CHECKPOINTER_LOAD)),
     (STAGING_MODULE, "DefaultStager.stage", f"no dcp.{semconv.CHECKPOINTER_STAGE} span",
-     step(semconv.CHECKPOINTER_STAGE)),
+     step(semconv.CHECKPOINTER_STAGE, staged_by)),
     (WRITER_MODULE, "CheckpointWriter.write", f"no dcp.{semconv.CHECKPOINTER_WRITE} span or written bytes",
      step(semconv.CHECKPOINTER_WRITE, rank_file(written=True))),
     (READER_MODULE, "CheckpointReader.read", f"no dcp.{semconv.CHECKPOINTER_READ} span or read bytes",
