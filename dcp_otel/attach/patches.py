@@ -8,8 +8,8 @@ emits ONE warning naming whatever does not, with what is lost. It never
 raises for a torch it does not recognize. :meth:`Installed.remove` undoes
 everything, restoring the original objects.
 
-Every point below was checked against torch 2.13.0, 2.14.1 and 2.15.0: the
-test command runs the core suites on 2.13.0 and 2.15.0, and ``test_instrumentor.py`` fails if
+Every point below was checked against torch 2.11.0, 2.13.0, 2.14.1 and 2.15.0: the
+test command runs the core suites on 2.11.0, 2.13.0 and 2.15.0, and ``test_instrumentor.py`` fails if
 ``install`` finds anything missing or ``uninstrument`` leaves anything behind.
 
 Usage::
