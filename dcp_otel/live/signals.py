@@ -112,7 +112,6 @@ class SignalGuard:
         self._previous: dict[int, Any] = {}  # signum -> the disposition ours replaced (kept after remove())
         self.active = False
         self.reader_alive = False  # the watchdog reads the wakeup fd (set by the watchdog thread)
-        self._main_ident = threading.main_thread().ident
         self._reset_counts()
         _forksafe.register(self)
 
@@ -224,7 +223,6 @@ class SignalGuard:
         self._done_reader, self._done_writer = socket.socketpair()
         for end in (self._reader, self._writer, self._done_reader, self._done_writer):
             end.setblocking(False)
-        self._main_ident = threading.main_thread().ident
 
     # --- the handler (main thread): no lock, no exporter, a bounded wait --------------------------
     def _handle(self, signum: int, frame: FrameType | None) -> None:
