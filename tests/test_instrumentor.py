@@ -25,6 +25,7 @@ import torch.distributed.checkpoint._experimental.checkpointer as exp_checkpoint
 import torch.distributed.checkpoint._experimental.staging as exp_staging
 import torch.distributed.checkpoint.hf_storage as dcp_hf_storage
 import torch.distributed.checkpoint.logger as dcp_logger_module
+import torch.distributed.checkpoint.staging as dcp_staging
 import torch.distributed.checkpoint.state_dict as dcp_state_dict
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
@@ -53,6 +54,8 @@ def originals() -> dict[str, object]:
         "save_wrapper": thread_executor.__dict__["save_wrapper"],
         "saver_storage_setup": dcp_saver.__dict__["_storage_setup"],
         "loader_storage_setup": dcp_loader.__dict__["_storage_setup"],
+        **{f"staging.{cls.__name__}.stage": cls.__dict__["stage"]
+           for cls in (dcp_staging.DefaultStager, dcp_staging.BlockingAsyncStager)},  # fmt: skip
         "process_execute_save": process._ProcessBasedAsyncCheckpointExecutor.__dict__["execute_save"],
         "process_execute_save_impl": process._ProcessBasedAsyncCheckpointExecutor.__dict__["_execute_save_impl"],
         "init_info": process._ProcessGroupInitInfo.__dict__["__init__"],
