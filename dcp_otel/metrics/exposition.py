@@ -52,12 +52,15 @@ logger = logging.getLogger("dcp_otel")
 class ScrapeWatch:
     """A collector that yields nothing and counts scrapes, so a process can wait for one.
 
-    It counts every collection of the registry it is in: the endpoint's scrapes,
-    and any other reader of that registry (say, a push to a gateway). A scrape
-    is collected before its response is sent, so the endpoint's app is wrapped
-    too (:meth:`serving`): a wait is over only once no response is still being
-    written, or a process exiting right after the collection would cut its
-    last scrape short (Prometheus then gets nothing).
+    It counts the endpoint's scrapes as they begin (:meth:`serving` wraps its
+    app), and any other reader of that registry (say, a push to a gateway) as
+    it collects. Counted when collected, a scrape that began before a wait
+    started could end it with values read before the ones waited for (this
+    collector is registered after the metrics, so it is collected last): a
+    torchelastic agent's run results were then lost now and then. A wait is
+    over only once no response is still being written, or a process exiting
+    right after the collection would cut its last scrape short (Prometheus
+    then gets nothing).
     """
 
     def __init__(self) -> None:
@@ -70,6 +73,10 @@ class ScrapeWatch:
 
         def counted(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
             with self._scraped:
+                # Counted as it begins: a scrape that began before a wait's ``seen`` may have collected the
+                # other metrics before the values the wait is for (this collector is registered last, so it
+                # is collected last), and must not end the wait.
+                self._count += 1
                 self._responding += 1
             try:
                 return _Written(app(environ, start_response), self._written)
@@ -89,8 +96,9 @@ class ScrapeWatch:
 
     def collect(self) -> list[object]:
         with self._scraped:
-            self._count += 1
-            self._scraped.notify_all()
+            if not self._responding:  # another reader of the registry (a scrape was counted as it began)
+                self._count += 1
+                self._scraped.notify_all()
         return []
 
     def count(self) -> int:
