@@ -127,7 +127,6 @@ class SignalGuard:
         self._flushes_seen = 0  # (the main thread's chained runs, counted the same way)
         self._state = _IDLE
         self._begun_deliveries = 0
-        self._fatal = False
         self._ending_thread: threading.Thread | None = None
         self._flush_thread: threading.Thread | None = None
 
@@ -313,7 +312,6 @@ class SignalGuard:
     def _begin(self, deliveries: int) -> None:
         self._state = _ENDING
         self._begun_deliveries = deliveries
-        self._fatal = True
         self._ending.clock.start()
         # The handler's own dict: a frame it stores a moment later (it runs after the wakeup byte) is seen too.
         self._ending_thread = _start("dcp-otel-ending", lambda: self._run_ending(self._frames))
@@ -330,7 +328,7 @@ class SignalGuard:
             self._done_writer.send(b"\0")  # a handler waiting on the main thread goes on (and re-raises)
         except OSError:
             pass
-        if self._fatal and signal.getsignal(signal.SIGTERM) == self._handle:
+        if signal.getsignal(signal.SIGTERM) == self._handle:  # (an ending begins only while ours is installed)
             self._die(signal.SIGTERM)
 
     def _flush_quietly(self) -> None:
