@@ -38,7 +38,7 @@ from dcp_otel.attach.async_process import (
 from dcp_otel.attach.async_thread import AsyncContextCarrier
 from dcp_otel.attach.logger_tap import DCPLoggerTap
 from dcp_otel.attach.unlogged_calls import consolidated, logged_call, public_call
-from dcp_otel.attach.wrapping import Replacer, wrap
+from dcp_otel.attach.wrapping import Replacer, attribute, wrap
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.tracker import SpanRecorder
@@ -315,8 +315,7 @@ class Installed:
         """
         self.switch[0] = False
         for owner, attr, original, placed in reversed(self.wrapped):
-            current = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
-            if current is placed:
+            if attribute(owner, attr) is placed:
                 # The exact object we replaced: unwrapping a staticmethod would leave its bare
                 # function behind, which the class would then bind as a method.
                 setattr(owner, attr, original)
@@ -370,7 +369,7 @@ def resolve(patch: Patch) -> tuple[Any, str] | None:
             return None
     # On a class, only a method it defines itself: an inherited (say abstract)
     # one is not the code path we mean to wrap.
-    found = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    found = attribute(owner, attr)
     return (owner, attr) if callable(found) else None
 
 
@@ -398,7 +397,7 @@ def install(
             installed.missing.append(f"{patch.module}.{patch.name} ({patch.lost})")
             continue
         owner, attr = target
-        original = vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
+        original = attribute(owner, attr)
         placed = wrap(owner, attr, patch.wrapper(hooks), patch.hot, installed.switch)
         installed.wrapped.append((owner, attr, original, placed))
     entries = (

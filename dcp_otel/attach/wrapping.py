@@ -27,6 +27,12 @@ import wrapt
 Replacer = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+def attribute(owner: Any, attr: str) -> Any:
+    """What stands at ``owner.attr``: on a class, only what the class defines itself (an inherited method, or
+    the bound form of a static method, is not the object to wrap or to put back); ``None`` where nothing is."""
+    return vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+
+
 def replace_plainly(owner: Any, attr: str, replacer: Replacer) -> bool:
     """Put ``replacer(original)`` in the place of a plain function of a module or a plain method of a class.
 
@@ -34,7 +40,7 @@ def replace_plainly(owner: Any, attr: str, replacer: Replacer) -> bool:
     or class method, a builtin, a callable object): ``False``, and nothing changed; :func:`wrap` then
     hands the replacer to ``wrapt``.
     """
-    original = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    original = attribute(owner, attr)
     if type(original) is not FunctionType:
         return False
     setattr(owner, attr, functools.wraps(original)(replacer(original)))
@@ -65,7 +71,7 @@ def wrap(owner: Any, attr: str, wrapper: Callable[..., Any], hot: bool, switch: 
         wrapt.wrap_function_wrapper(owner, attr, wrapper if switch is None else _switched(wrapper, switch))
     elif not replace_plainly(owner, attr, wrapper):
         wrapt.wrap_function_wrapper(owner, attr, _through_wrapt(wrapper, isinstance(owner, type)))
-    return vars(owner)[attr] if isinstance(owner, type) else getattr(owner, attr)
+    return attribute(owner, attr)
 
 
 def _switched(wrapper: Callable[..., Any], switch: list[bool]) -> Callable[..., Any]:
