@@ -144,3 +144,19 @@ def test_the_gpu_check_on_a_gpu_adds_no_device_synchronisation_and_names_the_sam
     out = run_gpu_check("--gib", "0.5", "--reps", "1", "--dir", str(tmp_path / "c"))
     assert "device synchronisations" in out and "none added" in out, out
     assert "span names on CPU tensors: the same" in out and "FAILED" not in out, out
+
+
+def test_sigterm_exit_times_the_end_plain_and_instrumented_and_both_die_by_sigterm() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/sigterm_exit.py", "--runs", "1"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"plain +[\d.]+ ms +exit \[-15\]", done.stdout), done.stdout
+    assert re.search(r"instrumented +[\d.]+ ms +exit \[-15\] +ratio [\d.]+, added [-+][\d.]+ ms", done.stdout), done.stdout
+
+
+def test_staging_walk_prints_the_walk_and_the_async_save_it_sits_in() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/staging_walk.py", "--tensors", "200", "--rounds", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"the walk alone: [\d.]+ ms for 200 tensors \([\d.]+ us each\)", done.stdout), done.stdout
+    assert re.search(r"plain [\d.]+ ms, instrumented [\d.]+ ms, ratio [\d.]+ \(added [-+][\d.]+ ms", done.stdout), done.stdout

@@ -5,8 +5,8 @@ of it that blocks training, and torch says nothing of its size. When a stager
 (``DefaultStager``, ``BlockingAsyncStager``, a ``FileSystemWriter``) is given a
 state dict, :func:`staged` walks it once, on the caller's thread, reading only
 each tensor's ``nbytes`` and device (never its data: no device
-synchronisation): 0.25 to 0.35 us per tensor here (2.3 to 3.6 ms for 10,000), beside a
-copy of each. A ``DTensor`` counts its local shard, a ``ShardedTensor`` its local
+synchronisation): 0.33 to 0.36 us per tensor here (``benchmarks/staging_walk.py``),
+beside a copy of each. A ``DTensor`` counts its local shard, a ``ShardedTensor`` its local
 shards. The builder puts the figures on the staging spans, with the rate over
 the span that covers the copy, and counts ``dcp_staged_bytes_total``.
 
