@@ -114,7 +114,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
                 raise
         if options.metrics_port is not None:
             try:  # before anything is attached: a bad address fails here, leaving nothing behind
-                self._endpoint = start_metrics_server(options.metrics_port, registry=options.registry)
+                self._endpoint = start_metrics_server(options.metrics_port, registry=options.registry,
+                                                      run_id=options.run_id)
             except BaseException:
                 if metrics is not None and drain is not None:
                     metrics.unregister()

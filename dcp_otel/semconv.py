@@ -221,6 +221,13 @@ LABEL_NAME: Final = "name"
 LABEL_REASON: Final = "reason"
 LABEL_ERROR_TYPE: Final = "error_type"
 LABEL_DEVICE: Final = "device"  # a device type: cuda, cpu, ...
+#: Target labels every endpoint's discovery file gives its series (metrics/file_sd.py). Named as the OTel
+#: Collector's Prometheus exporter names the resource attributes they stand for (resource_to_telemetry_conversion:
+#: ``dcp.run_id`` -> ``dcp_run_id``, ``host.name`` -> ``host_name``; ``service.name`` -> ``job``), so one query
+#: selects a run whether its ranks were scraped or pushed OTLP.
+LABEL_RUN_ID: Final = "dcp_run_id"
+LABEL_HOST: Final = "host_name"
+LABEL_JOB: Final = "job"
 
 #: What kind of instrument a metric is, in both APIs.
 KIND_HISTOGRAM: Final = "histogram"
@@ -305,6 +312,14 @@ LAST_SUCCESS: Final = MetricSpec(
     "dcp_last_success_timestamp_seconds", "dcp.last_success_timestamp", "s", KIND_GAUGE, (LABEL_OPERATION, LABEL_RANK),
     "Unix time of the last successful operation.", multiprocess_mode="max",
 )  # fmt: skip
+#: The last operation's duration, held until the next one: a trend that shows every checkpoint however far apart
+#: they are (a rate over a histogram is empty between checkpoints taken every 30 minutes), and exact (no bucket
+#: interpolation).
+LAST_DURATION: Final = MetricSpec(
+    "dcp_last_duration_seconds", "dcp.last_duration", "s", KIND_GAUGE, (LABEL_OPERATION, LABEL_STATUS, LABEL_RANK),
+    "Duration of the last checkpoint operation on one rank, by status (held until the next one).",
+    multiprocess_mode="max",
+)  # fmt: skip
 #: Counted once per failed operation, by the rank whose own exception it was (not by the peers that only
 #: re-raise torch's CheckpointException): where a failure started, and what it was.
 FAILURES: Final = MetricSpec(
@@ -336,7 +351,7 @@ STALLS: Final = MetricSpec(
 #: What finished operations record (the builder, from each operation's calls).
 CHECKPOINT_METRICS: Final = (
     OPERATION_DURATION, STEP_DURATION, OPERATION_COUNT, WRITTEN_BYTES, READ_BYTES, ASYNC_IN_FLIGHT, ASYNC_PHASE_DURATION,
-    STAGED_BYTES, COLLECTIVE_WAIT, LAST_SUCCESS, TELEMETRY_PROBLEMS, FAILURES,
+    STAGED_BYTES, COLLECTIVE_WAIT, LAST_SUCCESS, LAST_DURATION, TELEMETRY_PROBLEMS, FAILURES,
 )  # fmt: skip
 #: Read from the open calls when metrics are collected, not recorded: present only while a call is open.
 LIVE_METRICS: Final = (IN_PROGRESS, STALL_THRESHOLD)
@@ -376,6 +391,7 @@ METRIC_ASYNC_IN_FLIGHT: Final = ASYNC_IN_FLIGHT.prometheus
 METRIC_ASYNC_PHASE_DURATION: Final = ASYNC_PHASE_DURATION.prometheus
 METRIC_COLLECTIVE_WAIT: Final = COLLECTIVE_WAIT.prometheus
 METRIC_LAST_SUCCESS: Final = LAST_SUCCESS.prometheus
+METRIC_LAST_DURATION: Final = LAST_DURATION.prometheus
 METRIC_TELEMETRY_PROBLEMS: Final = TELEMETRY_PROBLEMS.prometheus  # dcp_otel_telemetry_problems_total
 METRIC_IN_PROGRESS: Final = IN_PROGRESS.prometheus
 METRIC_STALL_THRESHOLD: Final = STALL_THRESHOLD.prometheus

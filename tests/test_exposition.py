@@ -239,13 +239,18 @@ def test_an_endpoint_announces_itself_to_prometheus_file_discovery_until_it_clos
 ) -> None:
     targets = tmp_path / "targets"  # created on demand
     monkeypatch.setenv(semconv.ENV_FILE_SD_DIR, str(targets))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-7")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "llama-pretrain")
     endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry)
     agent = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry, per_rank=False, role="agent")
     assert endpoint is not None and agent is not None
     try:
         rank_file = targets / f"rank-127.0.0.1-{endpoint.port}.json"
         # Exactly the format of Prometheus's file_sd_configs; nothing else (no partial file) in the folder.
-        assert json.loads(rank_file.read_text()) == [{"targets": [f"127.0.0.1:{endpoint.port}"], "labels": {}}]
+        # Labelled with the run (as the ranks resolve its id), the node and the job's name (OTEL_SERVICE_NAME).
+        labels = {"dcp_run_id": "rdzv-7", "host_name": socket.gethostname(), "job": "llama-pretrain"}
+        assert json.loads(rank_file.read_text()) == [{"targets": [f"127.0.0.1:{endpoint.port}"], "labels": labels}]
         assert sorted(p.name for p in targets.iterdir()) == sorted([rank_file.name, f"agent-127.0.0.1-{agent.port}.json"])
         (target,) = json.loads(rank_file.read_text())[0]["targets"]
         assert "probe_total 1.0" in scrape(f"http://{target}/metrics")  # the announced address serves the metrics
@@ -253,6 +258,36 @@ def test_an_endpoint_announces_itself_to_prometheus_file_discovery_until_it_clos
         endpoint.close()
         agent.close()
     assert list(targets.iterdir()) == []
+
+
+def test_the_run_id_option_and_a_launcher_relabel_name_the_run_and_no_service_name_leaves_job_alone(
+    registry: CollectorRegistry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry, file_sd_dir=tmp_path, run_id="opt-1")
+    assert endpoint is not None and endpoint.target_file is not None
+    try:
+        read = lambda: json.loads(endpoint.target_file.path.read_text())[0]["labels"]  # noqa: E731
+        assert read() == {"dcp_run_id": "opt-1", "host_name": socket.gethostname()}  # the scrape config's job stays
+        endpoint.relabel("rdzv-after")
+        assert read()["dcp_run_id"] == "rdzv-after"
+        assert [p.name for p in tmp_path.iterdir()] == [endpoint.target_file.path.name]  # rewritten whole, in place
+    finally:
+        endpoint.close()
+
+
+def test_the_agent_labels_its_target_with_the_run_id_its_workers_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcp_otel.elastic.launcher import workers_run_id
+
+    for name in (semconv.ENV_RUN_ID, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert workers_run_id("rdzv-9", "10.0.0.1", 29500) == "rdzv-9"
+    assert workers_run_id("none", "10.0.0.1", 29500) == "10.0.0.1:29500"  # static rendezvous: the ranks' fallback
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert workers_run_id("none", "10.0.0.1", 29500) == "slurm-77"
+    monkeypatch.setenv(semconv.ENV_RUN_ID, "mine")
+    assert workers_run_id("rdzv-9", "10.0.0.1", 29500) == "mine"
 
 
 def test_every_interface_is_announced_by_host_name() -> None:

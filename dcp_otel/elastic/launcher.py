@@ -44,7 +44,7 @@ from dcp_otel.cli.check import warn_if_workers_setup_fails
 from dcp_otel.config import env_int
 from dcp_otel.elastic.handler import OTelMetricHandler
 from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.tracing.trace_ids import agree_on_generation
+from dcp_otel.tracing.trace_ids import agree_on_generation, resolve_run_id
 
 _DETECTORS_ENV = "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS"
 
@@ -97,6 +97,35 @@ def publish_generation(wrapped: Callable[..., Any], instance: Any, args: tuple[A
     return wrapped(*args, **kwargs)
 
 
+def workers_run_id(rdzv_id: str, master_addr: str, master_port: int | None) -> str:
+    """The run id the workers will resolve (``dcp.run_id``), seen from the agent before it starts them.
+
+    torchrun gives its workers ``TORCHELASTIC_RUN_ID`` = the rendezvous id (a random one with
+    ``--standalone``), and ``MASTER_ADDR``/``MASTER_PORT`` from its options.
+    """
+    explicit = os.environ.get(semconv.ENV_RUN_ID, "").strip() or None
+    if explicit is None and rdzv_id.strip().lower() not in ("", "none"):
+        explicit = rdzv_id
+    identity = resolve_run_id(explicit, world_size=2)  # any world > 1: a multi-rank job's rules
+    return identity.run_id if identity.source != "fallback" else f"{master_addr}:{master_port}"
+
+
+def label_with_the_run(endpoint: MetricsEndpoint) -> Callable[..., Any]:
+    """Around torchrun's ``config_from_args``: once the rendezvous id is final (``--standalone`` draws it
+    there), say the workers' run id in the agent's discovery file, as the ranks say it in theirs."""
+
+    def relabel(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        try:
+            options = args[0] if args else kwargs["args"]
+            endpoint.relabel(workers_run_id(str(options.rdzv_id), str(options.master_addr), options.master_port))
+        except Exception:  # noqa: BLE001 - the label is ours; the launch is not
+            report("file_sd_error", "dcp-otel-run could not label the agent's target with the run id", exc_info=True)
+        return result
+
+    return relabel
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with ``argv`` (default: this process's arguments)."""
     from torch.distributed.elastic.agent.server import local_elastic_agent
@@ -108,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     wrapt.wrap_function_wrapper(local_elastic_agent, "LocalElasticAgent._start_workers", publish_generation)
     enable_resource_detector()
     endpoint = observe_agent()
+    if endpoint is not None:
+        from torch.distributed import run as torchrun
+
+        wrapt.wrap_function_wrapper(torchrun, "config_from_args", label_with_the_run(endpoint))
     try:
         run(args)  # type: ignore[no-untyped-call]
     finally:

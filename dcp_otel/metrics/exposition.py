@@ -44,7 +44,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_h
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import env_int
-from dcp_otel.metrics.file_sd import Role, TargetFile, announce, configured_dir
+from dcp_otel.metrics.file_sd import Role, TargetFile, announce, configured_dir, target_labels
 
 logger = logging.getLogger("dcp_otel")
 
@@ -180,6 +180,15 @@ class MetricsEndpoint:
                 report("final_scrape_timeout", "dcp_otel: no scrape of %s within %gs before exit; its last values are lost",
                        self.url, timeout_s)  # fmt: skip
         self.close()
+
+    def relabel(self, run_id: str) -> None:
+        """Say another run id in the discovery file (a launcher learns its run's id after it started serving)."""
+        if self.target_file is None:
+            return
+        try:
+            self.target_file.write(target_labels(run_id))
+        except OSError as exc:
+            report("file_sd_error", "dcp_otel: cannot rewrite the discovery file %s (%s)", self.target_file.path, exc)
 
     def close(self) -> None:
         """Stop serving, free the port and withdraw the discovery file."""
@@ -319,6 +328,7 @@ def start_metrics_server(
     per_rank: bool = True,
     file_sd_dir: str | os.PathLike[str] | None = None,
     role: Role = "rank",
+    run_id: str | None = None,
 ) -> MetricsEndpoint | None:
     """Serve ``registry`` (default: the global one) for Prometheus to scrape.
 
@@ -339,7 +349,8 @@ def start_metrics_server(
 
     With ``file_sd_dir`` (default ``$DCP_OTEL_FILE_SD_DIR``) the endpoint
     writes its Prometheus file_sd target file there as ``<role>-<host>-<port>.json``
-    (see :mod:`dcp_otel.metrics.file_sd`). With ``$DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S``
+    (see :mod:`dcp_otel.metrics.file_sd`), labelled with the run (``run_id``, else as the ranks resolve it
+    from the environment), host and job. With ``$DCP_OTEL_FINAL_SCRAPE_TIMEOUT_S``
     the process waits at exit (that long at most) for one last scrape, so the
     final checkpoint's metrics reach Prometheus (see :meth:`MetricsEndpoint.finish`).
     """
@@ -369,7 +380,7 @@ def start_metrics_server(
         server.set_app(endpoint._watch.serving(app))
     target.register(endpoint._watch)  # type: ignore[arg-type]
     endpoint._registry = target
-    endpoint.target_file = announce(configured_dir(file_sd_dir), role, bind, endpoint.port)
+    endpoint.target_file = announce(configured_dir(file_sd_dir), role, bind, endpoint.port, run_id)
     final_scrape = env_int(semconv.ENV_FINAL_SCRAPE_TIMEOUT_S, 0, 3600)
     if final_scrape:
         endpoint.final_scrape_timeout_s = float(final_scrape)

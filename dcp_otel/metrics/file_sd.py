@@ -17,7 +17,17 @@ Usage::
     # DCP_OTEL_FILE_SD_DIR=/shared/prometheus/targets torchrun ... (zero code), or:
     endpoint = dcp_otel.start_metrics_server(file_sd_dir="/shared/prometheus/targets")
     # -> /shared/prometheus/targets/rank-<host>-9710.json:
-    #    [{"targets": ["<host>:9710"], "labels": {}}]
+    #    [{"targets": ["<host>:9710"],
+    #      "labels": {"dcp_run_id": "<run id>", "host_name": "<host>", "job": "<OTEL_SERVICE_NAME>"}}]
+
+The labels tell one run from another on a Prometheus that scrapes a whole
+cluster: ``dcp_run_id`` is the run id dcp-otel puts in trace ids (the same on
+every rank: ``$DCP_OTEL_RUN_ID``, torchrun's rendezvous id, SLURM's job id),
+``host_name`` the node, and ``job`` the job's name where one is set
+(``$OTEL_SERVICE_NAME`` or ``service.name`` in ``$OTEL_RESOURCE_ATTRIBUTES``;
+a target label wins over the scrape config's ``job_name``). They are the names
+the OTel Collector's Prometheus exporter gives the same resource attributes, so
+dashboards and rules select a run the same way whether it was scraped or pushed.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from typing import Literal
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.tracing.trace_ids import resolve_run_id
 
 Role = Literal["rank", "agent"]
 _WILDCARD = frozenset({"", "0.0.0.0", "::"})  # noqa: S104 - addresses meaning "every interface"
@@ -54,21 +65,52 @@ def target_host(bind_addr: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def job_name() -> str | None:
+    """The job's name as OpenTelemetry's resource says it (``service.name``), if one was set."""
+    # Read as the SDK reads it (OTEL_SERVICE_NAME over OTEL_RESOURCE_ATTRIBUTES); the SDK's
+    # "unknown_service..." default names nothing.
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    name = str(Resource.create().attributes.get(SERVICE_NAME, ""))
+    return None if not name or name.startswith("unknown_service") else name
+
+
+def target_labels(run_id: str | None = None) -> dict[str, str]:
+    """The labels of this process's target: its run, host and (where set) the job's name.
+
+    ``run_id`` is the ``run_id=`` option (``None``: as every rank resolves it, from the environment).
+    """
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    explicit = run_id or os.environ.get(semconv.ENV_RUN_ID, "").strip() or None
+    labels = {
+        semconv.LABEL_RUN_ID: resolve_run_id(explicit, int(world) if world.isdigit() else 1).run_id,
+        semconv.LABEL_HOST: socket.gethostname(),
+    }
+    job = job_name()
+    if job:
+        labels[semconv.LABEL_JOB] = job
+    return labels
+
+
 class TargetFile:
     """One endpoint's discovery file; :meth:`remove` (also run at exit) deletes it."""
 
-    def __init__(self, folder: Path, role: Role, bind_addr: str, port: int) -> None:
+    def __init__(self, folder: Path, role: Role, bind_addr: str, port: int, labels: dict[str, str] | None = None) -> None:
         host = target_host(bind_addr)
         name = f"{role}-{host.strip('[]').replace(':', '_')}-{port}.json"
         self.path = folder / name
+        self.target = f"{host}:{port}"
         self._pid = os.getpid()
-        # No target labels: the series already say their rank, and ``instance`` their host and port.
-        group = [{"targets": [f"{host}:{port}"], "labels": {}}]
         folder.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(f".{name}.{self._pid}.tmp")  # not matched by *.json
-        partial.write_text(json.dumps(group, indent=1) + "\n")
-        os.replace(partial, self.path)
+        self.write(labels if labels is not None else target_labels())
         atexit.register(self.remove)
+
+    def write(self, labels: dict[str, str]) -> None:
+        """(Re)write the file whole, with these target labels (the series say their rank; these say which
+        run, node and job they belong to)."""
+        partial = self.path.with_name(f".{self.path.name}.{self._pid}.tmp")  # not matched by *.json
+        partial.write_text(json.dumps([{"targets": [self.target], "labels": labels}], indent=1) + "\n")
+        os.replace(partial, self.path)
 
     def remove(self) -> None:
         """Delete the file (only in the process that wrote it: not in forked children)."""
@@ -81,12 +123,12 @@ class TargetFile:
             report("file_sd_error", "dcp_otel: cannot remove the discovery file %s (%s)", self.path, exc)
 
 
-def announce(folder: Path | None, role: Role, bind_addr: str, port: int) -> TargetFile | None:
+def announce(folder: Path | None, role: Role, bind_addr: str, port: int, run_id: str | None = None) -> TargetFile | None:
     """Write the discovery file of an endpoint, if a folder is configured; never raises on I/O."""
     if folder is None:
         return None
     try:
-        return TargetFile(folder, role, bind_addr, port)
+        return TargetFile(folder, role, bind_addr, port, target_labels(run_id))
     except OSError as exc:
         report("file_sd_error", "dcp_otel: cannot write a discovery file in %s (%s)", folder, exc)
         return None

@@ -115,6 +115,7 @@ class OTelCheckpointMetrics:
         self.async_phase = create_instrument(m, semconv.ASYNC_PHASE_DURATION)
         self.collective_wait = create_instrument(m, semconv.COLLECTIVE_WAIT)
         self.last_success = create_instrument(m, semconv.LAST_SUCCESS)
+        self.last_duration = create_instrument(m, semconv.LAST_DURATION)
         self.telemetry_problems = create_instrument(m, semconv.TELEMETRY_PROBLEMS)
         self.stalls = create_instrument(m, semconv.STALLS)
         self.failures = create_instrument(m, semconv.FAILURES)
@@ -176,6 +177,7 @@ class OTelCheckpointMetrics:
         for outcome in (semconv.STATUS_SUCCESS, semconv.STATUS_FAILURE):
             self.operations.add(1 if outcome == status else 0, {op: operation, st: outcome, rk: rank})
         self.collective_wait.record(max(0.0, wait_s), {op: operation, rk: rank}, context=ctx)
+        self.last_duration.set(duration_s, {op: operation, st: status, rk: rank})
         if ok:
             self.last_success.set(end_unix_s, {op: operation, rk: rank})
 

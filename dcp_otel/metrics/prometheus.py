@@ -178,6 +178,7 @@ class CheckpointMetrics:
             self.async_phase: Histogram = new(semconv.ASYNC_PHASE_DURATION)
             self.collective_wait: Histogram = new(semconv.COLLECTIVE_WAIT)
             self.last_success: Gauge = new(semconv.LAST_SUCCESS)
+            self.last_duration: Gauge = new(semconv.LAST_DURATION)
             self.telemetry_problems: Counter = new(semconv.TELEMETRY_PROBLEMS)
             self.stalls: Counter = new(semconv.STALLS)
             self.failures: Counter = new(semconv.FAILURES)
@@ -239,6 +240,7 @@ class CheckpointMetrics:
             if outcome == status:
                 child.inc()
         self.collective_wait.labels(operation, rank).observe(max(0.0, wait_s), exemplar)
+        self.last_duration.labels(operation, status, rank).set(duration_s)
         if ok:
             self.last_success.labels(operation, rank).set(end_unix_s)
 
