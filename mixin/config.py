@@ -52,6 +52,10 @@ class MixinConfig:
     straggler_min_seconds: float = 10.0
     #: Alert: async saves in flight with none finished for this long.
     stuck_async_window: str = "30m"
+    #: Per-rank panels draw at most this many ranks per run (topk/bottomk): 1,024 ranks are 1,024 series.
+    per_rank_limit: int = 10
+    #: Per-rank tables list at most this many rows per run, worst first.
+    per_rank_rows: int = 50
     #: Dashboard uids (stable: links and bookmarks point at them).
     checkpoints_uid: str = "dcp-otel-checkpoints"
     ranks_uid: str = "dcp-otel-ranks"
@@ -72,6 +76,10 @@ class MixinConfig:
                 raise ValueError(f"{f.name} must be at least 0, got {value!r}")
             if f.name.endswith("_uid") and not _UID.match(value):
                 raise ValueError(f"{f.name} must be 1 to 40 letters, digits, '-' or '_', got {value!r}")
+        for name in ("per_rank_limit", "per_rank_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
         if seconds(self.baseline_window) <= max(seconds(self.recent_window), seconds(self.no_save_window)):
             raise ValueError("baseline_window must be longer than recent_window and no_save_window")
         if self.traces_datasource_type not in TRACE_BACKENDS:

@@ -29,16 +29,19 @@ READ_TOTAL = sc.METRIC_READ_BYTES + "_total"
 SAVES = f'{sc.LABEL_OPERATION}=~"{"|".join(sorted(sc.SAVE_OPERATIONS))}"'
 #: The steps that move the bytes: where a slow disk or link shows.
 IO_STEPS = f'{sc.LABEL_STEP}=~"{"|".join(sorted(sc.IO_STEPS))}"'
+#: What one run is: every rule, alert and panel keeps these labels, so none adds up runs a Prometheus holds side by
+#: side (the job's name, and the run id dcp-otel's discovery files and OTLP resources give every series).
+RUN = f"job, {sc.LABEL_RUN_ID}"
 
 
 def recent_operation_mean(cfg: MixinConfig) -> str:
     """Record name: mean duration of successful operations per job over the recent window."""
-    return f"job_operation:{sc.METRIC_OPERATION_DURATION}:mean{cfg.recent_window}"
+    return f"job_run_operation:{sc.METRIC_OPERATION_DURATION}:mean{cfg.recent_window}"
 
 
 def recent_step_mean(cfg: MixinConfig) -> str:
     """Record name: mean duration of each step on each rank over the recent window."""
-    return f"job_operation_step_rank:{sc.METRIC_STEP_DURATION}:mean{cfg.recent_window}"
+    return f"job_run_operation_step_rank:{sc.METRIC_STEP_DURATION}:mean{cfg.recent_window}"
 
 
 def _mean(metric: str, by: str, window: str, cfg: MixinConfig, *matchers: str) -> str:
@@ -57,27 +60,27 @@ def recording_rules(cfg: MixinConfig) -> Rules:
     success = f'{sc.LABEL_STATUS}="{sc.STATUS_SUCCESS}"'
     rules = [
         {
-            "record": f"job_operation_status:{sc.METRIC_OPERATIONS}:rate{r}",
-            "expr": f"sum by (job, operation, status) (rate({OPERATIONS_TOTAL}{cfg.sel()}[{r}]))",
+            "record": f"job_run_operation_status:{sc.METRIC_OPERATIONS}:rate{r}",
+            "expr": f"sum by ({RUN}, operation, status) (rate({OPERATIONS_TOTAL}{cfg.sel()}[{r}]))",
         },
         {
-            "record": f"job_operation_le:{sc.METRIC_OPERATION_DURATION}_bucket:rate{r}",
-            "expr": f"sum by (job, operation, le) (rate({sc.METRIC_OPERATION_DURATION}_bucket{cfg.sel()}[{r}]))",
+            "record": f"job_run_operation_le:{sc.METRIC_OPERATION_DURATION}_bucket:rate{r}",
+            "expr": f"sum by ({RUN}, operation, le) (rate({sc.METRIC_OPERATION_DURATION}_bucket{cfg.sel()}[{r}]))",
         },
         {
-            "record": f"job_operation_step_le:{sc.METRIC_STEP_DURATION}_bucket:rate{r}",
-            "expr": f"sum by (job, operation, step, le) (rate({sc.METRIC_STEP_DURATION}_bucket{cfg.sel()}[{r}]))",
+            "record": f"job_run_operation_step_le:{sc.METRIC_STEP_DURATION}_bucket:rate{r}",
+            "expr": f"sum by ({RUN}, operation, step, le) (rate({sc.METRIC_STEP_DURATION}_bucket{cfg.sel()}[{r}]))",
         },
-        {"record": f"job:{sc.METRIC_WRITTEN_BYTES}:rate{r}", "expr": f"sum by (job) (rate({WRITTEN_TOTAL}{cfg.sel()}[{r}]))"},
-        {"record": f"job:{sc.METRIC_READ_BYTES}:rate{r}", "expr": f"sum by (job) (rate({READ_TOTAL}{cfg.sel()}[{r}]))"},
-        {"record": f"job:{sc.METRIC_ASYNC_IN_FLIGHT}:sum", "expr": f"sum by (job) ({sc.METRIC_ASYNC_IN_FLIGHT}{cfg.sel()})"},
+        {"record": f"job_run:{sc.METRIC_WRITTEN_BYTES}:rate{r}", "expr": f"sum by ({RUN}) (rate({WRITTEN_TOTAL}{cfg.sel()}[{r}]))"},
+        {"record": f"job_run:{sc.METRIC_READ_BYTES}:rate{r}", "expr": f"sum by ({RUN}) (rate({READ_TOTAL}{cfg.sel()}[{r}]))"},
+        {"record": f"job_run:{sc.METRIC_ASYNC_IN_FLIGHT}:sum", "expr": f"sum by ({RUN}) ({sc.METRIC_ASYNC_IN_FLIGHT}{cfg.sel()})"},
         {
             "record": recent_operation_mean(cfg),
-            "expr": _mean(sc.METRIC_OPERATION_DURATION, "job, operation", cfg.recent_window, cfg, success),
+            "expr": _mean(sc.METRIC_OPERATION_DURATION, f"{RUN}, operation", cfg.recent_window, cfg, success),
         },
         {
             "record": recent_step_mean(cfg),
-            "expr": _mean(sc.METRIC_STEP_DURATION, "job, operation, step, rank", cfg.recent_window, cfg),
+            "expr": _mean(sc.METRIC_STEP_DURATION, f"{RUN}, operation, step, rank", cfg.recent_window, cfg),
         },
     ]
     return {"groups": [{"name": "dcp-otel.rules", "rules": rules}]}
@@ -93,41 +96,71 @@ def _alert(name: str, expr: str, for_: str, severity: str, summary: str, descrip
     }
 
 
+def stalled_ranks(cfg: MixinConfig, *matchers: str) -> str:
+    """PromQL: each open operation of a rank with no progress past its stall threshold; the value, seconds
+    since its last progress. Labels: the run's, ``operation``, ``step`` (``"-"``: between steps), ``rank``, and
+    the target's ``instance`` and ``host_name``."""
+    # "> 0": in multiprocess mode a finished operation's series reads 0 in the shared files.
+    return (f"(time() - ({sc.METRIC_IN_PROGRESS}{cfg.sel(*matchers)} > 0))\n"
+            f"> ignoring (step) group_left\n{sc.METRIC_STALL_THRESHOLD}{cfg.sel()}")  # fmt: skip
+
+
+#: Matchers for the ranks of the alert's run and operation, for ``printf`` in a template (``%q``: a quoted string).
+_OF_THIS_CHECKPOINT = f'job=%q,{sc.LABEL_RUN_ID}=%q,operation=%q'
+_ITS_LABELS = f"$labels.job $labels.{sc.LABEL_RUN_ID} $labels.operation"
+
+
+def _template_query(expr: str) -> str:
+    """A Go template pipeline running ``expr`` (with ``_OF_THIS_CHECKPOINT``'s placeholders) as a query."""
+    return "printf " + '"' + expr.replace("\n", " ").replace('"', '\\"') + '" ' + _ITS_LABELS + " | query"
+
+
 def alerting_rules(cfg: MixinConfig) -> Rules:
-    """The alerts infra teams page on when checkpointing breaks."""
-    failed, upload = f'{sc.LABEL_STATUS}="{sc.STATUS_FAILURE}"', f'{sc.LABEL_PHASE}="{sc.PHASE_UPLOAD}"'
-    failures = f"{OPERATIONS_TOTAL}{cfg.sel(failed)}"
+    """The alerts infra teams page on when checkpointing breaks: one per run (and checkpoint), never per rank
+    where every rank sees the same thing."""
+    upload = f'{sc.LABEL_PHASE}="{sc.PHASE_UPLOAD}"'
+    failures = f"{sc.METRIC_FAILURES}_total{cfg.sel()}"
     problems = f"{sc.METRIC_TELEMETRY_PROBLEMS}_total{cfg.sel()}"
     fw = cfg.failure_window
     no_save_s = int(seconds(cfg.no_save_window))
     op_mean, step_mean = recent_operation_mean(cfg), recent_step_mean(cfg)
     io_step_mean = f"{step_mean}{{{IO_STEPS}}}"
+    run_of = f"{{{{ $labels.{sc.LABEL_RUN_ID} }}}}"
+    in_step, between = 'step!="-"', 'step="-"'
+    stuck, waiting = stalled_ranks(cfg, in_step), stalled_ranks(cfg, between)
+    # The templates ask Prometheus for the other ranks of the alert's checkpoint (one alert, all its ranks named).
+    this = ",".join(m for m in (cfg.selector, _OF_THIS_CHECKPOINT) if m)
+    stuck_q = _template_query(f"(time() - ({sc.METRIC_IN_PROGRESS}{{{this},{in_step}}} > 0)) > ignoring (step) "
+                              f"group_left {sc.METRIC_STALL_THRESHOLD}{cfg.sel()}")
+    waiting_q = _template_query(f"count({sc.METRIC_IN_PROGRESS}{{{this},{between}}} > 0)")
     alerts = [
         _alert(
             "DCPCheckpointOperationFailed",
-            # Failed checkpoints, not rank-level failures: every rank of a failed checkpoint counts it once,
-            # so the most any rank counted is how many checkpoints failed (not 1,024 for one on 1,024 ranks).
+            # Counted where each failure started (the rank whose own exception it was, not the ranks that only
+            # re-raised torch's CheckpointException): one alert per run, operation, rank and error type.
             # A rank's first failure creates its series already at 1, which increase()
             # cannot see: the second term catches series that are new in the window.
-            f"max by (job, operation) (increase({failures}[{fw}])) > 0\n"
-            f"or\nmax by (job, operation) ({failures} unless {failures} offset {fw}) > 0",
+            f"sum by ({RUN}, operation, rank, error_type) (increase({failures}[{fw}])) > 0\n"
+            f"or\nsum by ({RUN}, operation, rank, error_type) ({failures} unless {failures} offset {fw}) > 0",
             "0m",
             "warning",
-            "A checkpoint {{ $labels.operation }} failed in job {{ $labels.job }}.",
-            "{{ $value | printf \"%.0f\" }} failed {{ $labels.operation }} checkpoints in job {{ $labels.job }} in the last "
-            f"{fw}. {sc.METRIC_FAILURES}_total says on which rank each started and its error type; the checkpoint's "
-            "trace has that rank's exception.",
+            "A checkpoint {{ $labels.operation }} of run " + run_of + " (job {{ $labels.job }}) failed on rank "
+            "{{ $labels.rank }}: {{ $labels.error_type }}.",
+            "{{ $value | printf \"%.0f\" }} failed {{ $labels.operation }} checkpoints started on rank "
+            "{{ $labels.rank }} with {{ $labels.error_type }} in the last " + fw + ". The checkpoint's trace has "
+            "that rank's exception (the dashboards' failure table links to it).",
         ),
         _alert(
             "DCPNoRecentSuccessfulSave",
-            # max_over_time keeps the last success known across a restart of the job, whose
-            # new processes have no success yet; `up` stops the alert once the job is gone.
-            f"time() - max by (job) (max_over_time({sc.METRIC_LAST_SUCCESS}{cfg.sel(SAVES)}[{cfg.baseline_window}]))"
-            f" > {no_save_s}\nand on (job)\n(max by (job) (up{cfg.sel()}) == 1)",
+            # max_over_time keeps the last success known across a restart of the run (torchrun keeps its
+            # rendezvous id), whose new processes have no success yet; `up` stops the alert once the run is gone.
+            f"time() - max by ({RUN}) (max_over_time({sc.METRIC_LAST_SUCCESS}{cfg.sel(SAVES)}[{cfg.baseline_window}]))"
+            f" > {no_save_s}\nand on ({RUN})\n(max by ({RUN}) (up{cfg.sel()}) == 1)",
             "5m",
             "critical",
-            "No successful checkpoint save in job {{ $labels.job }} for over " + cfg.no_save_window + ".",
-            "The last save (or durable async save) of job {{ $labels.job }} succeeded "
+            "No successful checkpoint save in run " + run_of + " (job {{ $labels.job }}) for over "
+            + cfg.no_save_window + ".",
+            "The last save (or durable async save) of run " + run_of + " succeeded "
             "{{ $value | humanizeDuration }} ago. A crash now loses all progress since then.",
         ),
         _alert(
@@ -136,59 +169,67 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
             f"and {op_mean} > {cfg.slow_min_seconds:g}",
             "1m",
             "warning",
-            "{{ $labels.operation }} in job {{ $labels.job }} is much slower than usual.",
+            "{{ $labels.operation }} in run " + run_of + " (job {{ $labels.job }}) is much slower than usual.",
             "{{ $labels.operation }} took {{ $value | humanizeDuration }} on average over the last "
             f"{cfg.recent_window}, over {cfg.slow_factor:g}x its median of the last {cfg.baseline_window}.",
         ),
         _alert(
             "DCPStragglerRank",
-            f"{io_step_mean}\n> on (job, operation, step) group_left\n"
-            f"{cfg.straggler_factor:g} * quantile by (job, operation, step) (0.5, {io_step_mean})\n"
+            f"{io_step_mean}\n> on ({RUN}, operation, step) group_left\n"
+            f"{cfg.straggler_factor:g} * quantile by ({RUN}, operation, step) (0.5, {io_step_mean})\n"
             f"and {io_step_mean} > {cfg.straggler_min_seconds:g}",
             "5m",
             "warning",
-            "Rank {{ $labels.rank }} of job {{ $labels.job }} is a straggler in {{ $labels.step }}.",
+            "Rank {{ $labels.rank }} of run " + run_of + " (job {{ $labels.job }}) is a straggler in "
+            "{{ $labels.step }}.",
             "Rank {{ $labels.rank }} spends {{ $value | humanizeDuration }} in {{ $labels.step }} of "
             "{{ $labels.operation }}, over " + f"{cfg.straggler_factor:g}x the median across ranks "
             f"(mean over {cfg.recent_window}); every other rank waits for it. Check its node's disk and network.",
         ),
         _alert(
             "DCPAsyncSaveStuck",
-            f"sum by (job, rank) (min_over_time({sc.METRIC_ASYNC_IN_FLIGHT}{cfg.sel()}[{cfg.stuck_async_window}])) > 0\n"
-            f"unless on (job, rank)\nsum by (job, rank) (increase({sc.METRIC_ASYNC_PHASE_DURATION}_count"
+            f"sum by ({RUN}, rank) (min_over_time({sc.METRIC_ASYNC_IN_FLIGHT}{cfg.sel()}[{cfg.stuck_async_window}])) > 0\n"
+            f"unless on ({RUN}, rank)\nsum by ({RUN}, rank) (increase({sc.METRIC_ASYNC_PHASE_DURATION}_count"
             f"{cfg.sel(upload)}[{cfg.stuck_async_window}])) > 0",
             "5m",
             "warning",
-            "Async saves of rank {{ $labels.rank }} in job {{ $labels.job }} are not finishing.",
+            "Async saves of rank {{ $labels.rank }} in run " + run_of + " (job {{ $labels.job }}) are not finishing.",
             "Rank {{ $labels.rank }} has had an async save in flight for over "
             f"{cfg.stuck_async_window} with no upload finished: the checkpoint is not durable yet. "
             "Look at its dcp.async_upload span.",
         ),
         _alert(
             "DCPCheckpointStalled",
-            # A rank whose open operation has made no progress (no step began or ended) for longer than its
-            # stall threshold: the watchdog's own (from the operation's history, or DCP_OTEL_STALL_AFTER_S).
-            # "> 0": in multiprocess mode a finished operation's series reads 0 in the shared files.
-            f"(time() - ({sc.METRIC_IN_PROGRESS}{cfg.sel()} > 0))\n"
-            f"> ignoring (step) group_left\n{sc.METRIC_STALL_THRESHOLD}{cfg.sel()}",
+            # One alert per run and open operation (one checkpoint), not one per rank: of 1,024 ranks one is stuck
+            # in a step and 1,023 wait for it between steps ("-"), in DCP's collectives. The alert is the stuck
+            # rank that has gone longest without progress (labels: its rank, step, host); where every rank waits
+            # between steps (the stuck one never reached the collective), the longest-waiting one. Its
+            # description names every stuck rank and counts the waiting ones.
+            f"topk by ({RUN}, operation) (1,\n{stuck}\n)\n"
+            f"or on ({RUN}, operation)\ntopk by ({RUN}, operation) (1,\n{waiting}\n)",
             "0m",
             "critical",
-            "A checkpoint {{ $labels.operation }} of job {{ $labels.job }} stalled on rank {{ $labels.rank }} "
-            "(step {{ $labels.step }}).",
-            "No progress for {{ $value | humanizeDuration }}, past its stall threshold (step \"-\": between steps, "
-            "waiting in DCP's collectives for the ranks that are stuck in a step). Its dcp.stall spans, in the "
-            "checkpoint's trace now, carry the stuck thread's stack; every other rank waits until the collective "
-            "timeout.",
+            "Checkpoint {{ $labels.operation }} of run " + run_of + " (job {{ $labels.job }}) is stalled: rank "
+            "{{ $labels.rank }} on {{ $labels.host_name }}, step {{ $labels.step }}.",
+            "Rank {{ $labels.rank }} ({{ $labels.instance }}) has made no progress in step {{ $labels.step }} for "
+            "{{ $value | humanizeDuration }}, past its stall threshold. Stuck in a step: "
+            "{{ range " + stuck_q + " }}rank {{ .Labels.rank }} ({{ .Labels.step }}, "
+            "{{ .Labels.host_name }}) {{ else }}none (all wait between steps: one rank never reached DCP's "
+            "collective) {{ end }}; waiting between steps: "
+            "{{ with " + waiting_q + " }}{{ . | first | value }}{{ else }}0"
+            "{{ end }} ranks. `dcp-otel status` shows where each rank is; the checkpoint's dcp.stall spans carry "
+            "the stuck thread's stack. Every other rank waits until the collective timeout.",
         ),
         _alert(
             "DCPTelemetryProblems",
             # As with failures, a reason's first problem creates its series at 1.
-            f"sum by (job, reason) (increase({problems}[{fw}])) > 0\n"
-            f"or\nsum by (job, reason) ({problems} unless {problems} offset {fw}) > 0",
+            f"sum by ({RUN}, reason) (increase({problems}[{fw}])) > 0\n"
+            f"or\nsum by ({RUN}, reason) ({problems} unless {problems} offset {fw}) > 0",
             "0m",
             "warning",
-            "dcp-otel dropped or failed to record telemetry in job {{ $labels.job }} ({{ $labels.reason }}).",
-            "{{ $value | printf \"%.0f\" }} times in the last " + fw + " in job {{ $labels.job }}, reason "
+            "dcp-otel dropped or failed to record telemetry in run " + run_of + " (job {{ $labels.job }}, "
+            "{{ $labels.reason }}).",
+            "{{ $value | printf \"%.0f\" }} times in the last " + fw + ", reason "
             "{{ $labels.reason }} (span_queue_full: the span exporter is slow, down or hung). Checkpoints are "
             "unaffected, but traces or metrics may be incomplete. Each rank logs one warning a minute per reason.",
         ),
