@@ -24,27 +24,32 @@ from typing import Any
 
 from grafana_foundation_sdk.builders import bargauge, heatmap, stat, table, timeseries
 from grafana_foundation_sdk.builders.dashboard import (
+    AnnotationQuery,
     Dashboard,
     DashboardLink,
     DatasourceVariable,
     QueryVariable,
     Row,
+    ThresholdsConfig,
 )
 from grafana_foundation_sdk.builders.prometheus import Dataquery
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import BigValueColorMode, GraphDrawStyle, LineInterpolation, VisibilityMode
 from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DashboardLinkType,
     DataSourceRef,
     DataTransformerConfig,
+    Threshold,
+    ThresholdsMode,
     VariableRefresh,
     VariableSort,
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from dcp_otel import semconv as sc
-from mixin.config import MixinConfig
-from mixin.rules import IO_STEPS, OPERATIONS_TOTAL, READ_TOTAL, SAVES, WRITTEN_TOTAL
+from mixin.config import MixinConfig, seconds
+from mixin.rules import IO_STEPS, OPERATIONS_TOTAL, READ_TOTAL, RUN, SAVES, WRITTEN_TOTAL
 
 #: The Grafana version the SDK targets (its package version; see pyproject's pin).
 GRAFANA_TARGET = "11.6"
@@ -52,6 +57,8 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAG = "dcp-otel"
 RATE = "$__rate_interval"
 RANGE = "$__range"
+#: Every series of a panel says its run in its legend (a Prometheus may hold many side by side).
+RUN_LEGEND = "{{" + sc.LABEL_RUN_ID + "}}"
 
 Panel = Any  # an SDK panel builder
 
@@ -77,9 +84,32 @@ def _timeseries(title: str, unit: str, description: str, *queries: Dataquery, w:
     return _ref_ids(panel, list(queries))
 
 
-def _stat(title: str, unit: str, description: str, query: Dataquery, w: int = 6, h: int = 4) -> Panel:
-    panel = stat.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE).span(w).height(h)
+def thresholds(base: str, *steps: tuple[float, str]) -> ThresholdsConfig:
+    """Absolute thresholds: ``base`` below the first step, then each ``(value, colour)`` from its value up."""
+    return ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(
+        [Threshold(None, base), *(Threshold(value, colour) for value, colour in steps)])
+
+
+#: A figure that is neither good nor bad (a size): one neutral colour, and the stat not coloured by it.
+NEUTRAL = thresholds("text")
+
+
+def _stat(title: str, unit: str, description: str, query: Dataquery, limits: ThresholdsConfig, w: int = 6,
+          h: int = 4, no_value: str = "") -> Panel:  # fmt: skip
+    # Every stat says what its colours mean: Grafana's default (red from 80) means nothing for any of ours.
+    panel = (stat.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE).span(w).height(h)
+             .thresholds(limits))  # fmt: skip
+    if limits is NEUTRAL:
+        panel = panel.color_mode(BigValueColorMode.NONE)
+    if no_value:
+        panel = panel.no_value(no_value)
     return _ref_ids(panel, [query])
+
+
+def _trend(title: str, unit: str, description: str, *queries: Dataquery, w: int = 12, h: int = 8) -> Panel:
+    """A value held between events (a gauge set once per checkpoint): drawn as steps, with points."""
+    return (_timeseries(title, unit, description, *queries, w=w, h=h).draw_style(GraphDrawStyle.LINE)
+            .line_interpolation(LineInterpolation.STEP_AFTER).show_points(VisibilityMode.ALWAYS))  # fmt: skip
 
 
 def _table(title: str, unit: str, description: str, *queries: Dataquery, w: int = 12, h: int = 8) -> Panel:
@@ -95,16 +125,17 @@ def _bars(title: str, unit: str, description: str, query: Dataquery, w: int = 12
 
 
 def _variables(cfg: MixinConfig, job_metric: str, *, rank: bool, step: bool) -> list[Any]:
-    job = 'job=~"$job"'
+    job, run = 'job=~"$job"', f'{sc.LABEL_RUN_ID}=~"$run"'
     variables: list[Any] = [
         DatasourceVariable("datasource").label("Data source").type("prometheus"),
         _label_variable("job", "Job", f"label_values({job_metric}{cfg.sel()}, job)"),
+        _label_variable("run", "Run", f"label_values({job_metric}{cfg.sel(job)}, {sc.LABEL_RUN_ID})"),
     ]
     if rank:
-        variables.append(_label_variable("rank", "Rank", f"label_values({OPERATIONS_TOTAL}{cfg.sel(job)}, rank)"))
+        variables.append(_label_variable("rank", "Rank", f"label_values({OPERATIONS_TOTAL}{cfg.sel(job, run)}, rank)"))
     if step:
         variables.append(
-            _label_variable("step", "Step", f"label_values({sc.METRIC_STEP_DURATION}_count{cfg.sel(job)}, step)")
+            _label_variable("step", "Step", f"label_values({sc.METRIC_STEP_DURATION}_count{cfg.sel(job, run)}, step)")
         )
     return variables
 
@@ -147,226 +178,330 @@ def _dashboard(cfg: MixinConfig, uid: str, title: str, description: str, variabl
     )
 
 
-def traces_link(cfg: MixinConfig) -> DashboardLink:
-    """"Checkpoint traces": Explore on the trace datasource, over the dashboard's time range. With Tempo it
-    opens on a TraceQL query for the checkpoints (one trace each, all ranks in it)."""
+def explore_url(cfg: MixinConfig, tempo: str, jaeger: dict[str, str], start: str, end: str) -> str:
+    """A Grafana Explore URL on the trace datasource: the TraceQL query ``tempo`` (Tempo) or the search
+    ``jaeger`` (Jaeger: service, operation, tags), from ``start`` to ``end``. Grafana's ``${...}`` variables
+    stay as they are, for Grafana to fill in when the link is followed."""
     query: dict[str, Any] = {"refId": "A", "datasource": {"type": cfg.traces_datasource_type,
                                                           "uid": cfg.traces_datasource_uid}}  # fmt: skip
     if cfg.traces_datasource_type == "tempo":
-        query |= {"queryType": "traceql", "query": TRACEQL_CHECKPOINTS}
-    pane = {"datasource": cfg.traces_datasource_uid, "queries": [query], "range": {"from": "now-6h", "to": "now"}}
-    panes = urllib.parse.quote(json.dumps({"traces": pane}, separators=(",", ":")))
+        query |= {"queryType": "traceql", "query": tempo}
+    else:
+        query |= {"queryType": "search", **jaeger}
+    pane = {"datasource": cfg.traces_datasource_uid, "queries": [query], "range": {"from": start, "to": end}}
+    return "/explore?schemaVersion=1&panes=" + urllib.parse.quote(
+        json.dumps({"traces": pane}, separators=(",", ":")), safe="${}:,._-")
+
+
+def traces_link(cfg: MixinConfig) -> DashboardLink:
+    """"Checkpoint traces": Explore on the trace datasource, over the dashboard's time range, on the
+    checkpoints of the selected runs (Tempo: TraceQL, every run; Jaeger searches one service: select one job)."""
+    tempo = f'{{ name = "{sc.SPAN_CHECKPOINT}" && .{sc.ATTR_RUN_ID} =~ "${{run:regex}}" }}'
+    jaeger = {"service": "${job}", "operation": sc.SPAN_CHECKPOINT}
     return (
         DashboardLink("Checkpoint traces")
         .type(DashboardLinkType.LINK)
-        .url(f"/explore?schemaVersion=1&panes={panes}")
+        .url(explore_url(cfg, tempo, jaeger, "${__from}", "${__to}"))
         .icon("external link")
         .tooltip(f"The checkpoints' traces in {cfg.traces_datasource_type.capitalize()}")
-        .keep_time(True)
         .target_blank(True)
     )
 
 
 #: TraceQL: every checkpoint's root span (docs/receiving-stack.md has more).
 TRACEQL_CHECKPOINTS = f'{{ name = "{sc.SPAN_CHECKPOINT}" }}'
+#: A table row's fields, as a data link reads them.
+_ROW_RUN, _ROW_RANK, _ROW_JOB = (f"${{__data.fields.{name}}}" for name in (sc.LABEL_RUN_ID, "rank", "job"))
 
 
-def _with_ids(built: Any) -> dict[str, Any]:
-    """The dashboard as JSON, with every panel (rows and their panels too) numbered from 1."""
+def failure_trace_link(cfg: MixinConfig) -> DashboardLink:
+    """From a row of the failures table: the failed checkpoints of that run whose exception started on that rank,
+    over the dashboard's time range (the table counts the failures in it)."""
+    tempo = f'{{ .{sc.ATTR_RUN_ID} = "{_ROW_RUN}" && .{sc.ATTR_RANK} = {_ROW_RANK} && status = error }}'
+    jaeger = {"service": _ROW_JOB, "tags": f"{sc.ATTR_RUN_ID}={_ROW_RUN} {sc.ATTR_RANK}={_ROW_RANK} error=true"}
+    return (DashboardLink("Trace of this failure").url(explore_url(cfg, tempo, jaeger, "${__from}", "${__to}"))
+            .target_blank(True))  # fmt: skip
+
+
+def stall_trace_link(cfg: MixinConfig) -> DashboardLink:
+    """From a row of "Where each rank is now": that run's checkpoint with this rank's stall reports (their
+    ``dcp.stall`` spans leave at once, with the stuck thread's stack), from the dashboard's start to now."""
+    tempo = f'{{ .{sc.ATTR_RUN_ID} = "{_ROW_RUN}" }} && {{ name = "{sc.SPAN_STALL}" && .{sc.ATTR_RANK} = {_ROW_RANK} }}'
+    jaeger = {"service": _ROW_JOB, "operation": sc.SPAN_STALL, "tags": f"{sc.ATTR_RANK}={_ROW_RANK}"}
+    return DashboardLink("Stall reports of this rank").url(explore_url(cfg, tempo, jaeger, "${__from}", "now")).target_blank(True)
+
+
+def annotations(cfg: MixinConfig, *, agent: bool = False) -> list[dict[str, Any]]:
+    """Marks on every time panel: failures (where each started, and its error type), stall reports and worker
+    restarts of the selected runs. Each is a Prometheus query evaluated per minute."""
+    sel = cfg.sel('job=~"$job"', f'{sc.LABEL_RUN_ID}=~"$run"')
+    restart = cfg.sel('job=~"$job"', f'{sc.LABEL_RUN_ID}=~"$run"', 'name=~".*_restart_workers"')
+    marks = [
+        ("Checkpoint failures", "red",
+         f"sum by ({RUN}, operation, rank, error_type) (increase({sc.METRIC_FAILURES}_total{sel}[1m])) > 0",
+         "{{operation}} failed", "run {{" + sc.LABEL_RUN_ID + "}}: rank {{rank}} raised {{error_type}}",
+         f"{sc.LABEL_RUN_ID},operation,rank,error_type"),
+        ("Stall reports", "orange",
+         f"sum by ({RUN}, operation, step, rank) (increase({sc.METRIC_STALLS}_total{sel}[1m])) > 0",
+         "{{operation}} stalled", "run {{" + sc.LABEL_RUN_ID + "}}: rank {{rank}} in {{step}}",
+         f"{sc.LABEL_RUN_ID},operation,rank,step"),
+        ("Worker restarts", "blue",
+         f"sum by ({RUN}) (increase({sc.METRIC_ELASTIC_CALLS}_total{restart}[1m])) > 0",
+         "workers restarted", "run {{" + sc.LABEL_RUN_ID + "}}", sc.LABEL_RUN_ID),
+    ]
+    found = []
+    for name, colour, expr, title, text, tags in marks:
+        mark = json.loads(json.dumps(AnnotationQuery().name(name).datasource(DATASOURCE).expr(expr).enable(True)
+                                     .icon_color(colour).build(), cls=JSONEncoder))  # fmt: skip
+        # What the SDK has no builder for: Prometheus annotations' step and how a mark is worded.
+        mark |= {"step": "1m", "titleFormat": title, "textFormat": text, "tagKeys": tags, "useValueForTime": False}
+        found.append(mark)
+    return found
+
+
+def _with_ids(built: Any, marks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The dashboard as JSON, with every panel (rows and their panels too) numbered from 1, and its marks."""
     model: dict[str, Any] = json.loads(json.dumps(built, cls=JSONEncoder))
     next_id = 1
     for panel in model["panels"]:
         for p in [panel, *panel.get("panels", [])]:
             p["id"] = next_id
             next_id += 1
+    if marks:
+        model.setdefault("annotations", {}).setdefault("list", []).extend(marks)
     return model
 
 
 def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
     """Is checkpointing healthy: rates, failures, durations, bytes, async saves, age of the last success."""
     def s(*m: str) -> str:
-        return cfg.sel('job=~"$job"', 'rank=~"$rank"', *m)
+        return cfg.sel('job=~"$job"', f'{sc.LABEL_RUN_ID}=~"$run"', 'rank=~"$rank"', *m)
 
     op_dur, step_dur = sc.METRIC_OPERATION_DURATION, sc.METRIC_STEP_DURATION
     failed = f'{sc.LABEL_STATUS}="{sc.STATUS_FAILURE}"'
+    success = f'{sc.LABEL_STATUS}="{sc.STATUS_SUCCESS}"'
     write, read = f'{sc.LABEL_STEP}="write_data"', f'{sc.LABEL_STEP}="read_data"'
+    R = RUN_LEGEND
+    no_save_s = seconds(cfg.no_save_window)
 
     def quantile(q: str, metric: str, by: str, extra: str = "") -> str:
-        return f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{s(extra) if extra else s()}[{RATE}])))"
+        return (f"histogram_quantile({q}, sum by ({RUN}, {by}, le) "
+                f"(rate({metric}_bucket{s(extra) if extra else s()}[{RATE}])))")  # fmt: skip
 
     d = _dashboard(
         cfg, cfg.checkpoints_uid, "dcp-otel / Checkpoints",
-        "PyTorch Distributed Checkpoint: is checkpointing healthy? Click an exemplar for the checkpoint's trace.",
+        "PyTorch Distributed Checkpoint: is checkpointing healthy? Every figure is per run. Click an exemplar for "
+        "the checkpoint's trace.",
         _variables(cfg, OPERATIONS_TOTAL, rank=True, step=False),
     )  # fmt: skip
+    failures = _table(
+        "Where failures started", "short",
+        "Failed checkpoint operations, counted on the rank whose own exception it was (not on the ranks that only "
+        "re-raised torch's CheckpointException), by run, operation, rank and error type; since each rank started. "
+        "Each row links to the traces of its failures.",
+        _query(f"sort_desc(sum by ({RUN}, operation, rank, error_type) "
+               f"(max_over_time({sc.METRIC_FAILURES}_total{s()}[{RANGE}])))", instant=True, fmt="table"), w=24)
     d = (
         d.with_row(Row("Now"))
         .with_panel(_stat(
             "Since the last successful save", "s",
-            "Time since the last save or durable async save succeeded on any selected rank.",
-            _query(f"time() - max({sc.METRIC_LAST_SUCCESS}{s(SAVES)})", instant=True)))
+            "Per run: time since the last save or durable async save succeeded on any selected rank. Orange from "
+            f"half of the no-save alert's window ({cfg.no_save_window}), red from it: a crash now would lose that much "
+            "training.",
+            _query(f"time() - max by ({RUN}) ({sc.METRIC_LAST_SUCCESS}{s(SAVES)})", R, instant=True),
+            thresholds("green", (no_save_s / 2, "orange"), (no_save_s, "red"))))
         .with_panel(_stat(
             "Failed checkpoints", "short",
-            "Checkpoint operations that failed in the time range (each counted once, however many ranks it failed on).",
-            _query(f"sum(max by (operation) (increase({OPERATIONS_TOTAL}{s(failed)}[{RANGE}])))", instant=True)))
+            "Per run: checkpoint operations that failed in the time range (each counted once, however many ranks it "
+            "failed on). Red from one: a failed checkpoint is not there to restart from.",
+            _query(f"sum by ({RUN}) (max by ({RUN}, operation) (increase({OPERATIONS_TOTAL}{s(failed)}[{RANGE}])))",
+                   R, instant=True),
+            thresholds("green", (1, "red"))))
         .with_panel(_stat(
-            "Async saves in flight", "short", "Async saves handed off and not yet durable.",
-            _query(f"sum({sc.METRIC_ASYNC_IN_FLIGHT}{s()})", instant=True)))
+            "Async saves in flight (most on one rank)", "short",
+            "Per run, the rank with the most async saves handed off and not yet durable. 1 is the normal overlap "
+            "with training; orange from 2: a save began before the last one was durable (uploads fall behind).",
+            _query(f"max by ({RUN}) ({sc.METRIC_ASYNC_IN_FLIGHT}{s()})", R, instant=True),
+            thresholds("green", (2, "orange"))))
         .with_panel(_stat(
-            "Bytes written", "bytes", "Bytes all selected ranks wrote to checkpoint storage in the time range.",
-            _query(f"sum(increase({WRITTEN_TOTAL}{s()}[{RANGE}]))", instant=True)))
+            "Bytes written", "bytes",
+            "Per run: bytes all selected ranks wrote to checkpoint storage in the time range. A size, neither good "
+            "nor bad: not coloured.",
+            _query(f"sum by ({RUN}) (increase({WRITTEN_TOTAL}{s()}[{RANGE}]))", R, instant=True), NEUTRAL))
         .with_row(Row("Failures"))
-        .with_panel(_table(
-            "Where failures started", "short",
-            "Failed checkpoint operations, counted on the rank whose own exception it was (not on the ranks that only "
-            "re-raised torch's CheckpointException), by operation, rank and error type; since each rank started.",
-            _query(f"sort_desc(sum by (operation, rank, error_type) "
-                   f"(max_over_time({sc.METRIC_FAILURES}_total{s()}[{RANGE}])))", instant=True, fmt="table"), w=24))
+        .with_panel(failures.data_links([failure_trace_link(cfg)]))
         .with_row(Row("Operations"))
+        .with_panel(_trend(
+            "Duration of each checkpoint", "s",
+            "Per run and operation, the slowest selected rank's last successful operation, held until the next one: "
+            "every checkpoint is a step, however far apart they are (hourly checkpoints too), and exact (no histogram "
+            "buckets). Is checkpointing getting slower?",
+            _query(f"max by ({RUN}, operation) ({sc.METRIC_LAST_DURATION}{s(success)})", R + " {{operation}}"), w=24))
         .with_panel(_timeseries(
             "Operations by status", "ops",
-            "Checkpoint operations finished per second on the selected ranks, by operation and status.",
-            _query(f"sum by (operation, status) (rate({OPERATIONS_TOTAL}{s()}[{RATE}]))", "{{operation}} {{status}}")))
+            "Checkpoint operations finished per second on the selected ranks, by run, operation and status.",
+            _query(f"sum by ({RUN}, operation, status) (rate({OPERATIONS_TOTAL}{s()}[{RATE}]))",
+                   R + " {{operation}} {{status}}")))
         .with_panel(_timeseries(
             "Operation duration", "s",
-            "p50 and p95 from the histogram; max: the slowest rank's mean. Exemplars link to traces.",
-            _query(quantile("0.5", op_dur, "operation"), "p50 {{operation}}", exemplar=True),
-            _query(quantile("0.95", op_dur, "operation"), "p95 {{operation}}", exemplar=True),
-            _query(f"max by (operation) (rate({op_dur}_sum{s()}[{RATE}]) / rate({op_dur}_count{s()}[{RATE}]) > 0)",
-                   "max {{operation}}")))
+            "p50 and p95 from the histogram (interpolated within its buckets); max: the slowest rank's mean. Empty "
+            "between checkpoints further apart than the rate window: see \"Duration of each checkpoint\". Exemplars "
+            "link to traces.",
+            _query(quantile("0.5", op_dur, "operation"), "p50 " + R + " {{operation}}", exemplar=True),
+            _query(quantile("0.95", op_dur, "operation"), "p95 " + R + " {{operation}}", exemplar=True),
+            _query(f"max by ({RUN}, operation) (rate({op_dur}_sum{s()}[{RATE}]) / rate({op_dur}_count{s()}[{RATE}]) > 0)",
+                   "max " + R + " {{operation}}")))
         .with_panel(_timeseries(
             "Step duration p95", "s", "p95 of each step of each operation (write_data, read_data, planning...).",
-            _query(quantile("0.95", step_dur, "operation, step"), "{{operation}} {{step}}", exemplar=True), w=8))
+            _query(quantile("0.95", step_dur, "operation, step"), R + " {{operation}} {{step}}", exemplar=True), w=8))
         .with_panel(_timeseries(
             "Step duration p50", "s", "p50 of each step of each operation.",
-            _query(quantile("0.5", step_dur, "operation, step"), "{{operation}} {{step}}", exemplar=True), w=8))
+            _query(quantile("0.5", step_dur, "operation, step"), R + " {{operation}} {{step}}", exemplar=True), w=8))
         .with_panel(_timeseries(
             "Step duration max", "s", "Each step's slowest rank (its mean per call): the Ranks dashboard says which.",
-            _query(f"max by (operation, step) (rate({step_dur}_sum{s()}[{RATE}]) / rate({step_dur}_count{s()}[{RATE}]) > 0)",
-                   "{{operation}} {{step}}"), w=8))
+            _query(f"max by ({RUN}, operation, step) (rate({step_dur}_sum{s()}[{RATE}]) / "
+                   f"rate({step_dur}_count{s()}[{RATE}]) > 0)", R + " {{operation}} {{step}}"), w=8))
         .with_row(Row("Bytes"))
         .with_panel(_timeseries(
-            "Bytes per second", "Bps", "Checkpoint bytes written and read per second, all selected ranks.",
-            _query(f"sum(rate({WRITTEN_TOTAL}{s()}[{RATE}]))", "written"),
-            _query(f"sum(rate({READ_TOTAL}{s()}[{RATE}]))", "read")))
+            "Bytes per second", "Bps", "Checkpoint bytes written and read per second, all selected ranks of each run.",
+            _query(f"sum by ({RUN}) (rate({WRITTEN_TOTAL}{s()}[{RATE}]))", R + " written"),
+            _query(f"sum by ({RUN}) (rate({READ_TOTAL}{s()}[{RATE}]))", R + " read")))
         .with_panel(_timeseries(
             "Storage throughput while writing / reading", "Bps",
             "Bytes per second of time spent in write_data / read_data: what the storage delivers.",
-            _query(f"sum(rate({WRITTEN_TOTAL}{s()}[{RATE}])) / (sum(rate({step_dur}_sum{s(write)}[{RATE}])) > 0)",
-                   "write"),
-            _query(f"sum(rate({READ_TOTAL}{s()}[{RATE}])) / (sum(rate({step_dur}_sum{s(read)}[{RATE}])) > 0)",
-                   "read")))
+            _query(f"sum by ({RUN}) (rate({WRITTEN_TOTAL}{s()}[{RATE}])) / "
+                   f"(sum by ({RUN}) (rate({step_dur}_sum{s(write)}[{RATE}])) > 0)", R + " write"),
+            _query(f"sum by ({RUN}) (rate({READ_TOTAL}{s()}[{RATE}])) / "
+                   f"(sum by ({RUN}) (rate({step_dur}_sum{s(read)}[{RATE}])) > 0)", R + " read")))
         .with_row(Row("Async saves"))
         .with_panel(_timeseries(
             "Async save phases p95", "s", "Staging (blocks training) and upload (until durable).",
-            _query(quantile("0.95", sc.METRIC_ASYNC_PHASE_DURATION, "phase"), "{{phase}}", exemplar=True)))
+            _query(quantile("0.95", sc.METRIC_ASYNC_PHASE_DURATION, "phase"), R + " {{phase}}", exemplar=True)))
         .with_panel(_timeseries(
             "Bytes staged per second", "Bps",
             "What async saves copied out of the state dict (the copy that blocks training), by the device it came from.",
-            _query(f"sum by (device) (rate({sc.METRIC_STAGED_BYTES}_total{s()}[{RATE}]))", "{{device}}")))
+            _query(f"sum by ({RUN}, device) (rate({sc.METRIC_STAGED_BYTES}_total{s()}[{RATE}]))", R + " {{device}}")))
         .with_panel(_timeseries(
-            "Async saves in flight", "short", "Per rank; one that stays up means an upload that does not finish.",
-            _query(f"sum by (rank) ({sc.METRIC_ASYNC_IN_FLIGHT}{s()})", "rank {{rank}}")))
+            "Async saves in flight", "short",
+            f"Per rank, the {cfg.per_rank_limit} ranks with the most in flight in each run; one that stays up means "
+            "an upload that does not finish.",
+            _query(f"topk by ({RUN}) ({cfg.per_rank_limit}, sum by ({RUN}, rank) ({sc.METRIC_ASYNC_IN_FLIGHT}{s()}))",
+                   R + " rank {{rank}}")))
         .with_panel(_timeseries(
-            "Age of the last successful checkpoint", "s", "Per operation: how much progress a crash would lose.",
-            _query(f"time() - max by (operation) ({sc.METRIC_LAST_SUCCESS}{s()})", "{{operation}}")))
+            "Age of the last successful checkpoint", "s",
+            "Per run and operation: how much progress a crash would lose.",
+            _query(f"time() - max by ({RUN}, operation) ({sc.METRIC_LAST_SUCCESS}{s()})", R + " {{operation}}")))
         .with_row(Row("dcp-otel itself"))
         .with_panel(_stat(
             "Telemetry problems", "short",
-            "What dcp-otel dropped or failed to record on the selected ranks since they started, by reason "
-            "(span_queue_full: the span exporter is slow, down or hung). Checkpoints are unaffected.",
-            _query(f"sum by (reason) (max_over_time({sc.METRIC_TELEMETRY_PROBLEMS}_total{s()}[{RANGE}]))",
-                   "{{reason}}", instant=True), w=24))
+            "What dcp-otel dropped or failed to record on the selected ranks since they started, by run and reason "
+            "(span_queue_full: the span exporter is slow, down or hung). Checkpoints are unaffected; orange from one: "
+            "traces or metrics may be incomplete.",
+            _query(f"sum by ({RUN}, reason) (max_over_time({sc.METRIC_TELEMETRY_PROBLEMS}_total{s()}[{RANGE}]))",
+                   R + " {{reason}}", instant=True),
+            thresholds("green", (1, "orange")), w=24, no_value="0"))
     )  # fmt: skip
-    return _with_ids(d.build())
+    return _with_ids(d.build(), annotations(cfg))
 
 
 def ranks(cfg: MixinConfig) -> dict[str, Any]:
     """Which rank is slow: per-rank step durations, the top-k slowest, collective wait per rank."""
     def s(*m: str) -> str:
-        return cfg.sel('job=~"$job"', 'rank=~"$rank"', *m)
+        return cfg.sel('job=~"$job"', f'{sc.LABEL_RUN_ID}=~"$run"', 'rank=~"$rank"', *m)
 
     step_dur, wait = sc.METRIC_STEP_DURATION, sc.METRIC_COLLECTIVE_WAIT
     steps = 'step=~"$step"'
+    R, k, rows = RUN_LEGEND, cfg.per_rank_limit, cfg.per_rank_rows
 
     def mean(metric: str, by: str, window: str, *m: str) -> str:
-        return (f"sum by ({by}) (increase({metric}_sum{s(*m)}[{window}])) / "
-                f"(sum by ({by}) (increase({metric}_count{s(*m)}[{window}])) > 0)")  # fmt: skip
+        return (f"sum by ({RUN}, {by}) (increase({metric}_sum{s(*m)}[{window}])) / "
+                f"(sum by ({RUN}, {by}) (increase({metric}_count{s(*m)}[{window}])) > 0)")  # fmt: skip
 
     io_mean = mean(step_dur, "rank", RANGE, IO_STEPS)
     d = _dashboard(
         cfg, cfg.ranks_uid, "dcp-otel / Ranks",
-        "Which rank makes the checkpoint slow? Every rank waits for the slowest one in each collective step.",
+        "Which rank makes the checkpoint slow? Every rank waits for the slowest one in each collective step. "
+        f"Per-rank panels show the {k} worst ranks of each run; pick ranks with the Rank variable.",
         _variables(cfg, OPERATIONS_TOTAL, rank=True, step=True),
     )  # fmt: skip
     in_progress = f"({sc.METRIC_IN_PROGRESS}{s()} > 0)"  # (0 in multiprocess files: ended)
     where_now = (
         table.Panel().title("Where each rank is now").unit("s").datasource(DATASOURCE).span(16).height(8)
-        .description("Every open checkpoint operation: its rank, operation and innermost open step (\"-\": "
-                     "between steps, in DCP's collectives) and how long since it last made progress, the "
-                     "oldest first. A rank stuck in a step while the others sit at \"-\" is the one they wait for.")
+        .description("Every open checkpoint operation: its run, rank, host, operation and innermost open step (\"-\": "
+                     "between steps, in DCP's collectives) and how long since it last made progress, the oldest "
+                     f"first ({rows} per run at most). A rank stuck in a step while the others sit at \"-\" is the one "
+                     "they wait for. Each row links to its stall reports (with the stuck thread's stack); "
+                     "`dcp-otel status` prints the same from the ranks.")
         .with_transformation(DataTransformerConfig(id_val="organize", options={
             "excludeByName": {"Time": True}, "renameByName": {"Value": "seconds without progress"}}))
-        .with_target(_query(f"sort_desc(time() - {in_progress})", instant=True, fmt="table").ref_id("A"))
+        .with_target(_query(f"sort_desc(topk by ({RUN}) ({rows}, time() - {in_progress}))", instant=True,
+                            fmt="table").ref_id("A"))
+        .data_links([stall_trace_link(cfg)])
     )  # fmt: skip
     d = (
         d.with_row(Row("Now"))
         .with_panel(where_now)
         .with_panel(_stat(
             "Ranks stalled now", "short",
-            "Open operations with no progress for longer than their stall threshold (DCPCheckpointStalled).",
-            _query(f"count((time() - {in_progress}) > ignoring (step) group_left "
-                   f"{sc.METRIC_STALL_THRESHOLD}{s()}) or vector(0)", instant=True), w=8))
+            "Per run: open operations with no progress for longer than their stall threshold (DCPCheckpointStalled). "
+            "Red from one: that checkpoint will not finish by itself.",
+            _query(f"count by ({RUN}) ((time() - {in_progress}) > ignoring (step) group_left "
+                   f"{sc.METRIC_STALL_THRESHOLD}{s()})", R, instant=True),
+            thresholds("green", (1, "red")), w=8, no_value="0"))
         .with_panel(_timeseries(
             "Stall reports", "short",
-            "DCP calls reported stalled (the watchdog counts each stall once), by rank and step.",
-            _query(f"sum by (rank, operation, step) (increase({sc.METRIC_STALLS}_total{s()}[{RATE}]))",
-                   "rank {{rank}} {{operation}} {{step}}"), w=8, h=4))
+            f"DCP calls reported stalled (the watchdog counts each stall once), by rank and step; {k} per run at most.",
+            _query(f"topk by ({RUN}) ({k}, sum by ({RUN}, rank, operation, step) "
+                   f"(increase({sc.METRIC_STALLS}_total{s()}[{RATE}])))", R + " rank {{rank}} {{operation}} {{step}}"),
+            w=8, h=4))
         .with_row(Row("Stragglers"))
         .with_panel(_bars(
             "Top 5 slowest ranks in write_data / read_data", "s",
-            "Mean time per call in the steps that move the bytes, over the time range.",
-            _query(f"topk(5, {io_mean})", "rank {{rank}}", instant=True)))
+            "Per run, mean time per call in the steps that move the bytes, over the time range.",
+            _query(f"topk by ({RUN}) (5, {io_mean})", R + " rank {{rank}}", instant=True)))
         .with_panel(_bars(
             "Skew: slowest rank / median rank", "none",
             "Per step, over the time range: 1 is perfectly even; the straggler alert fires above its factor.",
-            _query(f"max by (operation, step) ({mean(step_dur, 'operation, step, rank', RANGE, steps)}) / "
-                   f"quantile by (operation, step) (0.5, {mean(step_dur, 'operation, step, rank', RANGE, steps)})",
-                   "{{operation}} {{step}}", instant=True)))
+            _query(f"max by ({RUN}, operation, step) ({mean(step_dur, 'operation, step, rank', RANGE, steps)}) / "
+                   f"quantile by ({RUN}, operation, step) (0.5, {mean(step_dur, 'operation, step, rank', RANGE, steps)})",
+                   R + " {{operation}} {{step}}", instant=True)))
         .with_panel(_table(
-            "Mean step duration per rank", "s", "Over the time range; sort by Value to find the slow rank.",
-            _query(mean(step_dur, "operation, step, rank", RANGE, steps), instant=True, fmt="table"), w=24))
+            "Mean step duration per rank", "s",
+            f"Over the time range, the {rows} slowest rank and step pairs of each run; sort by Value.",
+            _query(f"topk by ({RUN}) ({rows}, {mean(step_dur, 'operation, step, rank', RANGE, steps)})", instant=True,
+                   fmt="table"), w=24))
         .with_row(Row("Over time"))
         .with_panel(_timeseries(
-            "Step duration per rank", "s", "Mean per call of the selected steps, per rank.",
-            _query(mean(step_dur, "rank, step", RATE, steps), "rank {{rank}} {{step}}")))
+            "Step duration per rank", "s", f"Mean per call of the selected steps: the {k} slowest ranks of each run.",
+            _query(f"topk by ({RUN}) ({k}, {mean(step_dur, 'rank, step', RATE, steps)})", R + " rank {{rank}} {{step}}")))
         .with_panel(_timeseries(
             "Collective wait per rank", "s",
             "Operation time not covered by the rank's own steps: waiting for the others. "
-            "The straggler is the rank that waits least.",
-            _query(mean(wait, "rank", RATE), "rank {{rank}}")))
+            f"The straggler is the rank that waits least: the {k} that wait least in each run.",
+            _query(f"bottomk by ({RUN}) ({k}, {mean(wait, 'rank', RATE)})", R + " rank {{rank}}")))
         .with_panel(heatmap.Panel()
             .title("Step duration distribution").unit("s").datasource(DATASOURCE).span(24).height(8)
-            .description("How often the selected steps took how long, all selected ranks (histogram buckets). "
+            .description("How often the selected steps took how long, all selected ranks (histogram buckets), per run. "
                          "Exemplars link to the traces of the checkpoints in each bucket.")
             .calculate(False)
-            .with_target(_query(f"sum by (le) (increase({step_dur}_bucket{s(steps)}[{RATE}]))", "{{le}}",
+            .with_target(_query(f"sum by ({RUN}, le) (increase({step_dur}_bucket{s(steps)}[{RATE}]))", "{{le}}",
                                 exemplar=True, fmt="heatmap").ref_id("A")))
     )  # fmt: skip
-    return _with_ids(d.build())
+    return _with_ids(d.build(), annotations(cfg))
 
 
 def torchelastic(cfg: MixinConfig) -> dict[str, Any]:
     """The torchelastic agent: rendezvous durations, worker restarts, run results (from OTelMetricHandler)."""
     def s(*m: str) -> str:
-        return cfg.sel('job=~"$job"', *m)
+        return cfg.sel('job=~"$job"', f'{sc.LABEL_RUN_ID}=~"$run"', *m)
 
     dur, calls = sc.METRIC_ELASTIC_DURATION, sc.METRIC_ELASTIC_CALLS + "_total"
     events, last = sc.METRIC_ELASTIC_EVENTS + "_total", sc.METRIC_ELASTIC_LAST_VALUE
     dropped = sc.METRIC_ELASTIC_DROPPED + "_total"
+    R = RUN_LEGEND
     d = _dashboard(
         cfg, cfg.agent_uid, "dcp-otel / torchelastic agent",
-        "torchelastic's own metrics, through dcp-otel's OTelMetricHandler (dcp-otel-run serves the agent's).",
+        "torchelastic's own metrics, through dcp-otel's OTelMetricHandler (dcp-otel-run serves the agent's), per run.",
         _variables(cfg, calls, rank=False, step=False),
     )  # fmt: skip
     # PromQL strings: "\\." is a regex's literal dot.
@@ -378,33 +513,40 @@ def torchelastic(cfg: MixinConfig) -> dict[str, Any]:
         d.with_row(Row("Agent"))
         .with_panel(_bars(
             "Rendezvous duration", "s", "Mean duration of the agent's rendezvous (at start and at every restart).",
-            _query(f"sum by (job, name) ({dur}_sum{s(rendezvous)}) / sum by (job, name) ({dur}_count{s(rendezvous)})",
-                   "{{job}}", instant=True)))
+            _query(f"sum by ({RUN}, name) ({dur}_sum{s(rendezvous)}) / sum by ({RUN}, name) ({dur}_count{s(rendezvous)})",
+                   R + " {{name}}", instant=True)))
         .with_panel(_stat(
             "Worker restarts left", "short",
-            "remaining_restarts of the worker group: 0 means the next failure ends the job.",
-            _query(f"min({last}{s(restarts_left)})", instant=True)))
+            "Per run, remaining_restarts of the worker group: red at 0 (the next failure ends the job), orange at 1.",
+            _query(f"min by ({RUN}) ({last}{s(restarts_left)})", R, instant=True),
+            thresholds("red", (1, "orange"), (2, "green"))))
         .with_panel(_stat(
-            "Worker group restarts", "short", "Times the agent restarted its workers (latest count in the time range).",
-            _query(f"sum(max_over_time({calls}{s(restart)}[{RANGE}]))", instant=True)))
+            "Worker group restarts", "short",
+            "Per run, times the agent restarted its workers (latest count in the time range). Orange from one: "
+            "the work since the last checkpoint was lost that many times.",
+            _query(f"sum by ({RUN}) (max_over_time({calls}{s(restart)}[{RANGE}]))", R, instant=True),
+            thresholds("green", (1, "orange")), no_value="0"))
         .with_panel(_table(
-            "Run results", "short", "Per role: runs that succeeded or failed, with or without retries.",
-            _query(f"sum by (job, name) ({events}{s(run_results)})", "{{name}}", instant=True, fmt="table")))
+            "Run results", "short", "Per run and role: runs that succeeded or failed, with or without retries.",
+            _query(f"sum by ({RUN}, name) ({events}{s(run_results)})", "{{name}}", instant=True, fmt="table")))
         .with_panel(_table(
             "Agent calls", "s", "Every profiled agent function: mean duration.",
-            _query(f"sum by (group, name) ({dur}_sum{s()}) / sum by (group, name) ({dur}_count{s()})",
+            _query(f"sum by ({RUN}, group, name) ({dur}_sum{s()}) / sum by ({RUN}, group, name) ({dur}_count{s()})",
                    "{{name}}", instant=True, fmt="table")))
         .with_panel(_timeseries(
             "Worker group states", "short", "How often the agent's monitor saw each state (healthy, failed, ...).",
-            _query(f"sum by (name) (increase({events}{s(states)}[{RATE}]))", "{{name}}")))
+            _query(f"sum by ({RUN}, name) (increase({events}{s(states)}[{RATE}]))", R + " {{name}}")))
         .with_panel(_timeseries(
             "Calls by status", "ops", "Profiled agent and trainer calls per second, by result.",
-            _query(f"sum by (name, status) (rate({calls}{s()}[{RATE}]))", "{{name}} {{status}}")))
+            _query(f"sum by ({RUN}, name, status) (rate({calls}{s()}[{RATE}]))", R + " {{name}} {{status}}")))
         .with_panel(_stat(
-            "Dropped metrics", "short", "Metrics OTelMetricHandler refused (bad values, too many names), by reason.",
-            _query(f"sum by (reason) (max_over_time({dropped}{s()}[{RANGE}]))", "{{reason}}", instant=True), w=12))
+            "Dropped metrics", "short",
+            "Metrics OTelMetricHandler refused (bad values, too many names), by run and reason. Orange from one: "
+            "some agent metrics are missing.",
+            _query(f"sum by ({RUN}, reason) (max_over_time({dropped}{s()}[{RANGE}]))", R + " {{reason}}", instant=True),
+            thresholds("green", (1, "orange")), w=12, no_value="0"))
     )  # fmt: skip
-    return _with_ids(d.build())
+    return _with_ids(d.build(), annotations(cfg))
 
 
 def dashboards(cfg: MixinConfig) -> dict[str, dict[str, Any]]:

@@ -27,7 +27,7 @@ import dcp_otel
 from dcp_otel import OTelMetricHandler, semconv
 from mixin.__main__ import main as mixin_main
 from mixin.config import MixinConfig
-from mixin.dashboards import GRAFANA_TARGET, panels
+from mixin.dashboards import GRAFANA_TARGET, dashboards, panels
 from mixin.rules import alerting_rules
 from tests.prometheus import binary
 
@@ -158,7 +158,7 @@ def test_every_metric_a_rule_or_dashboard_uses_is_one_we_export() -> None:
         for where, exprs in expressions().items()
         for expr in exprs
         for name in _METRIC.findall(re.sub(r"\w+:\w+:\w+", "", expr))  # recorded names are checked above
-        if family(name) not in exported_families()
+        if family(name) not in exported_families() and name != semconv.LABEL_RUN_ID  # the run: a label
     }
     assert not unknown
 
@@ -205,15 +205,137 @@ def test_dashboards_select_datasource_job_and_rank_through_variables() -> None:
     for name, model in DASHBOARDS.items():
         variables = {v["name"]: v for v in model["templating"]["list"]}
         assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-        assert "job" in variables, name
+        assert "job" in variables and "run" in variables and variables["run"]["includeAll"], name
         if name != "dcp-otel-torchelastic.json":
             assert "rank" in variables and variables["rank"]["includeAll"], name
         for panel in panels(model):
             assert panel["datasource"]["uid"] == "${datasource}"
             for target in panel["targets"]:
                 assert target["datasource"]["uid"] == "${datasource}"
-                assert 'job=~"$job"' in target["expr"], (name, panel["title"])
+                assert 'job=~"$job"' in target["expr"] and 'dcp_run_id=~"$run"' in target["expr"], (name, panel["title"])
         assert {"type": "dashboards", "tags": ["dcp-otel"]}.items() <= model["links"][0].items()
+
+
+#: An aggregation in PromQL and its grouping, if any: ``sum by (job, rank) (``.
+_AGGREGATION = re.compile(r"\b(sum|min|max|avg|count|topk|bottomk|quantile|stddev|group)\s*(?:by\s*\(([^)]*)\))?\s*\(")
+
+
+def shipped_promql() -> list[tuple[str, str]]:
+    """(where, expression) of every query we ship: panels, annotations, recording rules and alert expressions."""
+    found = [(f"{name}: {p['title']}", t["expr"]) for name, m in DASHBOARDS.items() for p in panels(m) for t in p["targets"]]
+    found += [(f"{name}: mark {a['name']}", a["expr"]) for name, m in DASHBOARDS.items()
+              for a in m["annotations"]["list"] if "expr" in a]  # fmt: skip
+    for path in RULE_FILES:
+        found += [(f"{path.name}: {r.get('record') or r['alert']}", r["expr"]) for r in load_yaml(path)["groups"][0]["rules"]]
+    return found
+
+
+def test_no_panel_rule_or_alert_adds_up_runs() -> None:
+    """A Prometheus holds many runs side by side: every aggregation keeps the job and the run."""
+    shipped = shipped_promql()
+    assert len(shipped) > 60
+    for where, expr in shipped:
+        for op, by in _AGGREGATION.findall(expr):
+            kept = {label.strip() for label in by.split(",")}
+            assert {"job", semconv.LABEL_RUN_ID} <= kept, (where, op, by, expr)
+
+
+def test_every_stat_panel_has_thresholds_that_mean_something() -> None:
+    grafana_default = [{"value": None, "color": "green"}, {"value": 80, "color": "red"}]
+    stats = [(name, p) for name, m in DASHBOARDS.items() for p in panels(m) if p["type"] == "stat"]
+    assert len(stats) == 9
+    for name, panel in stats:
+        limits = panel["fieldConfig"]["defaults"]["thresholds"]
+        assert limits["mode"] == "absolute" and limits["steps"] != grafana_default, (name, panel["title"])
+        if len(limits["steps"]) == 1:  # one colour: a figure that is neither good nor bad, and not coloured
+            assert panel["options"]["colorMode"] == "none", (name, panel["title"])
+        else:  # the description says what the colours mean
+            assert re.search(r"\b(red|orange) (from|at)\b", panel["description"], re.I), (name, panel["title"])
+    since = next(p for _, p in stats if p["title"] == "Since the last successful save")
+    assert [s["value"] for s in since["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [None, 1800, 3600]
+
+
+def test_every_per_rank_panel_is_bounded() -> None:
+    """A panel that draws a series (or a row) per rank shows the worst few per run, never all 1,024."""
+    per_rank = []
+    for name, model in DASHBOARDS.items():
+        for panel in panels(model):
+            for target in panel["targets"]:
+                expr = target["expr"]
+                if "dcp_failures_total" in expr:  # a row per failure's origin, not per rank
+                    continue
+                groupings = [[label.strip() for label in by.split(",")] for _, by in _AGGREGATION.findall(expr)]
+                if not ("{{rank}}" in target.get("legendFormat", "") or any("rank" in g for g in groupings)
+                        or (panel["type"] == "table" and semconv.METRIC_IN_PROGRESS in expr)):
+                    continue
+                outer = _AGGREGATION.match(expr.removeprefix("sort_desc("))
+                assert outer is not None, (name, panel["title"], expr)
+                op, by = outer.group(1), [label.strip() for label in (outer.group(2) or "").split(",")]
+                assert op in ("topk", "bottomk") or "rank" not in by, (name, panel["title"], expr)
+                per_rank.append((panel["title"], op))
+    bounded = {title for title, op in per_rank if op in ("topk", "bottomk")}
+    assert bounded >= {"Async saves in flight", "Where each rank is now", "Stall reports", "Mean step duration per rank",
+                       "Step duration per rank", "Collective wait per rank", "Top 5 slowest ranks in write_data / read_data"}
+
+
+def test_failure_and_stall_tables_link_to_the_trace_and_every_dashboard_marks_failures_stalls_and_restarts() -> None:
+    links = {p["title"]: p["fieldConfig"]["defaults"].get("links", []) for m in DASHBOARDS.values() for p in panels(m)}
+    for title, words in (("Where failures started", ("status = error", ".dcp.rank = ${__data.fields.rank}")),
+                         ("Where each rank is now", ('name = "dcp.stall"', ".dcp.rank = ${__data.fields.rank}"))):
+        (link,) = links[title]
+        pane = json.loads(urllib.parse.unquote(link["url"].split("panes=", 1)[1]))["traces"]
+        (query,) = pane["queries"]
+        # The default trace datasource is Jaeger: a search of the row's job (service), with its rank as a tag.
+        assert query["queryType"] == "search" and query["service"] == "${__data.fields.job}", title
+        assert "dcp.rank=${__data.fields.rank}" in query["tags"] and pane["range"]["from"] == "${__from}", title
+        assert link["targetBlank"], title
+        tempo = json.loads(urllib.parse.unquote(
+            next(p for p in panels(dashboards(MixinConfig(traces_datasource_type="tempo"))["dcp-otel-ranks.json" if "rank is"
+                 in title else "dcp-otel-checkpoints.json"]) if p["title"] == title)["fieldConfig"]["defaults"]["links"][0]["url"]
+            .split("panes=", 1)[1]))["traces"]["queries"][0]["query"]
+        assert all(w in tempo for w in words) and '.dcp.run_id = "${__data.fields.dcp_run_id}"' in tempo, tempo
+    for name, model in DASHBOARDS.items():
+        marks = {a["name"]: a for a in model["annotations"]["list"] if "expr" in a}
+        assert set(marks) == {"Checkpoint failures", "Stall reports", "Worker restarts"}, name
+        assert "error_type" in marks["Checkpoint failures"]["tagKeys"] and marks["Checkpoint failures"]["enable"]
+
+
+def test_the_trend_panel_shows_every_checkpoint_of_a_job_saving_every_30_minutes(tmp_path: Path) -> None:
+    """promtool evaluates the panel's query as Grafana sends it between and at checkpoints 30 minutes apart: it
+    answers the last checkpoint's exact duration all along, where a rate over the histogram is empty."""
+    from mixin.dashboards import render_expr
+
+    model = DASHBOARDS["dcp-otel-checkpoints.json"]
+    chosen = {"job": ".+", "run": ".+", "rank": ".+"}
+
+    def rendered(title: str, ref: str = "A") -> str:
+        panel = next(p for p in panels(model) if p["title"] == title)
+        expr = next(t["expr"] for t in panel["targets"] if t["refId"] == ref)
+        return render_expr(expr, chosen, rate_interval="1m", time_range="6h")
+
+    run = 'job="train",dcp_run_id="r1",operation="save",status="success"'
+    # Two ranks save at minutes 10, 40 and 70 (each held until the next): 80 s, 95 s, 0.8 s on the slower rank.
+    spec = {"evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [
+            {"series": f'dcp_last_duration_seconds{{{run},rank="0"}}', "values": "_x40 80x119 95x119 0.8x80"},
+            {"series": f'dcp_last_duration_seconds{{{run},rank="1"}}', "values": "_x40 70x119 90x119 0.5x80"},
+            {"series": f'dcp_operation_duration_seconds_bucket{{{run},rank="0",le="1"}}', "values": "0x159 0x120 1x80"},
+            {"series": f'dcp_operation_duration_seconds_bucket{{{run},rank="0",le="+Inf"}}', "values": "0x40 1x119 2x120 3x80"},
+        ],
+        "promql_expr_test": [
+            *({"expr": rendered("Duration of each checkpoint"), "eval_time": at,
+               "exp_samples": [{"labels": '{job="train",dcp_run_id="r1",operation="save"}', "value": value}]}
+              for at, value in (("11m", 80), ("25m", 80), ("39m", 80), ("41m", 95), ("69m", 95), ("72m", 0.8))),
+            # The histogram's p50 (Grafana's usual trend) has nothing to say 15 minutes after a checkpoint.
+            # (NaN, which Grafana draws as a gap: ">= 0" keeps only numbers.)
+            {"expr": f'({rendered("Operation duration")}) >= 0', "eval_time": "25m", "exp_samples": []},
+        ],
+    }]}
+    test_file = tmp_path / "trend.test.yml"
+    test_file.write_text(yaml.safe_dump(spec))
+    ran = promtool("test", "rules", str(test_file))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
 
 
 def test_duration_quantiles_show_exemplars() -> None:
@@ -255,7 +377,13 @@ def test_the_trace_datasource_options_change_the_provisioning_and_the_dashboards
                 (traces,) = [link for link in json.loads(content)["links"] if link["title"] == "Checkpoint traces"]
                 pane = json.loads(urllib.parse.unquote(traces["url"].split("panes=", 1)[1]))["traces"]
                 assert pane["datasource"] == uid and pane["queries"][0]["datasource"] == {"type": kind, "uid": uid}
-                assert (pane["queries"][0].get("query") == '{ name = "dcp.checkpoint" }') == (kind == "tempo")
+                # The selected runs' checkpoints, over the dashboard's time range (not a fixed "now-6h").
+                query = pane["queries"][0]
+                assert pane["range"] == {"from": "${__from}", "to": "${__to}"}
+                if kind == "tempo":
+                    assert query["query"] == '{ name = "dcp.checkpoint" && .dcp.run_id =~ "${run:regex}" }'
+                else:  # Jaeger searches one service (the job) at a time
+                    assert (query["service"], query["operation"]) == ("${job}", "dcp.checkpoint")
     assert {n for n in default if default[n] != tempo[n]} == {n for n in default if n.suffix == ".json"} | {DATASOURCES}
     with pytest.raises(ValueError, match="traces_datasource_type"):
         MixinConfig(traces_datasource_type="zipkin")
