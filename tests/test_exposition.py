@@ -124,14 +124,15 @@ def test_a_bad_bind_address_fails_at_configuration_time_leaving_nothing(
 
 
 @contextlib.contextmanager
-def metrics_job(tmp_path: Path, world: int, extra_env: dict[str, str]) -> Iterator[tuple[int, list[list[str]]]]:
-    """Run ``world`` ranks of workers/metrics_rank.py; yield (base port, their READY lines) while they wait."""
+def metrics_job(tmp_path: Path, world: int, extra_env: dict[str, str],
+                worker: str = "metrics_rank") -> Iterator[tuple[int, list[list[str]]]]:  # fmt: skip
+    """Run ``world`` ranks of workers/<worker>.py; yield (base port, their READY lines) while they wait."""
     base = free_port_range(world)
     procs = []
     for rank in range(world):
         env = rank_env(LOCAL_RANK=str(rank), **{semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1",
                                                 semconv.ENV_RUN_ID: "scrape-test", **extra_env})  # fmt: skip
-        cmd = rank_command("metrics_rank", rank, world, tmp_path, tmp_path, tmp_path / "ckpt")
+        cmd = rank_command(worker, rank, world, tmp_path, tmp_path, tmp_path / "ckpt")
         procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     try:
         ready = [proc.stdout.readline().split() for proc in procs]  # type: ignore[union-attr]
