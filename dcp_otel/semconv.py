@@ -159,6 +159,10 @@ SAVE_OPERATIONS: Final = frozenset({"save", "async_save", CHECKPOINTER_SAVE, CHE
 LOAD_OPERATIONS: Final = frozenset({"load", CHECKPOINTER_LOAD})
 #: Operations whose checkpoint is durable only when their upload (``dcp.async_upload``) ends.
 ASYNC_OPERATIONS: Final = frozenset({"async_save", CHECKPOINTER_ASYNC_SAVE})
+#: What a rank's in-progress step reads while it waits between steps, in DCP's collectives: "-", or the name of
+#: an operation's own call nested in another (an async save's background ``save``). Any other step is one the
+#: rank is itself inside (``write_data``): where one stuck rank is while the others wait for it.
+WAITING_STEPS: Final = frozenset({STEP_NONE, *OPERATIONS})
 #: Steps that move a checkpoint's bytes, to or from storage.
 IO_STEPS: Final = frozenset({"write_data", "read_data", CHECKPOINTER_WRITE, CHECKPOINTER_READ})
 #: Steps that stage a state dict for an async save, on the caller's side.

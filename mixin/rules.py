@@ -126,7 +126,8 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
     op_mean, step_mean = recent_operation_mean(cfg), recent_step_mean(cfg)
     io_step_mean = f"{step_mean}{{{IO_STEPS}}}"
     run_of = f"{{{{ $labels.{sc.LABEL_RUN_ID} }}}}"
-    in_step, between = 'step!="-"', 'step="-"'
+    waiting_steps = "|".join(sorted(sc.WAITING_STEPS))
+    in_step, between = f'step!~"{waiting_steps}"', f'step=~"{waiting_steps}"'
     stuck, waiting = stalled_ranks(cfg, in_step), stalled_ranks(cfg, between)
     # The templates ask Prometheus for the other ranks of the alert's checkpoint (one alert, all its ranks named).
     this = ",".join(m for m in (cfg.selector, _OF_THIS_CHECKPOINT) if m)
@@ -201,7 +202,8 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
         _alert(
             "DCPCheckpointStalled",
             # One alert per run and open operation (one checkpoint), not one per rank: of 1,024 ranks one is stuck
-            # in a step and 1,023 wait for it between steps ("-"), in DCP's collectives. The alert is the stuck
+            # in a step and 1,023 wait for it between steps ("-", or an async save's nested "save"), in DCP's
+            # collectives. The alert is the stuck
             # rank that has gone longest without progress (labels: its rank, step, host); where every rank waits
             # between steps (the stuck one never reached the collective), the longest-waiting one. Its
             # description names every stuck rank and counts the waiting ones.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -161,9 +162,10 @@ def save_jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[HungJob, HungJo
 
     tmp = tmp_path_factory.mktemp("hung-save")
     base = free_port_range(2)
+    targets = tmp / "targets"  # the ranks announce themselves here (before Prometheus starts: it watches it)
+    targets.mkdir()
     config = {"global": {"scrape_interval": "1s"},
-              "scrape_configs": [{"job_name": "train", "static_configs": [
-                  {"targets": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}]}]}  # fmt: skip
+              "scrape_configs": [{"job_name": "train", "file_sd_configs": [{"files": [str(targets / "rank-*.json")]}]}]}
 
     def ready(out: Path) -> bool:
         traces = out / "traces"
@@ -191,9 +193,13 @@ def save_jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[HungJob, HungJo
 
             wait_for(prometheus_has_it, "both ranks' in-progress save and stalls in Prometheus")
             wait_for(otlp_has_it, "the in-progress gauge pushed over OTLP")
+            # The operator's first look, as printed in the docs: from the ranks' endpoints, and from Prometheus.
+            seen["status"] = {source: status(*args) for source, args in (
+                ("endpoints", ("--targets", str(targets))), ("prometheus", ("--prometheus", prom.url)))}
             return seen
 
-        env = {semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1"}
+        env = {semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1",
+               semconv.ENV_FILE_SD_DIR: str(targets)}
         traced = run_hung(tmp, "save", plain=False, ready=ready, env=env, while_hung=while_hung,
                           extra=["--otlp", receiver.endpoint])  # fmt: skip
     plain = run_hung(tmp, "save", plain=True, ready=lambda out: True)
@@ -218,6 +224,33 @@ def test_while_a_save_hangs_prometheus_and_otlp_show_every_ranks_step_and_its_st
     assert {(str(HUNG), "write_data"), (str(WAITING), semconv.STEP_NONE)} <= counted
     assert {float(r["value"][1]) for r in seen["threshold"]} == {float(STALL_AFTER_S)}
     assert (str(HUNG), "write_data") in seen["pushed"]  # the observable gauge, over OTLP
+
+
+def status(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dcp_otel", "status", *args], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)  # fmt: skip
+
+
+@pytest.mark.parametrize("source", ["endpoints", "prometheus"])
+def test_dcp_otel_status_names_the_stuck_rank_first_with_its_host_and_stack_and_the_rank_waiting(
+    save_jobs: tuple[HungJob, HungJob], source: str
+) -> None:
+    done = save_jobs[0].seen["status"][source]
+    assert done.returncode == 1, done.stdout + done.stderr  # 1: a checkpoint is stalled
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("run ") and "save: 2 rank(s) open, 1 waiting between steps" in lines[0], done.stdout
+    assert "STALLED: 1 rank(s) stuck in a step" in lines[0]
+    header = lines[1].split()
+    assert header[:3] == ["RANK", "HOST", "STEP"]
+    stuck, waiting = lines[2].split(), lines[3].split()
+    host = socket.gethostname()
+    assert stuck[:3] == [str(HUNG), host, "write_data"] and stuck[-1] == "STALLED", done.stdout  # the stuck rank first
+    assert waiting[:3] == [str(WAITING), host, semconv.STEP_NONE], done.stdout
+    # Where its thread is: the last stall report's stack, innermost frames last, from the rank's endpoint.
+    at = lines.index(next(line for line in lines if line.startswith(f"  last stall report of rank {HUNG} on {host}")))
+    assert "(write_data," in lines[at]
+    stack = "\n".join(lines[at + 1:])
+    assert "in block_here" in stack and "NEVER.wait()" in stack, done.stdout
 
 
 def test_the_stall_spans_name_the_blocked_frame_and_the_collective_the_other_rank_waits_in(

@@ -5,6 +5,7 @@ Usage::
     dcp-otel demo [--ranks 4] [--slow-rank R] [--fail-rank R] [--out out/demo]
     dcp-otel report out/demo/traces [--html report.html [--trace-url URL]] [--perfetto trace.json] [--all]
     dcp-otel check           # would opentelemetry-instrument's set-up send spans from here? (exit 1: why not)
+    dcp-otel status [--targets DIR | --prometheus URL] [--run ID]   # where each rank of a running job is
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dcp_otel import demo
+from dcp_otel.cli import status
 from dcp_otel.cli.check import check_otel_setup
 from dcp_otel.otlp_file import SpanFileError
 from dcp_otel.report import DETAIL_LIMIT, build
@@ -31,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_arguments(run_demo)
     commands.add_parser("check", help="run OpenTelemetry's zero-code set-up with this environment and say whether "
                                       "spans would leave (an empty export probes the endpoint)")
+    status.add_arguments(commands.add_parser(
+        "status", help="where each rank of a running job's open checkpoint is (stuck ranks first, with their "
+                       "stack), from its endpoints or a Prometheus; exit 1 when one is stalled"))
     report = commands.add_parser("report", help="report the checkpoints in OTLP JSON trace files")
     report.add_argument("traces", nargs="+", type=Path, help="trace files, or folders of .json/.jsonl files")
     report.add_argument("--html", type=Path, help="also write the report as a self-contained HTML page")
@@ -50,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return demo.run(args)
+        if args.command == "status":
+            return status.run(args)
         check_trace_url(args.trace_url)
         for path in (args.html, args.perfetto):  # before the work, not after it
             if path is not None and not path.resolve().parent.is_dir():

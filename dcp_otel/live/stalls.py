@@ -40,6 +40,7 @@ from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report as report_problem
 from dcp_otel.live.progress import Progress
 from dcp_otel.live.stacks import ThreadStack, thread_stack
+from dcp_otel.live.status import board
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.tracker import SpanRecorder
 
@@ -74,6 +75,10 @@ class StallReporter:
             now_ns = now_ns if now_ns is not None else time.time_ns()
             stack = thread_stack(p.thread_id) if p.thread_id is not None else None
             self._log(p, threshold_s, number, stack, now_ns)
+            board().record(operation=p.op.name, step=p.step, rank=p.op.rank_label, seconds=p.age_s(now_ns),
+                           threshold_s=threshold_s, stack=stack.text if stack is not None else None,
+                           collective=stack.collective[0] if stack is not None and stack.collective else None,
+                           where=self._where)  # fmt: skip
             if number == 1 and self._metrics is not None:
                 self._metrics.stalled(p.op.name, p.step, p.op.rank_label)
                 if self._after_count is not None:

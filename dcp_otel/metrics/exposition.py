@@ -44,6 +44,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_h
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import env_int
+from dcp_otel.live.status import serving as stall_reports
 from dcp_otel.metrics.file_sd import Role, TargetFile, announce, configured_dir, target_labels
 
 logger = logging.getLogger("dcp_otel")
@@ -377,7 +378,8 @@ def start_metrics_server(
     endpoint = MetricsEndpoint(bind, int(server.server_address[1]), wanted, server, thread)
     app = server.get_app()
     if app is not None:
-        server.set_app(endpoint._watch.serving(app))
+        # The last stall reports beside the metrics (dcp-otel status reads them); not counted as a scrape.
+        server.set_app(stall_reports(endpoint._watch.serving(app)))
     target.register(endpoint._watch)  # type: ignore[arg-type]
     endpoint._registry = target
     endpoint.target_file = announce(configured_dir(file_sd_dir), role, bind, endpoint.port, run_id)
