@@ -392,7 +392,7 @@ def test_the_trace_datasource_options_change_the_provisioning_and_the_dashboards
     assert (tmp_path / DATASOURCES).read_text() == tempo[DATASOURCES]
 
 
-#: Components of otelcol-contrib 0.104 we may name (type before any "/name").
+#: Components of otelcol-contrib 0.139 we may name (type before any "/name").
 REAL_COMPONENTS = {
     "receivers": {"otlp", "prometheus", "hostmetrics", "jaeger", "zipkin"},
     "processors": {"batch", "memory_limiter", "resource", "attributes", "filter", "tail_sampling"},
@@ -431,10 +431,39 @@ def test_the_collector_writes_the_spans_it_receives_to_rotated_files_the_report_
     assert (COLLECTOR / folder).is_dir()
 
 
+#: The oldest image of each service the compose file may pin: releases of 2025's last quarter (Jaeger v2: the
+#: all-in-one of v1 is no longer released).
+OLDEST_IMAGES = {"otel/opentelemetry-collector-contrib": (0, 139, 0), "jaegertracing/jaeger": (2, 11, 0),
+                 "grafana/tempo": (2, 9, 0), "prom/prometheus": (3, 5, 0), "grafana/grafana": (11, 6, 0)}
+
+
+def test_compose_runs_current_pinned_images_and_every_provisioned_trace_datasource_has_its_service() -> None:
+    services = load_yaml(COLLECTOR / "compose.yaml")["services"]
+    images = dict(service["image"].rsplit(":", 1) for service in services.values())
+    assert set(images) == set(OLDEST_IMAGES)
+    for image, tag in images.items():
+        version = tuple(int(part) for part in tag.removeprefix("v").split("."))
+        assert len(version) == 3 and version >= OLDEST_IMAGES[image], (image, tag)  # pinned, never "latest"
+    # Grafana's trace datasources point at services the stack runs, and the Collector sends every span to each.
+    exporters = load_yaml(COLLECTOR / "config.yaml")["exporters"]
+    sent_to = {e["endpoint"].split(":")[0]: e["endpoint"].rsplit(":", 1)[1] for name, e in exporters.items()
+               if name.startswith("otlp/")}  # fmt: skip
+    for source in load_yaml(GRAFANA / "provisioning" / "datasources" / "dcp-otel.yaml")["datasources"]:
+        if source["type"] in ("jaeger", "tempo"):
+            host = urllib.parse.urlsplit(source["url"]).hostname
+            assert host in services and host in sent_to, source
+    tempo = load_yaml(COLLECTOR / "tempo.yaml")
+    assert tempo["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":" + sent_to["tempo"])
+    assert f"{tempo['server']['http_listen_port']}:{tempo['server']['http_listen_port']}" in services["tempo"]["ports"]
+    # Prometheus keeps the job and run the Collector's exporter gives series pushed over OTLP.
+    scrape = {job["job_name"]: job for job in load_yaml(PROMETHEUS / "prometheus.yml")["scrape_configs"]}
+    assert scrape["otel-collector"]["honor_labels"] is True
+
+
 def test_compose_mounts_files_that_exist_and_agrees_on_ports() -> None:
     compose = load_yaml(COLLECTOR / "compose.yaml")
     services = compose["services"]
-    assert set(services) == {"otel-collector", "jaeger", "prometheus", "grafana"}
+    assert set(services) == {"otel-collector", "jaeger", "tempo", "prometheus", "grafana"}
     for name, service in services.items():
         for volume in service.get("volumes", []):
             source, target = volume.split(":")[:2]
