@@ -25,17 +25,14 @@ SCOPE_NAME: Final = "dcp_otel"
 #: Every DCP function logged by torch's ``_dcp_method_logger`` becomes a span
 #: named ``SPAN_PREFIX + func_name`` (``dcp.save``, ``dcp.write_data``, ...).
 SPAN_PREFIX: Final = "dcp."
-#: The root of a checkpoint's trace, emitted by the coordinator rank only; every
-#: rank's operation span is its child.
+#: The root of a checkpoint's trace, emitted by the coordinator rank only; every rank's operation span is its child.
 SPAN_CHECKPOINT: Final = "dcp.checkpoint"
-#: Async save: from the hand-off to the background executor until the upload
-#: future completes (the checkpoint is durable when this span ends).
+#: Async save: from the hand-off to the background executor until the upload future completes (then durable).
 SPAN_ASYNC_UPLOAD: Final = "dcp.async_upload"
 #: Async save with an asynchronous stager: until the staging future completes.
 SPAN_ASYNC_STAGING: Final = "dcp.async_staging"
-#: A DCP call that has made no progress for longer than its stall threshold: a zero-length
-#: span under the open step (or under the operation, between steps), emitted by the stall
-#: watchdog while the call is still open and exported at once (see dcp_otel.live.watchdog).
+#: A DCP call that has made no progress for longer than its stall threshold: a zero-length span under the open step
+#: (or the operation, between steps), emitted by the watchdog while the call is open, exported at once (live/).
 SPAN_STALL: Final = "dcp.stall"
 #: One of DCP's own object collectives (``_DistWrapper.gather_object``, ``scatter_object``,
 #: ``broadcast_object``, ``all_gather_object``, ``barrier``): ``dcp.collective.gather_object``, a child
@@ -57,14 +54,12 @@ ATTR_BACKEND: Final = "dcp.pg.backend"  # str, process-group backend (gloo, nccl
 ATTR_STORAGE_WRITER: Final = "dcp.storage_writer"  # str, class name
 ATTR_STORAGE_READER: Final = "dcp.storage_reader"  # str, class name
 ATTR_PLANNER: Final = "dcp.planner"  # str, class name
-#: True on a span whose end time was inferred (torch did not log the step's
-#: exception; the span was closed when the failure became visible).
+#: True on a span whose end time was inferred (torch did not log the step's exception; closed when the failure showed).
 ATTR_END_INFERRED: Final = "dcp.end_inferred"
 #: True on a span whose call returned after dcp-otel was uninstrumented: it ended by then, with no
 #: error dcp-otel saw, but torch's own record of its end no longer reached dcp-otel.
 ATTR_END_UNKNOWN: Final = "dcp.end_unknown"
-#: int[] on a span that failed with torch's ``CheckpointException``: the ranks
-#: whose step raised, as every rank learns them from torch.
+#: int[] on a span that failed with torch's ``CheckpointException``: the ranks whose step raised, as torch tells them.
 ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
 #: str on a span the process ended because it was terminating while the call was still open:
 #: ``SIGTERM``, or INTERRUPTED_AT_EXIT (a Ctrl-C ends a call by the KeyboardInterrupt that unwinds it).
@@ -104,16 +99,14 @@ ATTR_THREAD_NAME: Final = "thread.name"
 #: The step of an operation that is between steps (in DCP's own code or its collectives).
 STEP_NONE: Final = "-"
 
-# ``_stateful_to_state_dict`` logs one call per top-level key; these summarize
-# them on the ``dcp._stateful_to_state_dict`` span instead of one span per key.
+# ``_stateful_to_state_dict`` logs a call per top-level key; these summarize them on its span (no span per key).
 ATTR_STATE_DICT_KEYS: Final = "dcp.state_dict.keys"  # int, keys converted
 ATTR_STATE_DICT_KEYS_SECONDS: Final = "dcp.state_dict.keys_seconds"  # float, total
 ATTR_STATE_DICT_SLOWEST_KEYS: Final = "dcp.state_dict.slowest_keys"  # str[]
 ATTR_STATE_DICT_SLOWEST_SECONDS: Final = "dcp.state_dict.slowest_keys_seconds"  # float[]
 ATTR_STATE_DICT_FAILED_KEY: Final = "dcp.state_dict.failed_key"  # str
 
-# Every rank's operation span carries a summary of its steps (see
-# dcp_otel.tracing.detail): with ``detail="auto"`` most ranks export only that.
+# Every rank's operation span carries a summary of its steps (tracing/detail.py): with "auto" most ranks send only it.
 ATTR_DETAIL: Final = "dcp.detail"  # str: DETAIL_STEPS or DETAIL_SUMMARY
 DETAIL_STEPS: Final = "steps"  # this rank's step spans are in the trace
 DETAIL_SUMMARY: Final = "summary"  # only the summary below
@@ -125,8 +118,7 @@ ATTR_WAIT_SECONDS: Final = "dcp.wait_seconds"  # float: the operation's time out
 ATTR_COLLECTIVE_SECONDS: Final = "dcp.collective_seconds"
 ATTR_THROUGHPUT: Final = "dcp.throughput_bytes_per_second"  # float: bytes / seconds in write_data, read_data
 
-#: Resource attribute (``TorchDistributedResourceDetector``); the resource also
-#: carries ATTR_RANK, ATTR_WORLD_SIZE and ATTR_RUN_ID, and ``host.name``.
+#: Resource attribute (``TorchDistributedResourceDetector``), beside ATTR_RANK, ATTR_WORLD_SIZE, ATTR_RUN_ID, host.name.
 RESOURCE_LOCAL_RANK: Final = "dcp.local_rank"  # int
 #: Name of the resource detector entry point (OTEL_EXPERIMENTAL_RESOURCE_DETECTORS).
 RESOURCE_DETECTOR: Final = "dcp_otel"
@@ -159,9 +151,8 @@ SAVE_OPERATIONS: Final = frozenset({"save", "async_save", CHECKPOINTER_SAVE, CHE
 LOAD_OPERATIONS: Final = frozenset({"load", CHECKPOINTER_LOAD})
 #: Operations whose checkpoint is durable only when their upload (``dcp.async_upload``) ends.
 ASYNC_OPERATIONS: Final = frozenset({"async_save", CHECKPOINTER_ASYNC_SAVE})
-#: What a rank's in-progress step reads while it waits between steps, in DCP's collectives: "-", or the name of
-#: an operation's own call nested in another (an async save's background ``save``). Any other step is one the
-#: rank is itself inside (``write_data``): where one stuck rank is while the others wait for it.
+#: A rank's in-progress step while it waits between steps, in DCP's collectives: "-", or a nested operation's own call
+#: (an async save's background ``save``). Any other step (``write_data``) is one the rank itself is stuck in.
 WAITING_STEPS: Final = frozenset({STEP_NONE, *OPERATIONS})
 #: Steps that move a checkpoint's bytes, to or from storage.
 IO_STEPS: Final = frozenset({"write_data", "read_data", CHECKPOINTER_WRITE, CHECKPOINTER_READ})
@@ -225,10 +216,8 @@ LABEL_NAME: Final = "name"
 LABEL_REASON: Final = "reason"
 LABEL_ERROR_TYPE: Final = "error_type"
 LABEL_DEVICE: Final = "device"  # a device type: cuda, cpu, ...
-#: Target labels every endpoint's discovery file gives its series (metrics/file_sd.py). Named as the OTel
-#: Collector's Prometheus exporter names the resource attributes they stand for (resource_to_telemetry_conversion:
-#: ``dcp.run_id`` -> ``dcp_run_id``, ``host.name`` -> ``host_name``; ``service.name`` -> ``job``), so one query
-#: selects a run whether its ranks were scraped or pushed OTLP.
+#: Target labels of every endpoint's series (metrics/file_sd.py), named as the Collector's Prometheus exporter names the
+#: resource's ``dcp.run_id``, ``host.name`` and ``service.name``: one query selects a run, scraped or pushed.
 LABEL_RUN_ID: Final = "dcp_run_id"
 LABEL_HOST: Final = "host_name"
 LABEL_JOB: Final = "job"
@@ -316,9 +305,8 @@ LAST_SUCCESS: Final = MetricSpec(
     "dcp_last_success_timestamp_seconds", "dcp.last_success_timestamp", "s", KIND_GAUGE, (LABEL_OPERATION, LABEL_RANK),
     "Unix time of the last successful operation.", multiprocess_mode="max",
 )  # fmt: skip
-#: The last operation's duration, held until the next one: a trend that shows every checkpoint however far apart
-#: they are (a rate over a histogram is empty between checkpoints taken every 30 minutes), and exact (no bucket
-#: interpolation).
+#: The last operation's duration, held: a trend of every checkpoint however far apart (a rate over the histogram is
+#: empty between checkpoints 30 minutes apart), and exact (no bucket interpolation).
 LAST_DURATION: Final = MetricSpec(
     "dcp_last_duration_seconds", "dcp.last_duration", "s", KIND_GAUGE, (LABEL_OPERATION, LABEL_STATUS, LABEL_RANK),
     "Duration of the last checkpoint operation on one rank, by status (held until the next one).",
@@ -416,8 +404,7 @@ ENV_METRICS: Final = "DCP_OTEL_METRICS"
 ENV_OTEL_METRICS_EXPORTER: Final = "OTEL_METRICS_EXPORTER"
 #: The SDK's span exporters; "none" says no traces are wanted (dcp-otel then never warns that spans go nowhere).
 ENV_OTEL_TRACES_EXPORTER: Final = "OTEL_TRACES_EXPORTER"
-#: An observable instrument that never reports a value: the SDK calls it at the start of
-#: every collection, which lets the builder record what is queued first (see dcp_otel.metrics.otel).
+#: An observable instrument that never reports a value: called at each collection's start, it lets the builder record.
 OTEL_COLLECTION_BARRIER: Final = "dcp_otel.collection_barrier"
 
 STATUS_SUCCESS: Final = "success"

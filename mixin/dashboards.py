@@ -129,7 +129,9 @@ def _variables(cfg: MixinConfig, job_metric: str, *, rank: bool, step: bool) -> 
     variables: list[Any] = [
         DatasourceVariable("datasource").label("Data source").type("prometheus"),
         _label_variable("job", "Job", f"label_values({job_metric}{cfg.sel()}, job)"),
-        _label_variable("run", "Run", f"label_values({job_metric}{cfg.sel(job)}, {sc.LABEL_RUN_ID})"),
+        # "All" takes series without a run too (a static scrape config, an agent pushing OTLP without the run
+        # on its resource): each is then a run of its own, "".
+        _label_variable("run", "Run", f"label_values({job_metric}{cfg.sel(job)}, {sc.LABEL_RUN_ID})", all_value=".*"),
     ]
     if rank:
         variables.append(_label_variable("rank", "Rank", f"label_values({OPERATIONS_TOTAL}{cfg.sel(job, run)}, rank)"))
@@ -140,7 +142,7 @@ def _variables(cfg: MixinConfig, job_metric: str, *, rank: bool, step: bool) -> 
     return variables
 
 
-def _label_variable(name: str, label: str, query: str) -> QueryVariable:
+def _label_variable(name: str, label: str, query: str, all_value: str = ".+") -> QueryVariable:
     return (
         QueryVariable(name)
         .label(label)
@@ -150,7 +152,7 @@ def _label_variable(name: str, label: str, query: str) -> QueryVariable:
         .sort(VariableSort.NATURAL_ASC)
         .multi(True)
         .include_all(True)
-        .all_value(".+")
+        .all_value(all_value)
     )
 
 
@@ -231,12 +233,12 @@ def stall_trace_link(cfg: MixinConfig) -> DashboardLink:
     return DashboardLink("Stall reports of this rank").url(explore_url(cfg, tempo, jaeger, "${__from}", "now")).target_blank(True)
 
 
-def annotations(cfg: MixinConfig, *, agent: bool = False) -> list[dict[str, Any]]:
+def marks(cfg: MixinConfig) -> list[dict[str, Any]]:
     """Marks on every time panel: failures (where each started, and its error type), stall reports and worker
     restarts of the selected runs. Each is a Prometheus query evaluated per minute."""
     sel = cfg.sel('job=~"$job"', f'{sc.LABEL_RUN_ID}=~"$run"')
     restart = cfg.sel('job=~"$job"', f'{sc.LABEL_RUN_ID}=~"$run"', 'name=~".*_restart_workers"')
-    marks = [
+    queries = [
         ("Checkpoint failures", "red",
          f"sum by ({RUN}, operation, rank, error_type) (increase({sc.METRIC_FAILURES}_total{sel}[1m])) > 0",
          "{{operation}} failed", "run {{" + sc.LABEL_RUN_ID + "}}: rank {{rank}} raised {{error_type}}",
@@ -250,7 +252,7 @@ def annotations(cfg: MixinConfig, *, agent: bool = False) -> list[dict[str, Any]
          "workers restarted", "run {{" + sc.LABEL_RUN_ID + "}}", sc.LABEL_RUN_ID),
     ]
     found = []
-    for name, colour, expr, title, text, tags in marks:
+    for name, colour, expr, title, text, tags in queries:
         mark = json.loads(json.dumps(AnnotationQuery().name(name).datasource(DATASOURCE).expr(expr).enable(True)
                                      .icon_color(colour).build(), cls=JSONEncoder))  # fmt: skip
         # What the SDK has no builder for: Prometheus annotations' step and how a mark is worded.
@@ -259,7 +261,7 @@ def annotations(cfg: MixinConfig, *, agent: bool = False) -> list[dict[str, Any]
     return found
 
 
-def _with_ids(built: Any, marks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def _with_ids(built: Any, annotated: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The dashboard as JSON, with every panel (rows and their panels too) numbered from 1, and its marks."""
     model: dict[str, Any] = json.loads(json.dumps(built, cls=JSONEncoder))
     next_id = 1
@@ -267,8 +269,8 @@ def _with_ids(built: Any, marks: list[dict[str, Any]] | None = None) -> dict[str
         for p in [panel, *panel.get("panels", [])]:
             p["id"] = next_id
             next_id += 1
-    if marks:
-        model.setdefault("annotations", {}).setdefault("list", []).extend(marks)
+    if annotated:
+        model.setdefault("annotations", {}).setdefault("list", []).extend(annotated)
     return model
 
 
@@ -401,7 +403,7 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
                    R + " {{reason}}", instant=True),
             thresholds("green", (1, "orange")), w=24, no_value="0"))
     )  # fmt: skip
-    return _with_ids(d.build(), annotations(cfg))
+    return _with_ids(d.build(), marks(cfg))
 
 
 def ranks(cfg: MixinConfig) -> dict[str, Any]:
@@ -487,7 +489,7 @@ def ranks(cfg: MixinConfig) -> dict[str, Any]:
             .with_target(_query(f"sum by ({RUN}, le) (increase({step_dur}_bucket{s(steps)}[{RATE}]))", "{{le}}",
                                 exemplar=True, fmt="heatmap").ref_id("A")))
     )  # fmt: skip
-    return _with_ids(d.build(), annotations(cfg))
+    return _with_ids(d.build(), marks(cfg))
 
 
 def torchelastic(cfg: MixinConfig) -> dict[str, Any]:
@@ -546,7 +548,7 @@ def torchelastic(cfg: MixinConfig) -> dict[str, Any]:
             _query(f"sum by ({RUN}, reason) (max_over_time({dropped}{s()}[{RANGE}]))", R + " {{reason}}", instant=True),
             thresholds("green", (1, "orange")), w=12, no_value="0"))
     )  # fmt: skip
-    return _with_ids(d.build(), annotations(cfg))
+    return _with_ids(d.build(), marks(cfg))
 
 
 def dashboards(cfg: MixinConfig) -> dict[str, dict[str, Any]]:

@@ -118,7 +118,7 @@ def _stall_reports(instance: str, timeout_s: float) -> list[dict[str, Any]]:
 
 def targets_in(folder: Path) -> list[tuple[str, dict[str, str]]]:
     """(instance, target labels) of every rank endpoint announced in ``folder``'s discovery files."""
-    found = []
+    found: list[tuple[str, dict[str, str]]] = []
     for path in sorted(folder.glob("rank-*.json")):
         try:
             groups = json.loads(path.read_text())
@@ -182,8 +182,9 @@ def from_prometheus(url: str, matchers: str, timeout_s: float) -> Snapshot:
             m.get("step", ""), float(r["value"][1]), threshold.get((instance, m.get("operation", ""), m.get("rank", ""))),
             m.get(semconv.LABEL_HOST) or instance.rsplit(":", 1)[0], instance))  # fmt: skip
     snapshot.asked = len(instances)
-    with ThreadPoolExecutor(max_workers=max(1, min(_PARALLEL, len(instances)))) as pool:
-        for instance, reports in zip(instances, pool.map(lambda i: _stall_reports(i, timeout_s), instances)):
+    asked = sorted(instances)
+    with ThreadPoolExecutor(max_workers=max(1, min(_PARALLEL, len(asked)))) as pool:
+        for instance, reports in zip(asked, pool.map(lambda i: _stall_reports(i, timeout_s), asked), strict=True):
             for report in reports:
                 snapshot.reports.setdefault((instance, str(report.get("rank", ""))), []).append(report)
     return snapshot
