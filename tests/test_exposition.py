@@ -278,6 +278,19 @@ def test_the_run_id_option_and_a_launcher_relabel_name_the_run_and_no_service_na
         endpoint.close()
 
 
+def test_the_job_label_is_the_service_name_as_the_sdk_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcp_otel.metrics.file_sd import job_name
+
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod,service.name=bert-ft")
+    assert job_name() == "bert-ft"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "llama")  # over OTEL_RESOURCE_ATTRIBUTES, as in the SDK
+    assert job_name() == "llama"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod")
+    assert job_name() is None  # none set: the scrape config's job_name stays
+
+
 def test_the_agent_labels_its_target_with_the_run_id_its_workers_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     from dcp_otel.elastic.launcher import workers_run_id
 

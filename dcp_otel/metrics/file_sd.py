@@ -67,12 +67,12 @@ def target_host(bind_addr: str) -> str:
 
 def job_name() -> str | None:
     """The job's name as OpenTelemetry's resource says it (``service.name``), if one was set."""
-    # Read as the SDK reads it (OTEL_SERVICE_NAME over OTEL_RESOURCE_ATTRIBUTES); the SDK's
-    # "unknown_service..." default names nothing.
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    # Read as the SDK reads it (OTEL_SERVICE_NAME over OTEL_RESOURCE_ATTRIBUTES), by its environment detector
+    # alone: Resource.create() would also run every detector configured, some of which ask the network.
+    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector
 
-    name = str(Resource.create().attributes.get(SERVICE_NAME, ""))
-    return None if not name or name.startswith("unknown_service") else name
+    name = str(OTELResourceDetector().detect().attributes.get(SERVICE_NAME, ""))
+    return name or None
 
 
 def target_labels(run_id: str | None = None) -> dict[str, str]:
