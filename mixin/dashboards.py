@@ -40,6 +40,7 @@ from grafana_foundation_sdk.models.dashboard import (
     DashboardLinkType,
     DataSourceRef,
     DataTransformerConfig,
+    DynamicConfigValue,
     Threshold,
     ThresholdsMode,
     VariableRefresh,
@@ -212,6 +213,8 @@ def traces_link(cfg: MixinConfig) -> DashboardLink:
 
 #: TraceQL: every checkpoint's root span (docs/receiving-stack.md has more).
 TRACEQL_CHECKPOINTS = f'{{ name = "{sc.SPAN_CHECKPOINT}" }}'
+#: "Where each rank is now": the hidden column of when each rank last made progress (Unix ms).
+SINCE_MS = "since_ms"
 #: A table row's fields, as a data link reads them.
 _ROW_RUN, _ROW_RANK, _ROW_JOB = (f"${{__data.fields.{name}}}" for name in (sc.LABEL_RUN_ID, "rank", "job"))
 
@@ -227,10 +230,11 @@ def failure_trace_link(cfg: MixinConfig) -> DashboardLink:
 
 def stall_trace_link(cfg: MixinConfig) -> DashboardLink:
     """From a row of "Where each rank is now": that run's checkpoint with this rank's stall reports (their
-    ``dcp.stall`` spans leave at once, with the stuck thread's stack), from the dashboard's start to now."""
+    ``dcp.stall`` spans leave at once, with the stuck thread's stack), from its last progress to now."""
     tempo = f'{{ .{sc.ATTR_RUN_ID} = "{_ROW_RUN}" }} && {{ name = "{sc.SPAN_STALL}" && .{sc.ATTR_RANK} = {_ROW_RANK} }}'
     jaeger = {"service": _ROW_JOB, "operation": sc.SPAN_STALL, "tags": f"{sc.ATTR_RANK}={_ROW_RANK}"}
-    return DashboardLink("Stall reports of this rank").url(explore_url(cfg, tempo, jaeger, "${__from}", "now")).target_blank(True)
+    start = f"${{__data.fields.{SINCE_MS}}}"  # when the rank last made progress: its stall reports came after
+    return DashboardLink("Stall reports of this rank").url(explore_url(cfg, tempo, jaeger, start, "now")).target_blank(True)
 
 
 def marks(cfg: MixinConfig) -> list[dict[str, Any]]:
@@ -434,10 +438,17 @@ def ranks(cfg: MixinConfig) -> dict[str, Any]:
                      f"first ({rows} per run at most). A rank stuck in a step while the others sit at \"-\" is the one "
                      "they wait for. Each row links to its stall reports (with the stuck thread's stack); "
                      "`dcp-otel status` prints the same from the ranks.")
-        .with_transformation(DataTransformerConfig(id_val="organize", options={
-            "excludeByName": {"Time": True}, "renameByName": {"Value": "seconds without progress"}}))
+        # A: how long without progress; B: since when (ms, hidden), the start of each row's trace link. The same
+        # rows (the oldest are the smallest timestamps), merged on their labels into one row each.
         .with_target(_query(f"sort_desc(topk by ({RUN}) ({rows}, time() - {in_progress}))", instant=True,
                             fmt="table").ref_id("A"))
+        .with_target(_query(f"bottomk by ({RUN}) ({rows}, 1000 * {in_progress})", instant=True,
+                            fmt="table").ref_id("B"))
+        .with_transformation(DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(DataTransformerConfig(id_val="organize", options={
+            "excludeByName": {"Time": True},
+            "renameByName": {"Value #A": "seconds without progress", "Value #B": SINCE_MS}}))
+        .override_by_name(SINCE_MS, [DynamicConfigValue(id_val="custom.hidden", value=True)])
         .data_links([stall_trace_link(cfg)])
     )  # fmt: skip
     d = (

@@ -193,6 +193,18 @@ def test_the_failed_save_the_dropped_metric_and_the_hung_save_fire_their_alerts_
     assert problems["labels"]["job"] == RANK_JOB and float(problems["value"]) == WORLD
 
 
+def test_where_each_rank_is_now_gives_each_row_its_age_and_its_start_for_the_trace_link(stack: dict[str, Any]) -> None:
+    """The table merges its two queries on their labels: they must answer for the same open operations."""
+    age, since = [q for q in stack["dcp-otel-ranks.json"]["queries"] if q["panel"] == "Where each rank is now"]
+    rows = [sorted(json.dumps({k: v for k, v in r["metric"].items() if k != "__name__"}, sort_keys=True)
+                   for r in q["result"]) for q in (age, since)]  # fmt: skip
+    assert rows[0] == rows[1] and len(rows[0]) == WORLD, rows
+    for a, b in zip(sorted(age["result"], key=lambda r: r["metric"]["rank"]),
+                    sorted(since["result"], key=lambda r: r["metric"]["rank"]), strict=True):  # fmt: skip
+        # since (ms) + age (s) = the query's time
+        assert float(b["value"][1]) / 1000 + float(a["value"][1]) == pytest.approx(float(a["value"][0]), abs=1)
+
+
 def test_targets_come_from_the_files_dcp_otel_writes_and_leave_with_the_job(stack: dict[str, Any]) -> None:
     assert len(stack["targets_live"]) == WORLD + 1  # 3 ranks and the agent
     assert sum(name.startswith("agent-") for name in stack["targets_live"]) == 1

@@ -106,6 +106,36 @@ def test_endpoints_that_do_not_answer_are_named_and_nothing_open_is_said(tmp_pat
     assert f"unreachable: {dead} (" in screen
 
 
+def test_the_command_asks_only_the_chosen_runs_endpoints_and_prints_json_for_scripts(tmp_path: Path) -> None:
+    endpoints = [dcp_otel.start_metrics_server(0, "127.0.0.1", registry=CollectorRegistry(), file_sd_dir=tmp_path,
+                                               run_id=run) for run in ("run-a", "run-b", "run-b")]  # fmt: skip
+    try:
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+        done = subprocess.run([sys.executable, "-m", "dcp_otel", "status", "--targets", str(tmp_path), "--run", "run-b"],
+                              capture_output=True, text=True, timeout=60, cwd=REPO, env=env)  # fmt: skip
+        assert (done.returncode, done.stdout) == (0, "no checkpoint in progress (2 of 2 endpoints answered)\n"), done.stderr
+        done = subprocess.run([sys.executable, "-m", "dcp_otel", "status", "--targets", str(tmp_path), "--json"],
+                              capture_output=True, text=True, timeout=60, cwd=REPO, env=env)  # fmt: skip
+        assert done.returncode == 0 and json.loads(done.stdout)["asked"] == 3 and json.loads(done.stdout)["ranks"] == []
+    finally:
+        for endpoint in endpoints:
+            assert endpoint is not None
+            endpoint.close()
+
+
+def test_as_json_the_stuck_rank_comes_first_with_its_report() -> None:
+    from dcp_otel.cli.status import as_json
+
+    stuck = position(5, "write_data", 400)
+    report = {"operation": "save", "step": "write_data", "rank": "5", "reported_at": NOW - 5, "stack": "File y"}
+    found = as_json(Snapshot(positions=[position(0, semconv.STEP_NONE, 390), stuck],
+                             reports={(stuck.instance, "5"): [report]}, asked=2), NOW)  # fmt: skip
+    first, second = found["ranks"]
+    assert (first["rank"], first["stalled"], first["waiting"], first["stall_report"]) == ("5", True, False, report)
+    assert (second["rank"], second["waiting"], second["stall_report"]) == ("0", True, None)
+    assert first["seconds_without_progress"] == 400 and found["unreachable"] == []
+
+
 def test_the_command_says_what_to_fix_and_exits_2(tmp_path: Path) -> None:
     def status(*args: str) -> subprocess.CompletedProcess[str]:
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}

@@ -14,6 +14,7 @@ Usage::
     dcp-otel status                                   # the endpoints in $DCP_OTEL_FILE_SD_DIR
     dcp-otel status --targets /shared/prometheus/targets --run rdzv-42
     dcp-otel status --prometheus http://prometheus:9090 --run rdzv-42
+    dcp-otel status --json | jq '.ranks[] | select(.stalled and (.waiting | not))'   # the stuck ranks, for scripts
 
 Exit status: 0 when no open operation is past its stall threshold, 1 when one
 is, 2 when there is nothing to ask (no folder, no Prometheus, no endpoints).
@@ -263,6 +264,20 @@ def _latest_report(snapshot: Snapshot, p: Position) -> dict[str, Any] | None:
     return max(reports, key=lambda r: float(r.get("reported_at") or 0), default=None)
 
 
+def as_json(snapshot: Snapshot, now: float) -> dict[str, Any]:
+    """What :func:`render` prints, for scripts: every open operation of every rank (stuck ones first, with their
+    newest stall report), and the endpoints that did not answer."""
+    ranks = []
+    for p in sorted(snapshot.positions, key=lambda p: (p.job, p.run, p.operation, _order(p, now))):
+        report = _latest_report(snapshot, p)
+        ranks.append({"job": p.job, "run": p.run, "operation": p.operation, "rank": p.rank, "host": p.host,
+                      "instance": p.instance, "step": p.step, "waiting": p.step in semconv.WAITING_STEPS,
+                      "since": p.since, "seconds_without_progress": round(p.age_s(now), 3),
+                      "threshold_seconds": p.threshold_s, "stalled": p.stalled(now), "stall_report": report})  # fmt: skip
+    return {"time": now, "asked": snapshot.asked, "ranks": ranks,
+            "unreachable": [{"instance": i, "error": why} for i, why in snapshot.unreachable]}  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", type=Path, default=None,
                         help=f"the folder of the ranks' discovery files (default ${semconv.ENV_FILE_SD_DIR})")
@@ -271,6 +286,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", help="only this job")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each endpoint (default 5)")
     parser.add_argument("--rows", type=int, default=ROWS, help=f"ranks shown per operation (default {ROWS})")
+    parser.add_argument("--json", action="store_true", help="print every rank's position as JSON, for scripts")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -299,5 +315,5 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"no rank endpoint announced in {folder}" + (" for that run or job" if args.run or args.job else ""))
         snapshot = from_endpoints(targets, args.timeout)
     now = time.time()
-    print(render(snapshot, now, args.rows), end="")
+    print(json.dumps(as_json(snapshot, now), indent=1) if args.json else render(snapshot, now, args.rows), end="\n" if args.json else "")
     return 1 if any(p.stalled(now) for p in snapshot.positions) else 0
