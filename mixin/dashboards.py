@@ -58,7 +58,8 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAG = "dcp-otel"
 RATE = "$__rate_interval"
 RANGE = "$__range"
-#: Every series of a panel says its run in its legend (a Prometheus may hold many side by side).
+#: Every series of a panel says its run in its legend (a Prometheus may hold many side by side), last: what tells
+#: the series of one run apart comes first.
 RUN_LEGEND = "{{" + sc.LABEL_RUN_ID + "}}"
 
 Panel = Any  # an SDK panel builder
@@ -342,61 +343,61 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
             "Per run and operation, the slowest selected rank's last successful operation, held until the next one: "
             "every checkpoint is a step, however far apart they are (hourly checkpoints too), and exact (no histogram "
             "buckets). Is checkpointing getting slower?",
-            _query(f"max by ({RUN}, operation) ({sc.METRIC_LAST_DURATION}{s(success)})", R + " {{operation}}"), w=24))
+            _query(f"max by ({RUN}, operation) ({sc.METRIC_LAST_DURATION}{s(success)})", "{{operation}} (" + R + ")"), w=24))
         .with_panel(_timeseries(
             "Operations by status", "ops",
             "Checkpoint operations finished per second on the selected ranks, by run, operation and status.",
             _query(f"sum by ({RUN}, operation, status) (rate({OPERATIONS_TOTAL}{s()}[{RATE}]))",
-                   R + " {{operation}} {{status}}")))
+                   "{{operation}} {{status}} (" + R + ")")))
         .with_panel(_timeseries(
             "Operation duration", "s",
             "p50 and p95 from the histogram (interpolated within its buckets); max: the slowest rank's mean. Empty "
             "between checkpoints further apart than the rate window: see \"Duration of each checkpoint\". Exemplars "
             "link to traces.",
-            _query(quantile("0.5", op_dur, "operation"), "p50 " + R + " {{operation}}", exemplar=True),
-            _query(quantile("0.95", op_dur, "operation"), "p95 " + R + " {{operation}}", exemplar=True),
+            _query(quantile("0.5", op_dur, "operation"), "p50 {{operation}} (" + R + ")", exemplar=True),
+            _query(quantile("0.95", op_dur, "operation"), "p95 {{operation}} (" + R + ")", exemplar=True),
             _query(f"max by ({RUN}, operation) (rate({op_dur}_sum{s()}[{RATE}]) / rate({op_dur}_count{s()}[{RATE}]) > 0)",
-                   "max " + R + " {{operation}}")))
+                   "max {{operation}} (" + R + ")")))
         .with_panel(_timeseries(
             "Step duration p95", "s", "p95 of each step of each operation (write_data, read_data, planning...).",
-            _query(quantile("0.95", step_dur, "operation, step"), R + " {{operation}} {{step}}", exemplar=True), w=8))
+            _query(quantile("0.95", step_dur, "operation, step"), "{{operation}} {{step}} (" + R + ")", exemplar=True), w=8))
         .with_panel(_timeseries(
             "Step duration p50", "s", "p50 of each step of each operation.",
-            _query(quantile("0.5", step_dur, "operation, step"), R + " {{operation}} {{step}}", exemplar=True), w=8))
+            _query(quantile("0.5", step_dur, "operation, step"), "{{operation}} {{step}} (" + R + ")", exemplar=True), w=8))
         .with_panel(_timeseries(
             "Step duration max", "s", "Each step's slowest rank (its mean per call): the Ranks dashboard says which.",
             _query(f"max by ({RUN}, operation, step) (rate({step_dur}_sum{s()}[{RATE}]) / "
-                   f"rate({step_dur}_count{s()}[{RATE}]) > 0)", R + " {{operation}} {{step}}"), w=8))
+                   f"rate({step_dur}_count{s()}[{RATE}]) > 0)", "{{operation}} {{step}} (" + R + ")"), w=8))
         .with_row(Row("Bytes"))
         .with_panel(_timeseries(
             "Bytes per second", "Bps", "Checkpoint bytes written and read per second, all selected ranks of each run.",
-            _query(f"sum by ({RUN}) (rate({WRITTEN_TOTAL}{s()}[{RATE}]))", R + " written"),
-            _query(f"sum by ({RUN}) (rate({READ_TOTAL}{s()}[{RATE}]))", R + " read")))
+            _query(f"sum by ({RUN}) (rate({WRITTEN_TOTAL}{s()}[{RATE}]))", "written (" + R + ")"),
+            _query(f"sum by ({RUN}) (rate({READ_TOTAL}{s()}[{RATE}]))", "read (" + R + ")")))
         .with_panel(_timeseries(
             "Storage throughput while writing / reading", "Bps",
             "Bytes per second of time spent in write_data / read_data: what the storage delivers.",
             _query(f"sum by ({RUN}) (rate({WRITTEN_TOTAL}{s()}[{RATE}])) / "
-                   f"(sum by ({RUN}) (rate({step_dur}_sum{s(write)}[{RATE}])) > 0)", R + " write"),
+                   f"(sum by ({RUN}) (rate({step_dur}_sum{s(write)}[{RATE}])) > 0)", "write (" + R + ")"),
             _query(f"sum by ({RUN}) (rate({READ_TOTAL}{s()}[{RATE}])) / "
-                   f"(sum by ({RUN}) (rate({step_dur}_sum{s(read)}[{RATE}])) > 0)", R + " read")))
+                   f"(sum by ({RUN}) (rate({step_dur}_sum{s(read)}[{RATE}])) > 0)", "read (" + R + ")")))
         .with_row(Row("Async saves"))
         .with_panel(_timeseries(
             "Async save phases p95", "s", "Staging (blocks training) and upload (until durable).",
-            _query(quantile("0.95", sc.METRIC_ASYNC_PHASE_DURATION, "phase"), R + " {{phase}}", exemplar=True)))
+            _query(quantile("0.95", sc.METRIC_ASYNC_PHASE_DURATION, "phase"), "{{phase}} (" + R + ")", exemplar=True)))
         .with_panel(_timeseries(
             "Bytes staged per second", "Bps",
             "What async saves copied out of the state dict (the copy that blocks training), by the device it came from.",
-            _query(f"sum by ({RUN}, device) (rate({sc.METRIC_STAGED_BYTES}_total{s()}[{RATE}]))", R + " {{device}}")))
+            _query(f"sum by ({RUN}, device) (rate({sc.METRIC_STAGED_BYTES}_total{s()}[{RATE}]))", "{{device}} (" + R + ")")))
         .with_panel(_timeseries(
             "Async saves in flight", "short",
             f"Per rank, the {cfg.per_rank_limit} ranks with the most in flight in each run; one that stays up means "
             "an upload that does not finish.",
             _query(f"topk by ({RUN}) ({cfg.per_rank_limit}, sum by ({RUN}, rank) ({sc.METRIC_ASYNC_IN_FLIGHT}{s()}))",
-                   R + " rank {{rank}}")))
+                   "rank {{rank}} (" + R + ")")))
         .with_panel(_timeseries(
             "Age of the last successful checkpoint", "s",
             "Per run and operation: how much progress a crash would lose.",
-            _query(f"time() - max by ({RUN}, operation) ({sc.METRIC_LAST_SUCCESS}{s()})", R + " {{operation}}")))
+            _query(f"time() - max by ({RUN}, operation) ({sc.METRIC_LAST_SUCCESS}{s()})", "{{operation}} (" + R + ")")))
         .with_row(Row("dcp-otel itself"))
         .with_panel(_stat(
             "Telemetry problems", "short",
@@ -404,7 +405,7 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
             "(span_queue_full: the span exporter is slow, down or hung). Checkpoints are unaffected; orange from one: "
             "traces or metrics may be incomplete.",
             _query(f"sum by ({RUN}, reason) (max_over_time({sc.METRIC_TELEMETRY_PROBLEMS}_total{s()}[{RANGE}]))",
-                   R + " {{reason}}", instant=True),
+                   "{{reason}} (" + R + ")", instant=True),
             thresholds("green", (1, "orange")), w=24, no_value="0"))
     )  # fmt: skip
     return _with_ids(d.build(), marks(cfg))
@@ -465,19 +466,19 @@ def ranks(cfg: MixinConfig) -> dict[str, Any]:
             "Stall reports", "short",
             f"DCP calls reported stalled (the watchdog counts each stall once), by rank and step; {k} per run at most.",
             _query(f"topk by ({RUN}) ({k}, sum by ({RUN}, rank, operation, step) "
-                   f"(increase({sc.METRIC_STALLS}_total{s()}[{RATE}])))", R + " rank {{rank}} {{operation}} {{step}}"),
+                   f"(increase({sc.METRIC_STALLS}_total{s()}[{RATE}])))", "rank {{rank}} {{operation}} {{step}} (" + R + ")"),
             w=8, h=4))
         .with_row(Row("Stragglers"))
         .with_panel(_bars(
             "Top 5 slowest ranks in write_data / read_data", "s",
             "Per run, mean time per call in the steps that move the bytes, over the time range.",
-            _query(f"topk by ({RUN}) (5, {io_mean})", R + " rank {{rank}}", instant=True)))
+            _query(f"topk by ({RUN}) (5, {io_mean})", "rank {{rank}} (" + R + ")", instant=True)))
         .with_panel(_bars(
             "Skew: slowest rank / median rank", "none",
             "Per step, over the time range: 1 is perfectly even; the straggler alert fires above its factor.",
             _query(f"max by ({RUN}, operation, step) ({mean(step_dur, 'operation, step, rank', RANGE, steps)}) / "
                    f"quantile by ({RUN}, operation, step) (0.5, {mean(step_dur, 'operation, step, rank', RANGE, steps)})",
-                   R + " {{operation}} {{step}}", instant=True)))
+                   "{{operation}} {{step}} (" + R + ")", instant=True)))
         .with_panel(_table(
             "Mean step duration per rank", "s",
             f"Over the time range, the {rows} slowest rank and step pairs of each run; sort by Value.",
@@ -486,12 +487,12 @@ def ranks(cfg: MixinConfig) -> dict[str, Any]:
         .with_row(Row("Over time"))
         .with_panel(_timeseries(
             "Step duration per rank", "s", f"Mean per call of the selected steps: the {k} slowest ranks of each run.",
-            _query(f"topk by ({RUN}) ({k}, {mean(step_dur, 'rank, step', RATE, steps)})", R + " rank {{rank}} {{step}}")))
+            _query(f"topk by ({RUN}) ({k}, {mean(step_dur, 'rank, step', RATE, steps)})", "rank {{rank}} {{step}} (" + R + ")")))
         .with_panel(_timeseries(
             "Collective wait per rank", "s",
             "Operation time not covered by the rank's own steps: waiting for the others. "
             f"The straggler is the rank that waits least: the {k} that wait least in each run.",
-            _query(f"bottomk by ({RUN}) ({k}, {mean(wait, 'rank', RATE)})", R + " rank {{rank}}")))
+            _query(f"bottomk by ({RUN}) ({k}, {mean(wait, 'rank', RATE)})", "rank {{rank}} (" + R + ")")))
         .with_panel(heatmap.Panel()
             .title("Step duration distribution").unit("s").datasource(DATASOURCE).span(24).height(8)
             .description("How often the selected steps took how long, all selected ranks (histogram buckets), per run. "
@@ -527,7 +528,7 @@ def torchelastic(cfg: MixinConfig) -> dict[str, Any]:
         .with_panel(_bars(
             "Rendezvous duration", "s", "Mean duration of the agent's rendezvous (at start and at every restart).",
             _query(f"sum by ({RUN}, name) ({dur}_sum{s(rendezvous)}) / sum by ({RUN}, name) ({dur}_count{s(rendezvous)})",
-                   R + " {{name}}", instant=True)))
+                   "{{name}} (" + R + ")", instant=True)))
         .with_panel(_stat(
             "Worker restarts left", "short",
             "Per run, remaining_restarts of the worker group: red at 0 (the next failure ends the job), orange at 1.",
@@ -548,15 +549,15 @@ def torchelastic(cfg: MixinConfig) -> dict[str, Any]:
                    "{{name}}", instant=True, fmt="table")))
         .with_panel(_timeseries(
             "Worker group states", "short", "How often the agent's monitor saw each state (healthy, failed, ...).",
-            _query(f"sum by ({RUN}, name) (increase({events}{s(states)}[{RATE}]))", R + " {{name}}")))
+            _query(f"sum by ({RUN}, name) (increase({events}{s(states)}[{RATE}]))", "{{name}} (" + R + ")")))
         .with_panel(_timeseries(
             "Calls by status", "ops", "Profiled agent and trainer calls per second, by result.",
-            _query(f"sum by ({RUN}, name, status) (rate({calls}{s()}[{RATE}]))", R + " {{name}} {{status}}")))
+            _query(f"sum by ({RUN}, name, status) (rate({calls}{s()}[{RATE}]))", "{{name}} {{status}} (" + R + ")")))
         .with_panel(_stat(
             "Dropped metrics", "short",
             "Metrics OTelMetricHandler refused (bad values, too many names), by run and reason. Orange from one: "
             "some agent metrics are missing.",
-            _query(f"sum by ({RUN}, reason) (max_over_time({dropped}{s()}[{RANGE}]))", R + " {{reason}}", instant=True),
+            _query(f"sum by ({RUN}, reason) (max_over_time({dropped}{s()}[{RANGE}]))", "{{reason}} (" + R + ")", instant=True),
             thresholds("green", (1, "orange")), w=12, no_value="0"))
     )  # fmt: skip
     return _with_ids(d.build(), marks(cfg))

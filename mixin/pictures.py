@@ -50,7 +50,9 @@ def _legend(template: str, labels: dict[str, str]) -> str:
     text = template or ", ".join(f"{k}={v}" for k, v in sorted(labels.items()) if k != "__name__")
     for key, value in labels.items():
         text = text.replace("{{" + key + "}}", value)
-    return text if len(text) <= _MAX_LABEL else "..." + text[-_MAX_LABEL + 3 :]
+    # Long: the start (what tells the series of a run apart) and the end (the run, last), the middle cut.
+    half = (_MAX_LABEL - 3) // 2
+    return text if len(text) <= _MAX_LABEL else text[:half] + "..." + text[-half:]
 
 
 def _finite(pairs: list[list[Any]]) -> tuple[list[dt.datetime], list[float]]:

@@ -193,6 +193,13 @@ def test_the_failed_save_the_dropped_metric_and_the_hung_save_fire_their_alerts_
     assert problems["labels"]["job"] == RANK_JOB and float(problems["value"]) == WORLD
 
 
+def test_the_agent_and_the_ranks_are_labelled_with_the_same_run(stack: dict[str, Any]) -> None:
+    """torchrun --standalone draws the rendezvous id after dcp-otel-run started serving: the agent's discovery
+    file is relabelled with the run id its workers resolve, so the torchelastic dashboard's Run is the ranks'."""
+    runs = stack["dcp-otel-checkpoints.json"]["variables"]["run"]
+    assert len(runs) == 1 and stack["dcp-otel-torchelastic.json"]["variables"]["run"] == runs
+
+
 def test_where_each_rank_is_now_gives_each_row_its_age_and_its_start_for_the_trace_link(stack: dict[str, Any]) -> None:
     """The table merges its two queries on their labels: they must answer for the same open operations."""
     age, since = [q for q in stack["dcp-otel-ranks.json"]["queries"] if q["panel"] == "Where each rank is now"]
