@@ -140,9 +140,9 @@ def from_endpoints(targets: Iterable[tuple[str, dict[str, str]]], timeout_s: flo
         instance, labels = target
         try:
             text = _get(f"http://{instance}/metrics", timeout_s).decode("utf-8", "replace")
-        except (OSError, ValueError) as exc:
+            positions = parse_metrics(text, labels, instance)
+        except (OSError, ValueError) as exc:  # not there, or not Prometheus's text (another service on that port)
             return instance, _why(exc), []
-        positions = parse_metrics(text, labels, instance)
         return instance, positions, _stall_reports(instance, timeout_s) if positions else []
 
     with ThreadPoolExecutor(max_workers=max(1, min(_PARALLEL, len(targets)))) as pool:

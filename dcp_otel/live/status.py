@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
+from dcp_otel import _forksafe
+
 #: The path ``dcp-otel status`` asks each endpoint for.
 STALLS_PATH: Final = "/dcp-otel/stalls"
 #: Reports kept (one per operation and step; bounded by DCP's step names, and this in any case).
@@ -37,6 +39,12 @@ class StallBoard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reports: dict[tuple[str, str, str], dict[str, Any]] = {}
+        _forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child: its own board (the parent's lock may have been held; its reports are the parent's)."""
+        self._lock = threading.Lock()
+        self._reports = {}
 
     def record(self, *, operation: str, step: str, rank: str, seconds: float, threshold_s: float,
                stack: str | None, collective: str | None, where: str | None = None) -> None:  # fmt: skip
