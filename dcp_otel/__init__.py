@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from dcp_otel.elastic.handler import OTelMetricHandler
     from dcp_otel.instrumentor import DCPInstrumentor
     from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
+    from dcp_otel.tracing.training_step import set_training_step, training_step
 
 #: Imported when first used: what needs torch (the instrumentor, the elastic handler) is not loaded by
 #: ``import dcp_otel`` itself, so the command line (``dcp-otel report``, ``check``, ``--version``) and the
@@ -40,6 +41,8 @@ _LAZY = {
     "OTelMetricHandler": "dcp_otel.elastic.handler",
     "MetricsEndpoint": "dcp_otel.metrics.exposition",
     "start_metrics_server": "dcp_otel.metrics.exposition",
+    "set_training_step": "dcp_otel.tracing.training_step",
+    "training_step": "dcp_otel.tracing.training_step",
 }
 
 
@@ -59,7 +62,9 @@ __all__ = [
     "diagnostics",
     "flush",
     "instrument",
+    "set_training_step",
     "start_metrics_server",
+    "training_step",
     "uninstrument",
 ]
 
@@ -72,7 +77,7 @@ def instrument(tracer_provider: TracerProvider | None = None, **options: Any) ->
         **options: see :class:`dcp_otel.config.InstrumentOptions` (``registry``,
             ``metrics_port``, ``run_id``, ``slowest_keys``, ``max_open_spans``,
             ``process_setup``, ``flush_timeout_s``, ``detail``, ``span_budget``,
-            ``max_queued_operations``, ``meter_provider``, ``metrics``).
+            ``max_queued_operations``, ``meter_provider``, ``metrics``, ``step_pattern``).
 
     Raises:
         ValueError: an unknown option or a bad value.

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from dcp_otel import semconv
 from dcp_otel.tracing.detail import DETAIL_MODES, DetailMode
+from dcp_otel.tracing.training_step import DEFAULT_STEP_PATTERN, compiled
 
 logger = logging.getLogger("dcp_otel")
 
@@ -98,6 +99,12 @@ class InstrumentOptions:
             successful runs in this process, at least 60 s; 300 s before it has
             any. ``0`` (``off``): no stall reports (the live progress gauge
             stays). See :mod:`dcp_otel.live.watchdog`.
+        step_pattern: how the training step (``dcp.training.step``) is read from a checkpoint id's last path
+            component when the training loop did not say it (:func:`dcp_otel.set_training_step`): a regular
+            expression whose group ``step`` (or first group) is the number, or ``"off"``. Default
+            (``$DCP_OTEL_STEP_PATTERN``, else): ``step-1000``, ``step_1000``, ``iter_0001000``,
+            ``global_step1000``, ``checkpoint-500``, ``epoch=0-step=100.ckpt``, ``1000``. See
+            :mod:`dcp_otel.tracing.training_step`.
         signals: on SIGTERM (where the disposition is still the default: a
             handler the application installs, before or after, stays in charge),
             end every open DCP call as failed, build and flush its spans within
@@ -122,6 +129,7 @@ class InstrumentOptions:
     metrics: tuple[str, ...] = (semconv.SINK_PROMETHEUS,)
     stall_after_s: float | None = None
     signals: bool = True
+    step_pattern: str = DEFAULT_STEP_PATTERN
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", metric_sinks(self.metrics))
@@ -154,6 +162,9 @@ class InstrumentOptions:
                              f"got {self.stall_after_s!r}")  # fmt: skip
         if not isinstance(self.signals, bool):
             raise ValueError(f"signals must be True or False, got {self.signals!r}")
+        if not isinstance(self.step_pattern, str):
+            raise ValueError(f"step_pattern must be a regular expression or 'off', got {self.step_pattern!r}")
+        compiled(self.step_pattern)  # a bad pattern fails here, not at the first checkpoint
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> InstrumentOptions:
@@ -180,6 +191,14 @@ class InstrumentOptions:
                 values["detail"] = env.lower()
             else:
                 logger.warning("ignoring %s=%r: expected one of %s", semconv.ENV_DETAIL, env, list(DETAIL_MODES))
+        if values.get("step_pattern") is None and (env := os.environ.get(semconv.ENV_STEP_PATTERN, "").strip()):
+            try:
+                compiled(env)
+                values["step_pattern"] = env
+            except ValueError as exc:
+                logger.warning("ignoring %s: %s", semconv.ENV_STEP_PATTERN, exc)
+        if values.get("step_pattern") is None:  # None: the default
+            values.pop("step_pattern", None)
         values["metrics"] = metric_sinks_from_env(values.get("metrics"), values.get("meter_provider"))
         if "stall_after_s" not in values:
             values["stall_after_s"] = stall_after_from_env()

@@ -48,6 +48,8 @@ ATTR_CHECKPOINT_ID: Final = "dcp.checkpoint_id"  # str, credentials redacted
 ATTR_OPERATION: Final = "dcp.operation"  # str: save, async_save, load, ...
 ATTR_OPERATION_SEQ: Final = "dcp.operation.seq"  # int, per (operation, checkpoint id)
 ATTR_RUN_ID: Final = "dcp.run_id"  # str
+#: int: the training step the checkpoint is of: dcp_otel.set_training_step(), else read from the checkpoint id.
+ATTR_TRAINING_STEP: Final = "dcp.training.step"
 ATTR_GENERATION: Final = "dcp.generation"  # which round of workers (elastic restart, requeue) ran it
 ATTR_COORDINATOR: Final = "dcp.coordinator"  # bool
 ATTR_BACKEND: Final = "dcp.pg.backend"  # str, process-group backend (gloo, nccl, ...)
@@ -56,13 +58,11 @@ ATTR_STORAGE_READER: Final = "dcp.storage_reader"  # str, class name
 ATTR_PLANNER: Final = "dcp.planner"  # str, class name
 #: True on a span whose end time was inferred (torch did not log the step's exception; closed when the failure showed).
 ATTR_END_INFERRED: Final = "dcp.end_inferred"
-#: True on a span whose call returned after dcp-otel was uninstrumented: it ended by then, with no
-#: error dcp-otel saw, but torch's own record of its end no longer reached dcp-otel.
+#: True on a span whose call returned after uninstrument(): ended by then, with no error seen, its end unrecorded.
 ATTR_END_UNKNOWN: Final = "dcp.end_unknown"
 #: int[] on a span that failed with torch's ``CheckpointException``: the ranks whose step raised, as torch tells them.
 ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
-#: str on a span the process ended because it was terminating while the call was still open:
-#: ``SIGTERM``, or INTERRUPTED_AT_EXIT (a Ctrl-C ends a call by the KeyboardInterrupt that unwinds it).
+#: str on a span ended as its process terminated with it open: ``SIGTERM``, or INTERRUPTED_AT_EXIT (not Ctrl-C's).
 ATTR_INTERRUPTED: Final = "dcp.interrupted"
 INTERRUPTED_AT_EXIT: Final = "exit"
 
@@ -77,8 +77,7 @@ ATTR_COLLECTIVE_PATTERN: Final = "dcp.collective.pattern"
 #: the write results, the metadata). Absent when nothing was pickled (a barrier).
 ATTR_COLLECTIVE_SENT_BYTES: Final = "dcp.collective.sent_bytes"
 ATTR_COLLECTIVE_RECEIVED_BYTES: Final = "dcp.collective.received_bytes"
-#: True on an operation or step span whose exception was raised by one of DCP's collectives (a peer that
-#: went away, a timeout): the failure did not start on this rank.
+#: True on a span whose exception one of DCP's collectives raised (a peer gone, a timeout): not this rank's own.
 ATTR_FAILED_IN_COLLECTIVE: Final = "dcp.failed_in_collective"
 
 # On a dcp.stall span (it also carries the operation's rank, checkpoint id and classes):
@@ -173,6 +172,7 @@ STATEFUL_KEY_PREFIX: Final = "_stateful_to_state_dict."
 
 # --- environment variables (documented in docs/configuration.md) ------
 ENV_RUN_ID: Final = "DCP_OTEL_RUN_ID"
+ENV_STEP_PATTERN: Final = "DCP_OTEL_STEP_PATTERN"  # regex: the training step in a checkpoint id ("off": none)
 ENV_SLOWEST_KEYS: Final = "DCP_OTEL_SLOWEST_KEYS"
 ENV_MAX_OPEN_SPANS: Final = "DCP_OTEL_MAX_OPEN_SPANS"
 ENV_PROCESS_SETUP: Final = "DCP_OTEL_PROCESS_SETUP"  # module:function configuring the async save daemon

@@ -102,7 +102,7 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
                         "expanded by a click; or search for one).")  # fmt: skip
     return (
         f'<section class="checkpoint" id="checkpoint-{index}"><details class="ckpt"{" open" if open_ else ""}>'
-        f"<summary>{e(ckpt.operation)} {e(ckpt.checkpoint_id)} &mdash; {ckpt.duration_s:.3f} s, {status}</summary>"
+        f"<summary>{e(ckpt.title)} &mdash; {ckpt.duration_s:.3f} s, {status}</summary>"
         f'<div class="meta">trace {e(ckpt.trace_id)}</div>'
         "<table><tr>" + "".join(f'<th title="{e(why)}">{e(name)}</th>' for name, why in headers) + "</tr>"
         + "".join(rows) + "</table>"

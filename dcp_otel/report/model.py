@@ -154,6 +154,14 @@ class Checkpoint:
     #: Ranks of the job that sent no operation span for it (a killed process exports nothing); known only
     #: for a checkpoint of the whole world, whose ranks are 0..world_size-1.
     silent_ranks: list[int] = field(default_factory=list)
+    #: The training step it is of (``dcp.training.step``), where its spans say one.
+    training_step: int | None = None
+
+    @property
+    def title(self) -> str:
+        """``save /ckpt/step-1000 (step 1000)``: how the report names it."""
+        step = f" (step {self.training_step})" if self.training_step is not None else ""
+        return f"{self.operation} {self.checkpoint_id or '(no id)'}{step}"
 
     def lost_peer(self) -> str | None:
         """Said when ranks failed in DCP's collectives and none in its own code: which peer they lost.
@@ -316,6 +324,8 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         # Summary-only operation spans (detail="auto") leave what every rank shares to the root.
         checkpoint_id=str(next((s.attributes[semconv.ATTR_CHECKPOINT_ID] for s in spans
                                 if semconv.ATTR_CHECKPOINT_ID in s.attributes), "")),  # fmt: skip
+        training_step=next((int(v) for s in spans if (v := as_number(s.attributes.get(semconv.ATTR_TRAINING_STEP)))
+                            is not None and v >= 0 and v == int(v)), None),  # fmt: skip
         start_ns=min(s.start_ns for s in spans),
         end_ns=max(s.end_ns for s in spans),
         ranks=ranks,

@@ -53,7 +53,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 def render_one(ckpt: Checkpoint) -> str:
     status = "UNFINISHED" if ckpt.is_unfinished else "FAILED" if ckpt.error else "ok"
-    lines = [f"{ckpt.operation} {ckpt.checkpoint_id or '(no id)'}  {ckpt.duration_s:.3f} s  {status}  "
+    lines = [f"{ckpt.title}  {ckpt.duration_s:.3f} s  {status}  "
              f"trace {ckpt.trace_id}"]  # fmt: skip
     is_async = ckpt.operation in semconv.ASYNC_OPERATIONS
     rows: list[tuple[str, ...]] = [_ASYNC_COLUMNS if is_async else _COLUMNS]

@@ -44,6 +44,7 @@ from dcp_otel.tracing.trace_ids import (
     static_sampling_flags,
     supports_chosen_ids,
 )
+from dcp_otel.tracing.training_step import current_step
 from dcp_otel.version import __version__
 
 #: Context key holding the :class:`Operation` a DCP call belongs to; it travels
@@ -179,6 +180,9 @@ class OperationStarter:
         }
         if generation:
             attributes[semconv.ATTR_GENERATION] = generation
+        training_step = current_step(checkpoint_id, self._options.step_pattern)
+        if training_step is not None:
+            attributes[semconv.ATTR_TRAINING_STEP] = training_step
         if fields.backend:
             attributes[semconv.ATTR_BACKEND] = fields.backend
         if has_class_fields(event.details):
