@@ -34,10 +34,9 @@ SPAN_ASYNC_STAGING: Final = "dcp.async_staging"
 #: A DCP call that has made no progress for longer than its stall threshold: a zero-length span under the open step
 #: (or the operation, between steps), emitted by the watchdog while the call is open, exported at once (live/).
 SPAN_STALL: Final = "dcp.stall"
-#: One of DCP's own object collectives (``_DistWrapper.gather_object``, ``scatter_object``,
-#: ``broadcast_object``, ``all_gather_object``, ``barrier``): ``dcp.collective.gather_object``, a child
-#: of the rank's operation span. Its time is waiting for the other ranks (and moving the objects), never
-#: the rank's own work; with ``detail="auto"`` it goes out with the step spans of the ranks that send them.
+#: One of DCP's own object collectives (``_DistWrapper.gather_object``, ``scatter_object``, ``broadcast_object``,
+#: ``all_gather_object``, ``barrier``): ``dcp.collective.gather_object``, a child of the rank's operation span. Its
+#: time is waiting for the others, never the rank's own work; with "auto" it goes with the ranks' step spans.
 SPAN_COLLECTIVE_PREFIX: Final = "dcp.collective."
 
 # --- attribute keys (on every DCP span unless noted) -----------------------
@@ -67,14 +66,12 @@ ATTR_INTERRUPTED: Final = "dcp.interrupted"
 INTERRUPTED_AT_EXIT: Final = "exit"
 
 # On a dcp.collective.* span:
-#: str: torch's name for the step the collective belongs to (``plan``, ``write``, ``read``; the ``step``
-#: argument of ``_DistWrapper.reduce_scatter``, ``all_reduce``, ``all_gather``, ``broadcast``), absent when
-#: DCP called it directly (the barrier of a save without collectives).
+#: str: torch's name for the step the collective belongs to (``plan``, ``write``, ``read``: the ``step`` argument of
+#: ``_DistWrapper``'s patterns), absent when DCP called it directly (the barrier of a save without collectives).
 ATTR_COLLECTIVE_STEP: Final = "dcp.collective.step"
 #: str: the ``_DistWrapper`` method it is part of: ``reduce_scatter``, ``all_reduce``, ``all_gather``, ``broadcast``.
 ATTR_COLLECTIVE_PATTERN: Final = "dcp.collective.pattern"
-#: int: bytes of pickled objects this rank sent, and received, in it (what torch pickled: the plans,
-#: the write results, the metadata). Absent when nothing was pickled (a barrier).
+#: int: bytes of pickled objects this rank sent, and received, in it (plans, write results, metadata; not a barrier).
 ATTR_COLLECTIVE_SENT_BYTES: Final = "dcp.collective.sent_bytes"
 ATTR_COLLECTIVE_RECEIVED_BYTES: Final = "dcp.collective.received_bytes"
 #: True on a span whose exception one of DCP's collectives raised (a peer gone, a timeout): not this rank's own.
@@ -85,8 +82,7 @@ ATTR_STEP: Final = "dcp.step"  # str: the innermost open step, or STEP_NONE betw
 ATTR_STALL_SECONDS: Final = "dcp.stall.seconds"  # float: since the call last made progress
 ATTR_STALL_THRESHOLD: Final = "dcp.stall.threshold_seconds"  # float: the threshold it passed
 ATTR_STALL_REPORT: Final = "dcp.stall.report"  # int: 1 for the first report of this stall, then 2, 3, ...
-#: str: the torch.distributed collective the stuck thread is blocked in (``gather_object``, ``barrier``...),
-#: when it is in one: it waits for other ranks; and the DCP method that called it (``_DistWrapper.all_reduce``).
+#: str: the torch.distributed collective the stuck thread is blocked in, waiting for other ranks, and its DCP caller.
 ATTR_STALL_COLLECTIVE: Final = "dcp.stall.collective"
 ATTR_STALL_COLLECTIVE_CALLER: Final = "dcp.stall.collective.caller"
 #: str: where the stuck work runs when it is not this process's own thread (``async save process``).
@@ -128,8 +124,7 @@ LINK_CALLER: Final = "caller"  # from a DCP span to the span active when DCP was
 LINK_CHECKPOINT: Final = "checkpoint"  # from the caller's span to the DCP span
 
 # --- DCP function names we treat specially ---------------------------------
-#: torch's ``_experimental`` checkpointer (``SyncCheckpointer``, ``AsyncCheckpointer``): its calls,
-#: which torch does not log, recorded by dcp-otel under these names (see dcp_otel.attach.checkpointer).
+#: torch's ``_experimental`` checkpointer's calls, which torch does not log, under these names (attach/checkpointer.py).
 CHECKPOINTER_SAVE: Final = "checkpointer_save"
 CHECKPOINTER_ASYNC_SAVE: Final = "checkpointer_async_save"
 CHECKPOINTER_LOAD: Final = "checkpointer_load"
@@ -185,8 +180,7 @@ ENV_MAX_QUEUED_OPERATIONS: Final = "DCP_OTEL_MAX_QUEUED_OPERATIONS"  # finished 
 ENV_STALL_AFTER_S: Final = "DCP_OTEL_STALL_AFTER_S"
 #: "off" leaves SIGTERM and the signal wakeup fd alone (default "on": spans survive termination).
 ENV_SIGNALS: Final = "DCP_OTEL_SIGNALS"
-#: A value every rank of one rendezvous round shares (set by dcp-otel-run for its workers).
-ENV_GENERATION: Final = "DCP_OTEL_GENERATION"
+ENV_GENERATION: Final = "DCP_OTEL_GENERATION"  # what every rank of a rendezvous round shares (from dcp-otel-run)
 #: Store key under which the ranks of a round (or dcp-otel-run's agents) agree on their generation.
 STORE_GENERATION_KEY: Final = "dcp_otel/generation"
 #: Run-id sources set by launchers, tried in this order after ENV_RUN_ID.
@@ -312,6 +306,11 @@ LAST_DURATION: Final = MetricSpec(
     "Duration of the last checkpoint operation on one rank, by status (held until the next one).",
     multiprocess_mode="max",
 )  # fmt: skip
+#: Seconds the calling thread (training) spent in DCP's calls: a save whole, an async save until it returned, a load.
+TRAINING_BLOCKED: Final = MetricSpec(
+    "dcp_training_blocked_seconds", "dcp.training.blocked", "s", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK),
+    "Seconds the calling (training) thread spent blocked in checkpoint calls (an async save until it returned).",
+)  # fmt: skip
 #: Counted once per failed operation, by the rank whose own exception it was (not by the peers that only
 #: re-raise torch's CheckpointException): where a failure started, and what it was.
 FAILURES: Final = MetricSpec(
@@ -343,7 +342,7 @@ STALLS: Final = MetricSpec(
 #: What finished operations record (the builder, from each operation's calls).
 CHECKPOINT_METRICS: Final = (
     OPERATION_DURATION, STEP_DURATION, OPERATION_COUNT, WRITTEN_BYTES, READ_BYTES, ASYNC_IN_FLIGHT, ASYNC_PHASE_DURATION,
-    STAGED_BYTES, COLLECTIVE_WAIT, LAST_SUCCESS, LAST_DURATION, TELEMETRY_PROBLEMS, FAILURES,
+    STAGED_BYTES, COLLECTIVE_WAIT, LAST_SUCCESS, LAST_DURATION, TELEMETRY_PROBLEMS, FAILURES, TRAINING_BLOCKED,
 )  # fmt: skip
 #: Read from the open calls when metrics are collected, not recorded: present only while a call is open.
 LIVE_METRICS: Final = (IN_PROGRESS, STALL_THRESHOLD)
@@ -384,6 +383,7 @@ METRIC_ASYNC_PHASE_DURATION: Final = ASYNC_PHASE_DURATION.prometheus
 METRIC_COLLECTIVE_WAIT: Final = COLLECTIVE_WAIT.prometheus
 METRIC_LAST_SUCCESS: Final = LAST_SUCCESS.prometheus
 METRIC_LAST_DURATION: Final = LAST_DURATION.prometheus
+METRIC_TRAINING_BLOCKED: Final = TRAINING_BLOCKED.prometheus  # dcp_training_blocked_seconds_total
 METRIC_TELEMETRY_PROBLEMS: Final = TELEMETRY_PROBLEMS.prometheus  # dcp_otel_telemetry_problems_total
 METRIC_IN_PROGRESS: Final = IN_PROGRESS.prometheus
 METRIC_STALL_THRESHOLD: Final = STALL_THRESHOLD.prometheus

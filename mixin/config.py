@@ -50,6 +50,10 @@ class MixinConfig:
     straggler_factor: float = 2.0
     #: ... and at least this many seconds.
     straggler_min_seconds: float = 10.0
+    #: Alert: no save succeeded for this many times the run's usual interval between saves (recovery point too old).
+    recovery_point_factor: float = 3.0
+    #: Dashboard: the window the share of training time blocked by checkpoint calls is averaged over.
+    blocked_window: str = "1h"
     #: Alert: async saves in flight with none finished for this long.
     stuck_async_window: str = "30m"
     #: Per-rank panels draw at most this many ranks per run (topk/bottomk): 1,024 ranks are 1,024 series.

@@ -345,6 +345,13 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
             "buckets). Is checkpointing getting slower?",
             _query(f"max by ({RUN}, operation) ({sc.METRIC_LAST_DURATION}{s(success)})", "{{operation}} (" + R + ")"), w=24))
         .with_panel(_timeseries(
+            "Training time blocked by checkpointing", "percentunit",
+            f"Per run, the share of wall time the most blocked rank's training thread spent inside checkpoint calls "
+            f"(a save whole, an async save until it returned, a load), over the last {cfg.blocked_window}: what "
+            "checkpointing costs training. It leaves out a copy to the host done in your own code before the call.",
+            _query(f"max by ({RUN}) (sum by ({RUN}, rank) "
+                   f"(rate({sc.METRIC_TRAINING_BLOCKED}_total{s()}[{cfg.blocked_window}])))", R), w=24))
+        .with_panel(_timeseries(
             "Operations by status", "ops",
             "Checkpoint operations finished per second on the selected ranks, by run, operation and status.",
             _query(f"sum by ({RUN}, operation, status) (rate({OPERATIONS_TOTAL}{s()}[{RATE}]))",

@@ -134,6 +134,8 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
     stuck_q = _template_query(f"(time() - ({sc.METRIC_IN_PROGRESS}{{{this},{in_step}}} > 0)) > ignoring (step) "
                               f"group_left {sc.METRIC_STALL_THRESHOLD}{cfg.sel()}")
     waiting_q = _template_query(f"count({sc.METRIC_IN_PROGRESS}{{{this},{between}}} > 0)")
+    saves = f"{sc.METRIC_LAST_SUCCESS}{cfg.sel(SAVES)}"
+    last_success = f"max_over_time({saves}[{cfg.baseline_window}])"
     alerts = [
         _alert(
             "DCPCheckpointOperationFailed",
@@ -163,6 +165,23 @@ def alerting_rules(cfg: MixinConfig) -> Rules:
             + cfg.no_save_window + ".",
             "The last save (or durable async save) of run " + run_of + " succeeded "
             "{{ $value | humanizeDuration }} ago. A crash now loses all progress since then.",
+        ),
+        _alert(
+            "DCPRecoveryPointTooOld",
+            # The run's usual interval between successful saves, from the last-success gauges over the baseline
+            # window: (newest - oldest) / changes, per operation and rank; the most frequent kind sets it. A run
+            # with fewer than two saves has no interval (DCPNoRecentSuccessfulSave still covers it).
+            f"time() - max by ({RUN}) ({last_success})\n"
+            f"> on ({RUN}) {cfg.recovery_point_factor:g} * min by ({RUN}) (\n"
+            f"  (max_over_time({saves}[{cfg.baseline_window}]) - min_over_time({saves}[{cfg.baseline_window}]))\n"
+            f"  / (changes({saves}[{cfg.baseline_window}]) > 0)\n)\n"
+            f"and on ({RUN})\n(max by ({RUN}) (up{cfg.sel()}) == 1)",
+            "5m",
+            "warning",
+            "The recovery point of run " + run_of + " (job {{ $labels.job }}) is too old.",
+            "The last successful save of run " + run_of + " was {{ $value | humanizeDuration }} ago, over "
+            f"{cfg.recovery_point_factor:g}x its usual interval between saves: a crash now loses that much training. "
+            "Are saves failing, hanging, or no longer called?",
         ),
         _alert(
             "DCPCheckpointSlow",

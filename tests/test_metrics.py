@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -118,6 +119,37 @@ def test_async_save_phases_and_in_flight_gauge(traced, tmp_path: Path) -> None:
     assert sample(r, "dcp_async_phase_duration_seconds_count", phase="upload", rank="0") == 1
     assert sample(r, "dcp_operations_total", operation="async_save", status="success", rank="0") == 1
     assert sample(r, "dcp_written_bytes_total", rank="0") == data_bytes(tmp_path / "c")
+
+
+def test_blocked_seconds_count_the_training_threads_own_calls_and_not_an_async_saves_upload(traced, tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    class SlowUpload(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            gate.wait(30)  # the upload waits until the training thread has gone on
+            return super().write_data(plan, planner)
+
+    start = time.perf_counter()
+    dcp.save(state(), checkpoint_id=str(tmp_path / "s"))
+    saved = time.perf_counter() - start
+    future = dcp.async_save(state(), storage_writer=SlowUpload(str(tmp_path / "a")))
+    returned = time.perf_counter()
+    dcp.save(state(), checkpoint_id=str(tmp_path / "meanwhile"))  # training goes on while the upload waits
+    between = time.perf_counter() - returned
+    gate.set()
+    future.result()
+    dcp.load(state(), checkpoint_id=str(tmp_path / "s"))
+    assert dcp_otel.flush(timeout_s=30)
+
+    r = traced.registry
+    blocked = {op: sample(r, "dcp_training_blocked_seconds_total", operation=op, rank="0")
+               for op in ("save", "async_save", "load")}  # fmt: skip
+    assert all(value is not None and value > 0 for value in blocked.values()), blocked
+    assert blocked["save"] <= saved + between  # the two saves' own calls, each measured inside it
+    # The async save's blocked time ended when it returned; its operation went on, until the upload, at least as
+    # long as the training thread worked after it returned.
+    duration = sample(r, "dcp_operation_duration_seconds_sum", operation="async_save", status="success", rank="0")
+    assert duration is not None and duration - blocked["async_save"] >= between
 
 
 def test_histogram_exemplars_carry_the_spans_trace_and_span_ids_in_openmetrics(traced, tmp_path: Path) -> None:

@@ -119,6 +119,7 @@ class OTelCheckpointMetrics:
         self.telemetry_problems = create_instrument(m, semconv.TELEMETRY_PROBLEMS)
         self.stalls = create_instrument(m, semconv.STALLS)
         self.failures = create_instrument(m, semconv.FAILURES)
+        self.training_blocked_seconds = create_instrument(m, semconv.TRAINING_BLOCKED)
         for spec in semconv.LIVE_METRICS:  # observed at each collection, through _ACTIVE (see below)
             create_instrument(m, spec)
         #: Set by the instrumentor: collections wait (bounded) for what it has queued.
@@ -220,6 +221,11 @@ class OTelCheckpointMetrics:
     def failure_started(self, operation: str, rank: str, error_type: str) -> None:
         self.failures.add(1, {semconv.LABEL_OPERATION: bounded_name(operation), semconv.LABEL_RANK: rank,
                               semconv.LABEL_ERROR_TYPE: ERROR_TYPES(error_type)})  # fmt: skip
+
+    def training_blocked(self, operation: str, rank: str, seconds: float) -> None:
+        if seconds > 0:
+            self.training_blocked_seconds.add(seconds, {semconv.LABEL_OPERATION: bounded_name(operation),
+                                                        semconv.LABEL_RANK: rank})  # fmt: skip
 
 
 #: The sinks of the instrumentations in force (one, unless several providers were used in turn).

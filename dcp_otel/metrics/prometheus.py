@@ -147,6 +147,8 @@ class MetricsSink(Protocol):
 
     def failure_started(self, operation: str, rank: str, error_type: str) -> None: ...
 
+    def training_blocked(self, operation: str, rank: str, seconds: float) -> None: ...
+
 
 def multiprocess_mode() -> bool:
     """Whether prometheus_client records into ``$PROMETHEUS_MULTIPROC_DIR``'s files (decided when it was imported)."""
@@ -182,6 +184,7 @@ class CheckpointMetrics:
             self.telemetry_problems: Counter = new(semconv.TELEMETRY_PROBLEMS)
             self.stalls: Counter = new(semconv.STALLS)
             self.failures: Counter = new(semconv.FAILURES)
+            self.training_blocked_seconds: Counter = new(semconv.TRAINING_BLOCKED)
             #: What is open now; set by the instrumentor (read at every collection).
             self.live: Callable[[], list[LiveEntry]] | None = None
             # In multiprocess mode only the files are served: the watchdog publishes into gauges
@@ -278,6 +281,10 @@ class CheckpointMetrics:
 
     def failure_started(self, operation: str, rank: str, error_type: str) -> None:
         self.failures.labels(bounded_name(operation), rank, ERROR_TYPES(error_type)).inc()
+
+    def training_blocked(self, operation: str, rank: str, seconds: float) -> None:
+        if seconds > 0:
+            self.training_blocked_seconds.labels(bounded_name(operation), rank).inc(seconds)
 
     def publish_progress(self, entries: list[LiveEntry]) -> None:
         """Multiprocess mode: set the in-progress gauges to ``entries``; those no longer open go to 0.
@@ -383,6 +390,9 @@ class ForwardingSink:
 
     def failure_started(self, operation: str, rank: str, error_type: str) -> None:
         self._forward("failure_started", operation, rank, error_type)
+
+    def training_blocked(self, operation: str, rank: str, seconds: float) -> None:
+        self._forward("training_blocked", operation, rank, seconds)
 
 
 class FanOut(ForwardingSink):

@@ -326,6 +326,12 @@ def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool =
     if not late and any(call.kind == KIND_OPERATION for call in calls):
         metrics.operation_done(op.name, rank, op.failed is None, (op.end_ns - op.start_ns) / 1e9, op.wait_s,
                                op.end_ns / 1e9, exemplar)  # fmt: skip
+    if not late:
+        # The training thread's own call (an async save's until it returned; not its background save, nor the
+        # async save process's, whose relayed counts the rank drops).
+        own = next((c for c in calls if c.kind == KIND_OPERATION and c.func_name == op.name and c.end_ns), None)
+        if own is not None:
+            metrics.training_blocked(op.name, rank, own.duration_s)
     if not late and op.failed is not None:
         origin = failure_origin(calls)
         if origin is not None:
