@@ -55,14 +55,15 @@ ATTR_BACKEND: Final = "dcp.pg.backend"  # str, process-group backend (gloo, nccl
 ATTR_STORAGE_WRITER: Final = "dcp.storage_writer"  # str, class name
 ATTR_STORAGE_READER: Final = "dcp.storage_reader"  # str, class name
 ATTR_PLANNER: Final = "dcp.planner"  # str, class name
-#: True on a span whose end time was inferred (torch did not log the step's exception; closed when the failure showed).
-ATTR_END_INFERRED: Final = "dcp.end_inferred"
+ATTR_END_INFERRED: Final = "dcp.end_inferred"  # True: its end was inferred (torch did not log the step's exception)
 #: True on a span whose call returned after uninstrument(): ended by then, with no error seen, its end unrecorded.
 ATTR_END_UNKNOWN: Final = "dcp.end_unknown"
 #: int[] on a span that failed with torch's ``CheckpointException``: the ranks whose step raised, as torch tells them.
 ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
 #: str on a span ended as its process terminated with it open: ``SIGTERM``, or INTERRUPTED_AT_EXIT (not Ctrl-C's).
 ATTR_INTERRUPTED: Final = "dcp.interrupted"
+#: float on a failed (or interrupted) operation span: seconds since this process's last durable save, the work at risk.
+ATTR_RECOVERY_POINT_AGE: Final = "dcp.recovery_point.age_seconds"
 INTERRUPTED_AT_EXIT: Final = "exit"
 
 # On a dcp.collective.* span:
@@ -411,8 +412,7 @@ STATUS_SUCCESS: Final = "success"
 STATUS_FAILURE: Final = "failure"
 PHASE_STAGING: Final = "staging"
 PHASE_UPLOAD: Final = "upload"
-#: Exemplar labels on every histogram observation made inside a traced operation.
-EXEMPLAR_TRACE_ID: Final = "trace_id"
+EXEMPLAR_TRACE_ID: Final = "trace_id"  # exemplar labels on every histogram observation inside a traced operation
 EXEMPLAR_RANK: Final = "rank"
 #: The operation span (OTel exemplars carry it; Prometheus exemplars too, so Grafana can open the span).
 EXEMPLAR_SPAN_ID: Final = "span_id"

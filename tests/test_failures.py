@@ -58,6 +58,20 @@ def test_a_step_torch_does_not_log_ends_with_error_and_its_real_exception(traced
     assert not named(spans, "dcp.finish_checkpoint")  # torch never ran it
 
 
+def test_a_failed_save_says_how_old_the_last_durable_save_is(traced, tmp_path: Path) -> None:
+    """The work at risk: a failure's operation span carries the age of this process's last successful save."""
+    save_full_disk(tmp_path / "before")  # nothing saved yet: no recovery point to say
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "ok"))
+    dcp.load({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "ok"))  # a load is no recovery point
+    save_full_disk(tmp_path / "after")
+    assert dcp_otel.flush(timeout_s=30)
+    spans = sorted(named(traced.spans(), "dcp.save"), key=lambda s: s.start_ns)
+    first, ok, failed = spans
+    assert semconv.ATTR_RECOVERY_POINT_AGE not in first.attributes and semconv.ATTR_RECOVERY_POINT_AGE not in ok.attributes
+    age = failed.attributes[semconv.ATTR_RECOVERY_POINT_AGE]
+    assert age == pytest.approx((failed.end_ns - ok.end_ns) / 1e9, abs=2e-3) and age > 0
+
+
 def test_the_caller_gets_the_same_exception_with_or_without_instrumentation(provider, tmp_path: Path) -> None:
     plain = save_full_disk(tmp_path / "plain")
     dcp_otel.instrument(tracer_provider=provider[0])

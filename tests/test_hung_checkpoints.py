@@ -293,6 +293,10 @@ def test_after_sigterm_every_ranks_file_holds_the_interrupted_save_and_the_block
         assert save.status_message.startswith("terminated by SIGTERM")
         # The first, finished save is there too: the batch processor's queue was flushed before the end.
         assert len([s for s in rank_spans if s.name == "dcp.save"]) == 2
+        # The work at risk when it was terminated: since that first save ended.
+        (first,) = [s for s in rank_spans if s.name == "dcp.save" and s.span_id != save.span_id]
+        assert save.attributes[semconv.ATTR_RECOVERY_POINT_AGE] == pytest.approx((save.end_ns - first.end_ns) / 1e9,
+                                                                                 abs=2e-3)  # fmt: skip
     write = interrupted(traced.spans, "dcp.write_data", HUNG)
     assert write.status_message == "terminated by SIGTERM during write_data"
     assert "NEVER.wait()" in (write.stacktrace or "")  # where its thread was

@@ -174,7 +174,9 @@ class SpanBuilder:
                 self._cond.notify_all()
             if calls is op.calls and op.failed is None and op.end_ns:
                 first = op.start_ns or min((c.start_ns for c in calls), default=op.end_ns)
-                self.history.add(op.name, (op.end_ns - first) / 1e9)
+                self.history.add(op.name, (op.end_ns - first) / 1e9, op.end_ns)
+            elif calls is op.calls and op.failed is not None:
+                at_risk(op, calls, self.history.last_success_ns(semconv.SAVE_OPERATIONS))
             try:
                 self._build(op, calls, late=calls is not op.calls)
             except Exception:  # noqa: BLE001
@@ -307,6 +309,14 @@ class _Emitter:
             span.add_event("exception", failure.event, timestamp=call.end_ns)
             span.set_status(Status(StatusCode.ERROR, failure.description[:MAX_STATUS_TEXT]))
         span.end(end_time=call.end_ns)
+
+
+def at_risk(op: Operation, calls: list[Call], last_save_ns: int | None) -> None:
+    """On a failed (or interrupted) operation's span: the age of this process's last durable save, the work a
+    restart from it would redo (none said before this process's first)."""
+    own = next((c for c in calls if c.kind == KIND_OPERATION and c.func_name == op.name), None)
+    if own is not None and last_save_ns and op.end_ns >= last_save_ns:
+        own.extra = {**(own.extra or {}), semconv.ATTR_RECOVERY_POINT_AGE: round((op.end_ns - last_save_ns) / 1e9, 3)}
 
 
 # --- metrics ----------------------------------------------------------------------

@@ -306,12 +306,19 @@ class DurationHistory:
     def __init__(self, size: int = 20) -> None:
         self._size = size
         self._by_operation: dict[str, deque[float]] = {}
+        self._last_end_ns: dict[str, int] = {}
 
-    def add(self, operation: str, duration_s: float) -> None:
+    def add(self, operation: str, duration_s: float, end_ns: int = 0) -> None:
         found = self._by_operation.get(operation)
         if found is None:
             found = self._by_operation[operation] = deque(maxlen=self._size)
         found.append(duration_s)
+        if end_ns > self._last_end_ns.get(operation, 0):
+            self._last_end_ns[operation] = end_ns
+
+    def last_success_ns(self, operations: frozenset[str]) -> int | None:
+        """When the last successful run of any of ``operations`` ended (an async save's: when it became durable)."""
+        return max((end for name, end in tuple(self._last_end_ns.items()) if name in operations), default=None)
 
     def longest(self, operation: str) -> float | None:
         """The longest of the remembered runs of ``operation`` (``None``: none yet)."""
