@@ -45,6 +45,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
+from dcp_otel.tracing.outcome import at_risk, failure_origin
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
     KIND_OPERATION,
@@ -311,14 +312,6 @@ class _Emitter:
         span.end(end_time=call.end_ns)
 
 
-def at_risk(op: Operation, calls: list[Call], last_save_ns: int | None) -> None:
-    """On a failed (or interrupted) operation's span: the age of this process's last durable save, the work a
-    restart from it would redo (none said before this process's first)."""
-    own = next((c for c in calls if c.kind == KIND_OPERATION and c.func_name == op.name), None)
-    if own is not None and last_save_ns and op.end_ns >= last_save_ns:
-        own.extra = {**(own.extra or {}), semconv.ATTR_RECOVERY_POINT_AGE: round((op.end_ns - last_save_ns) / 1e9, 3)}
-
-
 # --- metrics ----------------------------------------------------------------------
 def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool = False) -> None:
     """Record the metrics of a finished operation (the step and operation histograms, bytes)."""
@@ -346,18 +339,6 @@ def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool =
         origin = failure_origin(calls)
         if origin is not None:
             metrics.failure_started(op.name, rank, origin)
-
-
-def failure_origin(calls: list[Call]) -> str | None:
-    """The type of the first exception of this rank's own among ``calls``, if the failure started here.
-
-    An upload's failure is left out: it is what its work raised, which counts where that work ran (this
-    process's background save, or the async save process, which relays its own count).
-    """
-    own = [c for c in calls if c.failure is not None and c.failure.origin is not None and c.kind == KIND_STEP]
-    own += [c for c in calls if c.failure is not None and c.failure.origin is not None and c.kind == KIND_OPERATION]
-    first = min(own, key=lambda c: c.end_ns, default=None)
-    return first.failure.origin if first is not None and first.failure is not None else None
 
 
 def count_staging(op: Operation, metrics: MetricsSink | None) -> None:
