@@ -92,6 +92,9 @@ def test_the_daemon_save_and_its_steps_join_the_trace_of_the_async_save(mode: st
     written = sample(seen, "dcp_written_bytes_total", rank="0")
     assert written is not None and written > 0
     assert sample(seen, "dcp_async_saves_in_flight", rank="0") == 0
+    # Training was blocked by the async saves' calls on the rank, not by the daemon's saves.
+    assert (sample(seen, "dcp_training_blocked_seconds_total", operation="async_save", rank="0") or 0) > 0
+    assert sample(seen, "dcp_training_blocked_seconds_total", operation="save", rank="0") is None
 
     # Nothing left behind: no dcp-otel thread after uninstrument, no daemon after exit.
     assert not [t for t in seen["threads"] if t.startswith("dcp-otel")]

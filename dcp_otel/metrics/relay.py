@@ -65,6 +65,9 @@ class MetricsRelay(ForwardingSink):
                 report("relay_dropped", "dropped a checkpoint metric of the async save process: too many queued")
             self._queue.append([name, *args])
 
+    def training_blocked(self, operation: str, rank: str, seconds: float) -> None:
+        """Not relayed: a checkpoint process's own calls block no training (its rank counts its async save's)."""
+
     def progress(self, where: str, entries: list[LiveEntry]) -> None:
         """Queue where this process's open operations are now (``[]``: none); :meth:`send` ships it."""
         self._forward(PROGRESS, where, [list(entry) for entry in entries])
