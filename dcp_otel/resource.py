@@ -24,7 +24,7 @@ import socket
 from opentelemetry.sdk.resources import Resource, ResourceDetector
 
 from dcp_otel import semconv
-from dcp_otel.tracing.trace_ids import resolve_run_id
+from dcp_otel.tracing.trace_ids import environment_run_id
 
 
 class TorchDistributedResourceDetector(ResourceDetector):
@@ -43,7 +43,5 @@ class TorchDistributedResourceDetector(ResourceDetector):
             value = env.get(name, "").strip()
             if value.isdigit():
                 attributes[key] = int(value)
-        world = int(attributes.get(semconv.ATTR_WORLD_SIZE, 1))
-        explicit = env.get(semconv.ENV_RUN_ID, "").strip() or None
-        attributes[semconv.ATTR_RUN_ID] = resolve_run_id(explicit, world).run_id
+        attributes[semconv.ATTR_RUN_ID] = environment_run_id()
         return Resource(attributes)

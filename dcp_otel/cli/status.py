@@ -77,6 +77,11 @@ class Snapshot:
     unreachable: list[tuple[str, str]] = field(default_factory=list)  # (instance, why)
     asked: int = 0
 
+    def keep(self, instance: str, reports: list[dict[str, Any]]) -> None:
+        """The stall reports ``instance`` served, by the rank each is of."""
+        for report in reports:
+            self.reports.setdefault((instance, str(report.get("rank", ""))), []).append(report)
+
 
 def _get(url: str, timeout_s: float, accept: str = "text/plain") -> bytes:
     request = urllib.request.Request(url, headers={"Accept": accept})
@@ -151,8 +156,7 @@ def from_endpoints(targets: Iterable[tuple[str, dict[str, str]]], timeout_s: flo
                 snapshot.unreachable.append((instance, answer))
                 continue
             snapshot.positions.extend(answer)
-            for report in reports:
-                snapshot.reports.setdefault((instance, str(report.get("rank", ""))), []).append(report)
+            snapshot.keep(instance, reports)
     return snapshot
 
 
@@ -186,8 +190,7 @@ def from_prometheus(url: str, matchers: str, timeout_s: float) -> Snapshot:
     asked = sorted(instances)
     with ThreadPoolExecutor(max_workers=max(1, min(_PARALLEL, len(asked)))) as pool:
         for instance, reports in zip(asked, pool.map(lambda i: _stall_reports(i, timeout_s), asked), strict=True):
-            for report in reports:
-                snapshot.reports.setdefault((instance, str(report.get("rank", ""))), []).append(report)
+            snapshot.keep(instance, reports)
     return snapshot
 
 

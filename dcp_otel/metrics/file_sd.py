@@ -41,7 +41,7 @@ from typing import Literal
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.tracing.trace_ids import resolve_run_id
+from dcp_otel.tracing.trace_ids import environment_run_id
 
 Role = Literal["rank", "agent"]
 _WILDCARD = frozenset({"", "0.0.0.0", "::"})  # noqa: S104 - addresses meaning "every interface"
@@ -80,12 +80,7 @@ def target_labels(run_id: str | None = None) -> dict[str, str]:
 
     ``run_id`` is the ``run_id=`` option (``None``: as every rank resolves it, from the environment).
     """
-    world = os.environ.get("WORLD_SIZE", "").strip()
-    explicit = run_id or os.environ.get(semconv.ENV_RUN_ID, "").strip() or None
-    labels = {
-        semconv.LABEL_RUN_ID: resolve_run_id(explicit, int(world) if world.isdigit() else 1).run_id,
-        semconv.LABEL_HOST: socket.gethostname(),
-    }
+    labels = {semconv.LABEL_RUN_ID: environment_run_id(run_id), semconv.LABEL_HOST: socket.gethostname()}
     job = job_name()
     if job:
         labels[semconv.LABEL_JOB] = job

@@ -77,6 +77,14 @@ def resolve_run_id(explicit: str | None, world_size: int) -> RunIdentity:
 _PROCESS_NONCE = uuid.uuid4().hex
 
 
+def environment_run_id(explicit: str | None = None) -> str:
+    """The run id as every rank resolves it before ``torch.distributed`` is up: ``explicit``, else
+    ``$DCP_OTEL_RUN_ID``, then :func:`resolve_run_id`'s launcher variables, for ``$WORLD_SIZE`` ranks."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    explicit = explicit or os.environ.get(semconv.ENV_RUN_ID, "").strip() or None
+    return resolve_run_id(explicit, int(world) if world.isdigit() else 1).run_id
+
+
 class CheckpointKey(NamedTuple):
     """What every rank knows about one operation before it starts."""
 
