@@ -62,6 +62,9 @@ def main() -> None:
     dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
     result: dict[str, object] = {}
     state = {f"rank{rank}": torch.full((1024,), float(rank))}
+    # The ranks start the save together: how long a rank waits must be rank 2's plan, not a slower start-up of
+    # its own (the test worker's barrier; dcp_otel adds none).
+    dist.barrier()
     dcp.save(state, checkpoint_id=str(args.ckpt / "slow-plan"), planner=SlowPlanner())
     target = {f"rank{rank}": torch.zeros(1024)}
     dcp.load(target, checkpoint_id=str(args.ckpt / "slow-plan"))
