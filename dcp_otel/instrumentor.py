@@ -27,6 +27,7 @@ from dcp_otel.attach import releases
 from dcp_otel.attach.patches import Installed, install
 from dcp_otel.config import InstrumentOptions, differing_options
 from dcp_otel.live.ending import Ending
+from dcp_otel.live.life import ProcessLife
 from dcp_otel.live.progress import LiveState, StallPolicy
 from dcp_otel.live.signals import SignalGuard
 from dcp_otel.live.stalls import StallReporter
@@ -137,7 +138,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         ending = self._watch(options, sink, metrics, otel, relay, process_name)
         self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s, otel,
                                      end_open=lambda: ending.end_open_calls(semconv.INTERRUPTED_AT_EXIT),
-                                     clock=ending.clock)  # fmt: skip
+                                     clock=ending.clock,
+                                     end_life=lambda deadline: ending.end_life(semconv.INTERRUPTED_AT_EXIT, deadline))  # fmt: skip
         atexit.register(self._exit_flush)
 
     def _watch(self, options: InstrumentOptions, sink: MetricsSink | None, metrics: CheckpointMetrics | None,
@@ -151,7 +153,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             if side is not None:
                 side.live = live.entries
         timeout = float(options.flush_timeout_s)
-        ending = Ending(recorder, live, otel, timeout, relay.send if relay is not None else None)
+        ending = Ending(recorder, live, otel, timeout, relay.send if relay is not None else None,
+                        ProcessLife(recorder) if relay is None else None)  # fmt: skip
         if options.signals:
             self._signals = SignalGuard(
                 ending, lambda: timeout > 0 and flush_all(recorder, otel, timeout, wait_for_uploads=False))

@@ -64,6 +64,12 @@ ATTR_FAILED_RANKS: Final = "dcp.failed_ranks"
 ATTR_INTERRUPTED: Final = "dcp.interrupted"
 #: float on a failed (or interrupted) operation span: seconds since this process's last durable save, the work at risk.
 ATTR_RECOVERY_POINT_AGE: Final = "dcp.recovery_point.age_seconds"
+ATTR_RECOVERY_POINT_ID: Final = "dcp.recovery_point.checkpoint_id"  # str: that save's checkpoint id
+#: A rank process's life as dcp-otel saw it, from instrument() to its end, ended at exit or SIGTERM after its first
+#: operation: a generation's last sign of life, with its recovery point and the last training step said.
+SPAN_PROCESS: Final = "dcp.process"
+ATTR_ENDED_BY: Final = "dcp.process.ended_by"  # str: ENDED_BY_EXIT, ENDED_BY_EXCEPTION or a signal's name
+ENDED_BY_EXIT, ENDED_BY_EXCEPTION = "exit", "exception"
 INTERRUPTED_AT_EXIT: Final = "exit"
 
 # On a dcp.collective.* span:
@@ -158,11 +164,8 @@ CHECKPOINTER_STEPS: Final = frozenset({CHECKPOINTER_STAGE, CHECKPOINTER_HAND_OFF
                                        CHECKPOINTER_BARRIER, CHECKPOINTER_WAIT_PREVIOUS})  # fmt: skip
 #: Steps that are waiting, not the rank's own work: for the other ranks, or for the previous checkpoint.
 WAIT_STEPS: Final = frozenset({CHECKPOINTER_BARRIER, CHECKPOINTER_WAIT_PREVIOUS})
-#: Steps that run inside ``_DistWrapper`` collectives, whose exceptions torch
-#: catches (``_wrap_exception``) without logging them.
-COLLECTIVE_STEPS: Final = frozenset(
-    {"local_step", "global_step", "write_data", "read_data", "finish_checkpoint"}
-)
+#: Steps that run inside ``_DistWrapper`` collectives, whose exceptions torch catches (``_wrap_exception``) unlogged.
+COLLECTIVE_STEPS: Final = frozenset({"local_step", "global_step", "write_data", "read_data", "finish_checkpoint"})
 #: Prefix of the per-key calls that are summarized instead of traced.
 STATEFUL_KEY_PREFIX: Final = "_stateful_to_state_dict."
 
@@ -176,8 +179,7 @@ ENV_FLUSH_TIMEOUT_S: Final = "DCP_OTEL_FLUSH_TIMEOUT_S"  # seconds; bounds the f
 ENV_DETAIL: Final = "DCP_OTEL_DETAIL"  # full or auto
 ENV_SPAN_BUDGET: Final = "DCP_OTEL_SPAN_BUDGET"  # step spans one checkpoint may carry across all ranks (auto)
 ENV_MAX_QUEUED_OPERATIONS: Final = "DCP_OTEL_MAX_QUEUED_OPERATIONS"  # finished operations waiting to be built
-#: Seconds without progress after which an open DCP call is reported stalled; "auto" (the default)
-#: derives it from the operation's own history, "off" (or 0) turns stall reports off.
+#: Seconds without progress after which an open DCP call is reported stalled; "auto" (default): from its history.
 ENV_STALL_AFTER_S: Final = "DCP_OTEL_STALL_AFTER_S"
 #: "off" leaves SIGTERM and the signal wakeup fd alone (default "on": spans survive termination).
 ENV_SIGNALS: Final = "DCP_OTEL_SIGNALS"
@@ -273,13 +275,10 @@ OPERATION_COUNT: Final = MetricSpec(
     "dcp_operations", "dcp.operations", "{operation}", KIND_COUNTER, (LABEL_OPERATION, LABEL_STATUS, LABEL_RANK),
     "Checkpoint operations finished, by status.",
 )  # fmt: skip
-WRITTEN_BYTES: Final = MetricSpec(
-    "dcp_written_bytes", "dcp.written", "By", KIND_COUNTER, (LABEL_RANK,),
-    "Bytes this rank wrote to checkpoint storage.",
-)  # fmt: skip
-READ_BYTES: Final = MetricSpec(
-    "dcp_read_bytes", "dcp.read", "By", KIND_COUNTER, (LABEL_RANK,), "Bytes this rank read from checkpoint storage."
-)  # fmt: skip
+WRITTEN_BYTES: Final = MetricSpec("dcp_written_bytes", "dcp.written", "By", KIND_COUNTER, (LABEL_RANK,),
+                                  "Bytes this rank wrote to checkpoint storage.")  # fmt: skip
+READ_BYTES: Final = MetricSpec("dcp_read_bytes", "dcp.read", "By", KIND_COUNTER, (LABEL_RANK,),
+                               "Bytes this rank read from checkpoint storage.")  # fmt: skip
 ASYNC_IN_FLIGHT: Final = MetricSpec(
     "dcp_async_saves_in_flight", "dcp.async_saves_in_flight", "{save}", KIND_UPDOWN, (LABEL_RANK,),
     "Async saves handed off and not yet uploaded.", multiprocess_mode="livesum",

@@ -33,6 +33,7 @@ from types import FrameType
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.life import ProcessLife
 from dcp_otel.live.progress import LiveState, Progress
 from dcp_otel.live.stacks import ThreadStack, thread_stack
 from dcp_otel.metrics.otel import OTelCheckpointMetrics
@@ -99,8 +100,10 @@ class Ending:
     """Ends one recorder's open calls when its process ends (see the module)."""
 
     def __init__(self, recorder: SpanRecorder, live: LiveState, otel_metrics: OTelCheckpointMetrics | None,
-                 flush_timeout_s: float, after_build: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 flush_timeout_s: float, after_build: Callable[[], None] | None = None,
+                 life: ProcessLife | None = None) -> None:  # fmt: skip
         self._recorder = recorder
+        self._life = life  # a rank's training process (not a checkpoint process): its dcp.process span
         self._live = live
         self._otel_metrics = otel_metrics
         self.flush_timeout_s = flush_timeout_s
@@ -129,6 +132,12 @@ class Ending:
             report("recorder_error", "dcp_otel failed to end the open DCP calls", exc_info=True)
             return []
 
+    def end_life(self, cause: str, deadline: float) -> None:
+        """The process's ``dcp.process`` span, once what finished is built (its recovery point is then known)."""
+        if self._life is not None:
+            self._recorder.drain(max(0.0, (deadline - time.monotonic()) / 2))
+            self._life.end(cause)
+
     def flush(self, deadline: float) -> bool:
         """Build what is queued and flush spans (and OpenTelemetry metrics) by ``deadline``; never raises."""
         try:
@@ -145,4 +154,5 @@ class Ending:
         deadline = self.clock.start()
         self.end_open_calls(cause, frames)
         if self.flush_timeout_s > 0:
+            self.end_life(cause, deadline)
             self.flush(deadline)

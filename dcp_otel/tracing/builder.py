@@ -175,7 +175,8 @@ class SpanBuilder:
                 self._cond.notify_all()
             if calls is op.calls and op.failed is None and op.end_ns:
                 first = op.start_ns or min((c.start_ns for c in calls), default=op.end_ns)
-                self.history.add(op.name, (op.end_ns - first) / 1e9, op.end_ns)
+                self.history.add(op.name, (op.end_ns - first) / 1e9, op.end_ns,
+                                 str(op.attributes.get(semconv.ATTR_CHECKPOINT_ID, "")))
             elif calls is op.calls and op.failed is not None:
                 at_risk(op, calls, self.history.last_success_ns(semconv.SAVE_OPERATIONS))
             try:

@@ -152,8 +152,10 @@ class ExitFlush:
     """
 
     def __init__(self, recorder: SpanRecorder, timeout_s: float, otel_metrics: OTelCheckpointMetrics | None = None,
-                 end_open: Callable[[], object] | None = None, clock: Clock | None = None) -> None:  # fmt: skip
+                 end_open: Callable[[], object] | None = None, clock: Clock | None = None,
+                 end_life: Callable[[float], object] | None = None) -> None:  # fmt: skip
         self._recorder = recorder
+        self._end_life = end_life  # (deadline): the process's dcp.process span
         self._timeout_s = timeout_s
         self._otel_metrics = otel_metrics
         self._end_open = end_open
@@ -171,6 +173,8 @@ class ExitFlush:
                 self._recorder.uploads.wait(max(0.0, min(self._timeout_s / 2, deadline - time.monotonic())))
                 if self._recorder.open_calls():
                     self._end_open()
+            if self._end_life is not None:
+                self._end_life(deadline)
             _, failed = _flush(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()))
         except KeyboardInterrupt:  # Ctrl-C again: the wait ends now, never restarted
             if self._clock is not None:

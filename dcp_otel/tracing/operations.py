@@ -92,6 +92,8 @@ class OperationStarter:
         self._cache: tuple[object, trace.Tracer, bool, TraceFlags | None] | None = None
         self._environment: _Environment | None = None  # at the first operation: instrument() may come first
         self._identities: dict[int, RunIdentity] = {}  # by the world size the run id is resolved for
+        #: The last operation's attributes (one store per operation): who this process is, for its dcp.process span.
+        self.last_attributes: dict[str, Any] | None = None
 
     def close(self) -> None:
         self._cache = None
@@ -180,6 +182,7 @@ class OperationStarter:
         }
         if generation:
             attributes[semconv.ATTR_GENERATION] = generation
+        self.last_attributes = attributes
         training_step = current_step(checkpoint_id, self._options.step_pattern)
         if training_step is not None:
             attributes[semconv.ATTR_TRAINING_STEP] = training_step

@@ -306,19 +306,24 @@ class DurationHistory:
     def __init__(self, size: int = 20) -> None:
         self._size = size
         self._by_operation: dict[str, deque[float]] = {}
-        self._last_end_ns: dict[str, int] = {}
+        self._last_end: dict[str, tuple[int, str]] = {}  # operation -> (end_ns, checkpoint id) of its last run
 
-    def add(self, operation: str, duration_s: float, end_ns: int = 0) -> None:
+    def add(self, operation: str, duration_s: float, end_ns: int = 0, checkpoint_id: str = "") -> None:
         found = self._by_operation.get(operation)
         if found is None:
             found = self._by_operation[operation] = deque(maxlen=self._size)
         found.append(duration_s)
-        if end_ns > self._last_end_ns.get(operation, 0):
-            self._last_end_ns[operation] = end_ns
+        if end_ns > self._last_end.get(operation, (0, ""))[0]:
+            self._last_end[operation] = (end_ns, checkpoint_id)  # one store: read whole from any thread
+
+    def last_success(self, operations: frozenset[str]) -> tuple[int, str] | None:
+        """``(end_ns, checkpoint id)`` of the last successful run of any of ``operations`` (an async save's end:
+        when it became durable)."""
+        return max((last for name, last in tuple(self._last_end.items()) if name in operations), default=None)
 
     def last_success_ns(self, operations: frozenset[str]) -> int | None:
-        """When the last successful run of any of ``operations`` ended (an async save's: when it became durable)."""
-        return max((end for name, end in tuple(self._last_end_ns.items()) if name in operations), default=None)
+        last = self.last_success(operations)
+        return last[0] if last is not None else None
 
     def longest(self, operation: str) -> float | None:
         """The longest of the remembered runs of ``operation`` (``None``: none yet)."""
