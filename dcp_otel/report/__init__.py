@@ -25,10 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dcp_otel.otlp_file import SpanFileError, read_spans
+from dcp_otel.report.life import Life, lives
 from dcp_otel.report.model import Checkpoint, checkpoints
 from dcp_otel.report.summary import DETAIL_LIMIT
 
-__all__ = ["DETAIL_LIMIT", "Report", "SpanFileError", "build"]
+__all__ = ["DETAIL_LIMIT", "Life", "Report", "SpanFileError", "build"]
 
 
 @dataclass
@@ -36,12 +37,14 @@ class Report:
     checkpoints: list[Checkpoint]
     #: What a killed writer left in the files, read past (an empty file, a last line cut short).
     damaged: list[str] = field(default_factory=list)
+    #: Each run across its generations: restarts, what they restored and lost, the time blocked by checkpointing.
+    runs: list[Life] = field(default_factory=list)
 
     def text(self, limit: int | None = DETAIL_LIMIT) -> str:
-        """The summary, then the worst ``limit`` checkpoints in detail (``None``: every one)."""
+        """The summary, the runs' generations, then the worst ``limit`` checkpoints in detail (``None``: every one)."""
         from dcp_otel.report.terminal import render
 
-        return render(self.checkpoints, limit)
+        return render(self.checkpoints, limit, self.runs)
 
     def summary_text(self) -> str:
         from dcp_otel.report.summary import summarize
@@ -58,7 +61,7 @@ class Report:
         """The self-contained page; ``trace_url`` (``{trace_id}``, ``{span_id}``) links each span to your trace UI."""
         from dcp_otel.report.html import render
 
-        return render(self.checkpoints, trace_url)
+        return render(self.checkpoints, trace_url, self.runs)
 
     def perfetto(self) -> dict[str, object]:
         from dcp_otel.report.perfetto import render
@@ -73,8 +76,9 @@ def build(paths: Iterable[str | os.PathLike[str]]) -> Report:
     :attr:`Report.damaged`: the other ranks' spans are the answer to why it died.
     """
     damaged: list[str] = []
-    found = checkpoints(read_spans(paths, damaged))
+    spans = read_spans(paths, damaged)
+    found = checkpoints(spans)
     if not found:
         said = "".join(f"; {note}" for note in damaged)
         raise SpanFileError(f"the files hold no dcp-otel checkpoint spans{said}")
-    return Report(found, damaged)
+    return Report(found, damaged, lives(found, spans))

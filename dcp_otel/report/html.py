@@ -26,10 +26,18 @@ import math
 from importlib.resources import files
 
 from dcp_otel import semconv
+from dcp_otel.report.life import Life
 from dcp_otel.report.model import WRAPPER, Checkpoint
 from dcp_otel.report.page_data import page_data
 from dcp_otel.report.summary import FAILURES_SHOWN, Summary, summarize, worst_first
-from dcp_otel.report.terminal import error_cell, format_bytes, innermost_frames, ranks_worth_showing, skew_line
+from dcp_otel.report.terminal import (
+    error_cell,
+    format_bytes,
+    innermost_frames,
+    ranks_worth_showing,
+    render_lives,
+    skew_line,
+)
 
 #: The page's style and script, beside this module (package data), embedded whole: the page works offline.
 _ASSETS = files("dcp_otel.report")
@@ -231,9 +239,13 @@ def _compare(checkpoints: list[Checkpoint], order: list[int]) -> str:
             '<div id="compare-result"></div></section>')  # fmt: skip
 
 
-def render(checkpoints: list[Checkpoint], trace_url: str | None = None) -> str:
-    """The page; ``trace_url`` (with ``{trace_id}``, optionally ``{span_id}``) links each span to your trace UI."""
+def render(checkpoints: list[Checkpoint], trace_url: str | None = None, runs: list[Life] | None = None) -> str:
+    """The page; ``trace_url`` (with ``{trace_id}``, optionally ``{span_id}``) links each span to your trace UI;
+    ``runs``: the runs' generations, in the terminal's words."""
     data = page_data(checkpoints, trace_url)
+    lives = render_lives(runs or [])
+    generations = (f'<section id="generations"><h2>Generations and restarts</h2><pre>{html.escape(lives)}</pre>'
+                   "</section>" if lives else "")  # fmt: skip
     # "</" would end the script element early, and "<!--" would start a script comment that swallows the
     # page's script: no "<" at all, as JSON's own escape for it.
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
@@ -252,7 +264,7 @@ def render(checkpoints: list[Checkpoint], trace_url: str | None = None) -> str:
         f"<style>{_ASSETS.joinpath('page.css').read_text(encoding='utf-8')}</style></head><body>"
         "<h1>dcp-otel checkpoint report</h1>"
         f"{_run_summary(summarize(checkpoints), checkpoints)}"
-        f"{toolbar}{_compare(checkpoints, order)}"
+        f"{generations}{toolbar}{_compare(checkpoints, order)}"
         f'<h2>Checkpoints, worst first</h2><div class="legend timeline-legend">{legend}</div>{sections}'
         '<aside id="span-details" hidden></aside>'
         f'<script type="application/json" id="report-data">{payload}</script>'

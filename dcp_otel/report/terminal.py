@@ -14,8 +14,10 @@ import sysconfig
 import textwrap
 
 from dcp_otel import semconv
+from dcp_otel.report.life import Generation, Life
 from dcp_otel.report.model import WRAPPER, Checkpoint, RankResult
 from dcp_otel.report.summary import DETAIL_LIMIT, FAILURES_SHOWN, Summary, sparkline, summarize, worst_first
+from dcp_otel.tracing.failures import rank_ranges
 
 #: A save or load: total = busy + waiting.
 _COLUMNS = ("rank", "total", "busy", "waiting", "bytes", "I/O MB/s", "error")
@@ -214,6 +216,53 @@ def render_details(checkpoints: list[Checkpoint], limit: int | None = DETAIL_LIM
     return "\n\n".join([head, *(render_one(checkpoints[i]) for i in shown)])
 
 
-def render(checkpoints: list[Checkpoint], limit: int | None = DETAIL_LIMIT) -> str:
-    """The summary, then the details of the worst ``limit`` checkpoints (``None``: all), worst first."""
-    return render_summary(summarize(checkpoints)) + "\n\n" + render_details(checkpoints, limit) + "\n"
+def render(checkpoints: list[Checkpoint], limit: int | None = DETAIL_LIMIT, runs: list[Life] | None = None) -> str:
+    """The summary, the runs' lives (where they say more than the summary), then the details of the worst
+    ``limit`` checkpoints (``None``: all), worst first."""
+    life = render_lives(runs or [])
+    return (render_summary(summarize(checkpoints)) + (f"\n\n{life}" if life else "") + "\n\n"
+            + render_details(checkpoints, limit) + "\n")
+
+
+def render_lives(runs: list[Life]) -> str:
+    """Each run's generations, its restarts and what checkpointing cost it; empty where no rank said its life
+    (``dcp.process``) and nothing restarted."""
+    lines: list[str] = []
+    for life in runs:
+        if len(life.generations) < 2 and not any(g.wall_s for g in life.generations):
+            continue
+        who = f" of run {life.run_id}" if len(runs) > 1 else ""
+        lines.append(f"generations{who}: {len(life.generations)}, {life.duration_s:.1f} s; "
+                     f"blocked by checkpointing {_share(life.blocked_share)}"
+                     + (f"; lost to restarts {life.lost_to_restarts_s:.2f} s (work redone "
+                        f"{sum(r.work_lost_s or 0.0 for r in life.restarts):.2f} s, down "
+                        f"{sum(r.down_s or 0.0 for r in life.restarts):.2f} s)" if life.restarts else ""))  # fmt: skip
+        for g in life.generations:
+            per_rank = sum(g.blocked_s.values()) / len(g.blocked_s) if g.blocked_s else 0.0
+            lines.append(f"  generation {g.number}: ranks {rank_ranges(g.ranks)}, {g.duration_s:.1f} s, blocked "
+                         f"{_share(g.blocked_share)} ({per_rank:.2f} s per rank); ended: {_endings(g)}")  # fmt: skip
+            r = g.restore
+            if r is None:
+                continue
+            if r.source is None:
+                lines.append(f"    restored {r.load.checkpoint_id or '(no id)'}: no save of it in these traces")
+                continue
+            steps = f" ({r.steps_lost} steps)" if r.steps_lost is not None else ""
+            lines.append(f"    restored {r.source.title.removeprefix(r.source.operation + ' ')}, saved by generation "
+                         f"{r.source_generation}, {r.age_s:.2f} s old at restore; work lost {r.work_lost_s:.2f} s"
+                         f"{steps}, down {r.down_s:.2f} s")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share * 100:.1f}%"
+
+
+def _endings(g: Generation) -> str:
+    """``"rank 1 exception (RuntimeError: boom), rank 0 SIGTERM"``, or ``"exit"`` when every rank exited."""
+    by_how: dict[str, list[int]] = {}
+    for rank, how in sorted(g.ended_by.items()):
+        by_how.setdefault(how, []).append(rank)
+    if list(by_how) == [semconv.ENDED_BY_EXIT]:
+        return semconv.ENDED_BY_EXIT
+    return "; ".join(f"rank {rank_ranges(ranks)} {how}" for how, ranks in by_how.items())
