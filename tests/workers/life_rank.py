@@ -52,7 +52,12 @@ def main() -> None:
     provider.add_span_processor(BatchSpanProcessor(OTLPJsonFileExporter(out / "traces" / f"gen-{restart}-rank-{rank}.jsonl")))
     registry = CollectorRegistry()
     dcp_otel.instrument(tracer_provider=provider, registry=registry)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # Keys of this generation's own: torch 2.15's agent store keeps the first generation's gloo addresses, and a
+    # restarted rank that reads them fails to connect (plain torch, without dcp-otel, the same).
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"generation-{restart}", agent_store), rank=rank,
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=60))  # fmt: skip
 
     def blocked() -> None:
         total = sum(s.value for m in registry.collect() if m.name == semconv.METRIC_TRAINING_BLOCKED
