@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -330,7 +331,58 @@ def read_spans(paths: Iterable[str | os.PathLike[str]], damaged: list[str] | Non
                 spans.extend(spans_of_json(document))
             except ValueError as exc:
                 raise SpanFileError(f"{path}:{line}: not an OTLP JSON trace request ({exc})") from None
-    return spans
+    return _as_delivered(spans, damaged if damaged is not None else [])
+
+
+def _as_delivered(spans: list[FileSpan], notes: list[str]) -> list[FileSpan]:
+    """``spans`` as a pipeline may deliver them, made safe to read: each span once (at-least-once delivery, a
+    file given twice), no number that is not finite (read as absent), no parent chain that loops (cut where it
+    closes). Each kind of repair is said once in ``notes``."""
+    unique = list({(s.trace_id, s.span_id): s for s in reversed(spans)}.values())[::-1]  # the first of each
+    if len(unique) < len(spans):
+        notes.append(f"{len(spans) - len(unique)} spans were read more than once (an exporter's retry delivered "
+                     "them again, or a file was given twice): each is counted once")  # fmt: skip
+    dropped = 0
+    for span in unique:
+        bad = [key for key, value in span.attributes.items() if not _finite(value)]
+        for key in bad:
+            del span.attributes[key]
+        dropped += len(bad)
+    if dropped:
+        notes.append(f"{dropped} attributes held a number that is not finite (NaN, Infinity): read as absent")
+    cut = _cut_cycles(unique)
+    if cut:
+        notes.append(f"{cut} spans' parents led back to themselves (a parent cycle): read as roots")
+    return unique
+
+
+def _finite(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def _cut_cycles(spans: list[FileSpan]) -> int:
+    """Make every span whose parent chain loops back a root; how many were cut. Linear: each span is walked once."""
+    by_id = {(s.trace_id, s.span_id): s for s in spans}
+    done: set[tuple[str, str]] = set()
+    cut = 0
+    for span in spans:
+        path: list[FileSpan] = []
+        on_path: set[tuple[str, str]] = set()
+        current: FileSpan | None = span
+        while current is not None and (key := (current.trace_id, current.span_id)) not in done:
+            if key in on_path:  # the chain came back to a span on it: the last link closes the loop
+                path[-1].parent_id = ""
+                cut += 1
+                break
+            on_path.add(key)
+            path.append(current)
+            current = by_id.get((current.trace_id, current.parent_id)) if current.parent_id else None
+        done.update(on_path)
+    return cut
 
 
 def _documents(path: Path, text: str, damaged: list[str] | None = None) -> list[tuple[int, object]]:
@@ -360,6 +412,10 @@ def _documents(path: Path, text: str, damaged: list[str] | None = None) -> list[
                 damaged.append(f"{path}:{number}: the last line is cut short (its writer ended mid-write); "
                                "read up to it")  # fmt: skip
                 break
+            if not last and damaged is not None and documents:  # a killed writer's cut line, a restarted one's after
+                damaged.append(f"{path}:{number}: the line is cut short and more follows (a process ended mid-write, "
+                               "then another appended to the file: a restart); read past it")  # fmt: skip
+                continue
             cut = " (the file looks cut short)" if last else ""
             raise SpanFileError(f"{path}:{number}: not JSON{cut}: {exc.msg}") from None
     return documents

@@ -250,9 +250,9 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
     failed: set[int] = set()
     in_collective: list[int] = []
     first_error: str | None = None  # what the first rank to fail said
-    for op_span in sorted((s for s in spans if is_operation_span(s)), key=lambda s: rank_of(s) or 0):
+    for op_span in sorted((s for s in spans if is_operation_span(s)), key=lambda s: (rank_of(s) or 0, s.start_ns)):
         rank = rank_of(op_span)
-        if rank is None:
+        if rank is None or any(r.rank == rank for r in ranks[-1:]):  # (sorted by rank) a second one: the first counts
             continue
         subtree = _subtree(op_span, children)
         own_collectives = [s for s in subtree if semconv.is_collective_span(s.name)]
