@@ -4,6 +4,7 @@ Usage::
 
     dcp-otel demo [--ranks 4] [--slow-rank R] [--fail-rank R] [--out out/demo]
     dcp-otel report out/demo/traces [--html report.html [--trace-url URL]] [--perfetto trace.json] [--all]
+                                    [--exit-code]   # exit 1 when a checkpoint failed or never finished
     dcp-otel check           # would opentelemetry-instrument's set-up send spans from here? (exit 1: why not)
     dcp-otel status [--targets DIR | --prometheus URL] [--run ID]   # where each rank of a running job is
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 from dcp_otel import demo
 from dcp_otel.cli import status
@@ -41,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--html", type=Path, help="also write the report as a self-contained HTML page")
     report.add_argument("--perfetto", type=Path, help="also write a Chrome/Perfetto trace JSON")
     report.add_argument("--all", action="store_true", help=f"every checkpoint in detail (default: the {DETAIL_LIMIT} worst)")
+    report.add_argument("--exit-code", action="store_true",
+                        help="exit 1 when a checkpoint in the files failed or never finished (for a CI step to gate on)")
     report.add_argument("--trace-url", metavar="TEMPLATE",
                         help="in the HTML page, link each span to your trace UI: a URL with {trace_id} (and optionally "
                              "{span_id}), e.g. 'https://grafana.example/explore?left={\"queries\":[{\"query\":\"{trace_id}\"}]}'")  # fmt: skip
@@ -65,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, SpanFileError) as exc:  # SpanFileError is a ValueError; both are the user's to fix
         parser.exit(2, f"dcp-otel {args.command}: error: {exc}\n")
     for note in result.damaged:
-        print(f"dcp-otel report: warning: {note}", file=sys.stderr)
-    print(result.text(limit=None if args.all else DETAIL_LIMIT), end="")
+        print(f"dcp-otel report: warning: {printable(note)}", file=sys.stderr)
+    try:
+        print(printable(result.text(limit=None if args.all else DETAIL_LIMIT)), end="", flush=True)
+    except BrokenPipeError:  # `dcp-otel report ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail again)
+        return 1
     outputs: list[tuple[Path | None, str, Callable[[], str]]] = [
         (args.html, "report (HTML)", lambda: result.html(args.trace_url)),
         (args.perfetto, "trace (Perfetto)", lambda: json.dumps(result.perfetto())),
@@ -79,7 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # a folder that is not there, not writable, a full disk: the user's to fix
             parser.exit(2, f"dcp-otel {args.command}: error: cannot write {path}: {exc.strerror or exc}\n")
         print(f"{what}: {path}")
-    return 0
+    bad = [c for c in result.checkpoints if c.error or c.is_unfinished]
+    return 1 if args.exit_code and bad else 0
+
+
+#: Control characters a span's text may carry (an escape sequence in an exception message), shown escaped.
+_CONTROLS: Final = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (``\\x1b``), newlines and tabs kept: safe for a terminal."""
+    return text.translate(_CONTROLS)
 
 
 def _check() -> int:
