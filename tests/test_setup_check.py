@@ -21,6 +21,8 @@ from tests.ranks import REPO
 
 BIN = Path(sys.executable).parent
 GRPC_FIX = "set OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf"
+#: Spans to the console, nothing else: a set-up that works, so a problem said is the one under test.
+QUIET = {"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}
 
 
 def user_env(**settings: str) -> dict[str, str]:
@@ -71,6 +73,12 @@ def test_an_endpoint_where_nothing_listens_is_named() -> None:
         ({"OTEL_PYTHON_CONFIGURATOR": "not-installed"}, "no tracer provider is set up"),
         ({"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
           "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "torch_dcp"}, "turns dcp-otel's instrumentor (torch_dcp) off"),
+        ({**QUIET, "OTEL_SDK_DISABLED": "true"}, "OTEL_SDK_DISABLED=true: the SDK makes no spans"),
+        ({**QUIET, "OTEL_TRACES_SAMPLER": "always_off"}, "the sampler drops every trace a job starts (AlwaysOffSampler)"),
+        ({**QUIET, "OTEL_TRACES_SAMPLER": "parentbased_always_off"},
+         "the sampler drops every trace a job starts (ParentBased{root:AlwaysOffSampler,...})"),
+        ({**QUIET, "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"},
+         "the sampler drops every trace a job starts (TraceIdRatioBased{0.0})"),
     ],
 )  # fmt: skip
 def test_a_set_up_that_configures_nothing_for_dcp_otel_is_named(settings: dict[str, str], expected: str) -> None:
@@ -78,6 +86,11 @@ def test_a_set_up_that_configures_nothing_for_dcp_otel_is_named(settings: dict[s
     assert run.returncode == 1
     (problem,) = problems(run)
     assert expected in problem
+
+
+def test_a_sampler_that_keeps_some_traces_is_not_a_problem() -> None:
+    run = check(**QUIET, OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.01")
+    assert run.returncode == 0 and problems(run) == [], run.stderr
 
 
 def test_no_traces_asked_for_is_not_a_problem() -> None:

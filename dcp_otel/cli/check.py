@@ -54,7 +54,9 @@ except Exception as exc:
     raise SystemExit(0)
 from opentelemetry import metrics, trace
 provider = trace.get_tracer_provider()
-found = {"provider": type(provider).__name__, "span_exporters": [], "metric_exporters": []}
+found = {"provider": type(provider).__name__, "span_exporters": [], "metric_exporters": [],
+         "sdk_disabled": bool(getattr(provider, "_disabled", False)),
+         "sampler": getattr(getattr(provider, "sampler", None), "get_description", lambda: None)()}
 for processor in getattr(getattr(provider, "_active_span_processor", None), "_span_processors", ()):
     exporter = getattr(processor, "span_exporter", None) or getattr(getattr(processor, "_batch_processor", None), "_exporter", None)
     if exporter is None:
@@ -90,6 +92,8 @@ class SetupCheck:
     instrumentor: bool = True
     instrumentor_disabled: bool = False
     probe_log: str = ""
+    sdk_disabled: bool = False  # OTEL_SDK_DISABLED=true: the provider makes no-op spans
+    sampler: str | None = None  # the provider's sampler, as it describes itself
 
     def problems(self) -> list[str]:
         """Why spans would not leave the process, one line each with its fix; empty when they would."""
@@ -106,6 +110,13 @@ class SetupCheck:
             found.append("no tracer provider is set up (no configurator: pip install opentelemetry-distro)")
         elif not self.span_exporters and not traces_off():
             found.append("the tracer provider has no span exporter (set OTEL_TRACES_EXPORTER, e.g. otlp)")
+        if self.sdk_disabled:
+            found.append("OTEL_SDK_DISABLED=true: the SDK makes no spans, so none is exported (unset it)")
+        elif drops_every_span(self.sampler):
+            said = str(self.sampler) if len(str(self.sampler)) < 40 else str(self.sampler).split(",")[0] + ",...}"
+            found.append(f"the sampler drops every trace a job starts ({said}): set OTEL_TRACES_SAMPLER="
+                         "parentbased_always_on (the default), or parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG "
+                         "above 0")  # fmt: skip
         for exporter in self.span_exporters:
             result = exporter.get("probe")
             if result is not None and result != "SUCCESS":
@@ -152,13 +163,22 @@ def check_otel_setup(*, probe: bool = True, timeout_s: float = 60.0, env: dict[s
         return SetupCheck(setup_error=f"the check could not run: {exc}")
     if not answer:
         return SetupCheck(setup_error=f"the check's child failed: {_last_line(done.stderr) or done.returncode}")
-    found = SetupCheck(**{k: answer[k] for k in ("setup_error", "provider", "span_exporters", "metric_exporters")
+    found = SetupCheck(**{k: answer[k] for k in ("setup_error", "provider", "span_exporters", "metric_exporters",
+                                                         "sdk_disabled", "sampler")
                           if k in answer}, probe_log=done.stderr)  # fmt: skip
     names = {ep.name for ep in entry_points(group="opentelemetry_instrumentor")}
     found.instrumentor = INSTRUMENTOR_NAME in names
     disabled = child_env.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "")
     found.instrumentor_disabled = INSTRUMENTOR_NAME in {n.strip() for n in disabled.split(",")} or disabled.strip() == "*"
     return found
+
+
+def drops_every_span(sampler: str | None) -> bool:
+    """Whether a sampler, as the SDK describes it, samples no trace a job starts (its root spans): always off, or a
+    trace-id ratio of 0, alone or as the root of a parent-based sampler."""
+    root = re.match(r"ParentBased\{root:([^,]*)", sampler or "")
+    decides = root.group(1) if root else (sampler or "")
+    return decides == "AlwaysOffSampler" or bool(re.fullmatch(r"TraceIdRatioBased\{0(\.0*)?\}", decides))
 
 
 def fix_for(error: str) -> str:
