@@ -4,7 +4,8 @@ Generates the run's OTLP JSON files (``tests/generated_run.py``), then times eac
 stage of ``dcp-otel report``: reading the files, building the model, the
 terminal text (summary and the 10 worst) and the HTML page. Side by side, the
 same files read through protobuf's JSON parser, which the report used before.
-Goal: the whole report in seconds. For the wide run: the HTML page's size, and
+Goal: the whole report in seconds; the Perfetto trace of 4 checkpoints on 1,024 ranks in at most twice
+the HTML page's time. For the wide run: the HTML page's size, and
 the time headless Chromium takes to open it and draw its open timelines (when
 chromium-driver is installed).
 
@@ -101,6 +102,18 @@ def wide(count: int = 50, ranks: int = 1024) -> None:
     print(f"  {'first render in headless Chromium':<48} {shown}")
 
 
+def perfetto_against_html(count: int = 4, ranks: int = 1024) -> None:
+    """The Perfetto export against the HTML page, of the same checkpoints, side by side (goal: at most 2x)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Report(checkpoints(read_spans([write_run(Path(tmp), count, ranks)])))
+        rows: list[tuple[str, float]] = []
+        timed("HTML page", report.html, rows)
+        timed("Perfetto trace", report.perfetto, rows)
+    print(f"\n{count} checkpoints x {ranks} ranks: the Perfetto trace {rows[1][1]:.2f} s, the HTML page "
+          f"{rows[0][1]:.2f} s: {rows[1][1] / rows[0][1]:.2f}x")
+
+
 if __name__ == "__main__":
     main()
     wide()
+    perfetto_against_html()

@@ -109,7 +109,7 @@ def write_run(folder: Path, checkpoints: int = 500, ranks: int = 64) -> Path:
                 ends.append(end)
             key = "dcp.read_bytes" if operation == "load" else "dcp.written_bytes"
             op_error = f"CheckpointException: ranks [{FAILING}] failed; rank {FAILING}: {ERROR}" if failed else None
-            attrs = {**base, "dcp.run_id": "generated", key: 8 * MB, "dcp.operation.seq": 0}
+            attrs = {**base, "dcp.run_id": "generated", key: 8 * MB, "dcp.operation.seq": 0, "dcp.group_rank": r}
             if failed:
                 attrs["dcp.failed_ranks"] = [FAILING]
             spans.append(_span(trace, op_id, root, f"dcp.{operation}", start, end, attrs, op_error))

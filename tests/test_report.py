@@ -81,7 +81,7 @@ def test_the_perfetto_trace_has_one_process_per_rank_and_nested_events(tmp_path:
     assert run_cli(str(RECORDED), "--perfetto", str(out)).returncode == 0
     events = json.loads(out.read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
+    assert names == {0: "rank 0 (vm)", 1: "rank 1 (vm)", 2: "rank 2 (vm)"}  # with the host.name they ran on
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["name"] for e in spans} >= {"save", "async_save", "load", "write_data", "read_data", "async_upload"}
     assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)

@@ -34,7 +34,16 @@ from typing import Final
 from dcp_otel import semconv
 from dcp_otel.otlp_file import FileSpan
 from dcp_otel.report.unfinished import Unfinished, find_unfinished
-from dcp_otel.report.values import OPERATION_SPANS, as_list, as_number, collective_key, collective_label, count, rank_of
+from dcp_otel.report.values import (
+    OPERATION_SPANS,
+    as_list,
+    as_number,
+    collective_key,
+    collective_label,
+    count,
+    rank_of,
+    where,
+)
 
 #: Spans that are not steps of a rank's operation.
 _NOT_STEPS: Final = frozenset({semconv.SPAN_CHECKPOINT, semconv.SPAN_ASYNC_UPLOAD, semconv.SPAN_ASYNC_STAGING,
@@ -69,6 +78,7 @@ class RankResult:
     staging_s: float = 0.0  # async save: copying the state dict for the upload (part of busy_s)
     error: str | None = None  # the first error among this rank's spans
     collective_s: float = 0.0  # of wait_s, in DCP's collectives (dcp.collective.* spans, or the summary)
+    where: str = ""  # the host it ran on (and its pod or container), from its resource: values.where
 
     @property
     def work_s(self) -> float:
@@ -286,6 +296,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
             io_s=sum(s.duration_s for s in own_steps if s.name.removeprefix(semconv.SPAN_PREFIX) in _IO_STEP)
             - io_waits,
             collective_s=sum(s.duration_s for s in own_collectives if s.parent_id == op_span.span_id),
+            where=where(op_span),
         )
         for span in sorted(own_collectives, key=lambda s: s.start_ns):  # the coordinator's first: in their order
             _add_collective(collectives, rank, span)

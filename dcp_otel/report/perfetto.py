@@ -1,9 +1,11 @@
 """The report as a Chrome trace (JSON Object Format), which Perfetto and chrome://tracing open.
 
 PyTorch users open ``torch.profiler`` traces the same way. One process per
-rank; the rank's operation and steps on one thread, each async upload (which
-outlives its call) on a second, so every thread's events nest properly. Each
-event's args hold every attribute of its span, its ids and its exception.
+rank, named with the host it ran on (and its pod or container, where the
+resource says); the rank's operation and steps on one thread, each async
+upload (which outlives its call) on a second, so every thread's events nest
+properly. Each event's args hold every attribute of its span, its ids and its
+exception. Linear in the spans: what looks at every rank runs once per checkpoint.
 
 Usage::
 
@@ -16,16 +18,19 @@ from typing import Any
 
 from dcp_otel import semconv
 from dcp_otel.report.model import Checkpoint
+from dcp_otel.report.values import where
 
 _MAIN, _UPLOAD = 0, 1
 
 
 def render(checkpoints: list[Checkpoint]) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
-    ranks: set[int] = set()
+    ranks: dict[int, str] = {}  # rank -> where it ran
     for ckpt in checkpoints:
+        straggler = ckpt.straggler  # once per checkpoint: it looks at every rank
         for rank, span, ancestors in ckpt.rank_spans():
-            ranks.add(rank)
+            if not ranks.get(rank):
+                ranks[rank] = where(span)
             under_upload = any(s.name == semconv.SPAN_ASYNC_UPLOAD for s in (span, *ancestors))
             tid = _UPLOAD if under_upload else _MAIN
             events.append({
@@ -37,10 +42,11 @@ def render(checkpoints: list[Checkpoint]) -> dict[str, Any]:
                          "checkpoint_id": ckpt.checkpoint_id, "error": span.status_message if span.error else None,
                          **({"exception": span.exception} if span.exception else {}),
                          **({"exception.stacktrace": span.stacktrace} if span.stacktrace else {}),
-                         "straggler": rank == ckpt.straggler},
+                         "straggler": rank == straggler},
             })  # fmt: skip
-    for rank in sorted(ranks):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    for rank, host in sorted(ranks.items()):
+        name = f"rank {rank} ({host})" if host else f"rank {rank}"
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": name}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": _MAIN, "args": {"name": "checkpoint"}})
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": _UPLOAD, "args": {"name": "async upload"}})

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dcp_otel import semconv
 from dcp_otel.report.model import Checkpoint
@@ -131,6 +131,8 @@ class Summary:
     straggler: RunStraggler | None
     trends: list[Trend]  # of the finished checkpoints
     unfinished: list[UnfinishedCheckpoint]
+    #: Ranks of the world that sent no span of any checkpoint (a killed process, a lost file).
+    silent: list[int] = field(default_factory=list)
 
     @property
     def kinds(self) -> str:
@@ -170,6 +172,7 @@ def summarize(checkpoints: list[Checkpoint]) -> Summary:
     return Summary(
         operations=len(checkpoints),
         ranks=len({r.rank for c in checkpoints for r in c.ranks}),
+        silent=sorted({r for c in checkpoints for r in c.silent_ranks} - {r.rank for c in checkpoints for r in c.ranks}),
         by_operation=dict(Counter(c.operation for c in checkpoints)),
         failures=failures,
         straggler=straggler,

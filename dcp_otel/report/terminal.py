@@ -61,6 +61,11 @@ def render_one(ckpt: Checkpoint) -> str:
     rows: list[tuple[str, ...]] = [_ASYNC_COLUMNS if is_async else _COLUMNS]
     shown = ranks_worth_showing(ckpt)
     rows += [_row(r, ckpt, is_async) for r in ckpt.ranks if r.rank in shown]
+    rows += [(str(rank), "no spans", *("",) * (len(rows[0]) - 2)) for rank in ckpt.silent_ranks[:_RANKS_SHOWN]]
+    hosts = {r.rank: r.where for r in ckpt.ranks}
+    if any(hosts.values()):  # where each rank ran, beside it
+        rows = [(row[0], "host" if i == 0 else hosts.get(int(row[0].split()[0]), "") or "-", *row[1:])
+                for i, row in enumerate(rows)]  # fmt: skip
     lines += _table(rows)
     if len(shown) < len(ckpt.ranks):
         rest = [r for r in ckpt.ranks if r.rank not in shown]
@@ -153,7 +158,12 @@ def render_summary(summary: Summary) -> str:
     with its full cause, the run's straggler, the trends."""
     failed = f"{len(summary.failures)} failed" if summary.failures else "none failed"
     unfinished = f"{len(summary.unfinished)} unfinished, " if summary.unfinished else ""
-    lines = [f"{summary.operations} checkpoint operations ({summary.kinds}) on {summary.ranks} ranks: {unfinished}{failed}"]
+    of = f" of {summary.ranks + len(summary.silent)}" if summary.silent else ""
+    lines = [f"{summary.operations} checkpoint operations ({summary.kinds}) on {summary.ranks}{of} ranks: "
+             f"{unfinished}{failed}"]  # fmt: skip
+    if summary.silent:
+        lines.append(f"no spans from rank {rank_ranges(summary.silent)}: a process killed before it exported, or a "
+                     "file not given")  # fmt: skip
     for u in summary.unfinished[:FAILURES_SHOWN]:
         lines.append(f"UNFINISHED  {u.operation} {u.checkpoint_id or '(no id)'} (operation {u.index + 1} of "
                      f"{summary.operations}): {u.headline()}")  # fmt: skip

@@ -45,3 +45,15 @@ def collective_key(span: FileSpan) -> tuple[str, str]:
 def collective_label(method: str, step: str) -> str:
     """How the report names a collective: ``gather_object (plan)``."""
     return f"{method} ({step})" if step else method
+
+
+#: Resource attributes that say where a rank ran, most telling first: its host, then its pod or container.
+_WHERE: Final = ("host.name", "k8s.pod.name", "container.id")
+
+
+def where(span: FileSpan) -> str:
+    """Where the span's process ran, from its resource: ``"node-7"``, ``"node-7/trainer-0-3"``; "" when unsaid.
+    (A container id is cut to 12 characters, as ``docker ps`` shows it.)"""
+    found = [str(v)[:12] if key == "container.id" else str(v) for key in _WHERE
+             if isinstance(v := span.resource.get(key), (str, int)) and str(v)]  # fmt: skip
+    return "/".join(found[:2])
