@@ -3,13 +3,14 @@ and one whose rank 1 left no file (a process killed before it exported)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.generated_run import write_run
+from tests.generated_run import START_NS, write_run
 from tests.ranks import REPO
 
 RANKS = 4
@@ -57,3 +58,26 @@ def test_a_rank_that_sent_nothing_is_named_in_the_summary_and_in_every_table(tmp
     assert lines[0].startswith("3 checkpoint operations (") and " on 3 of 4 ranks: " in lines[0]
     assert lines[1] == "no spans from rank 1: a process killed before it exported, or a file not given"
     assert sum(1 for line in lines if re.fullmatch(r"  1 +no spans", line)) == 3
+
+
+def test_the_html_page_says_where_and_who_too(tmp_path: Path) -> None:
+    folder = write_run(tmp_path / "traces", checkpoints=2, ranks=RANKS)
+    on_hosts(folder)
+    (folder / "rank-1.jsonl").unlink()
+    shown = report(str(folder), "--html", str(tmp_path / "page.html"))
+    assert shown.returncode == 0, shown.stderr
+    page = (tmp_path / "page.html").read_text()
+    assert " on 3 of 4 ranks: " in page and "No spans from rank 1: a process killed before it exported" in page
+    assert page.count('<th title="where the rank ran: its resource&#x27;s host.name, and its pod or container">host</th>') == 2
+    assert page.count("<td>node-3/trainer-0-3</td>") == 2 and page.count("<td>node-0</td>") == 2
+    assert page.count('<tr class="silent"><td>1</td>') == 2
+
+
+def test_each_checkpoint_says_when_it_started_on_the_wall_clock(tmp_path: Path) -> None:
+    folder = write_run(tmp_path / "traces", checkpoints=1, ranks=2)
+    shown = report(str(folder), "--html", str(tmp_path / "page.html"))
+    assert shown.returncode == 0, shown.stderr
+    when = datetime.datetime.fromtimestamp(START_NS / 1e9, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    (title,) = [line for line in shown.stdout.splitlines() if line.startswith("save /ckpt/step-0 ")]
+    assert f"  started {when}.000 UTC  trace " in title
+    assert f"started {when}.000 UTC, trace " in (tmp_path / "page.html").read_text()

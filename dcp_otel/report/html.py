@@ -37,7 +37,9 @@ from dcp_otel.report.terminal import (
     ranks_worth_showing,
     render_lives,
     skew_line,
+    wall_clock,
 )
+from dcp_otel.tracing.failures import rank_ranges
 
 #: The page's style and script, beside this module (package data), embedded whole: the page works offline.
 _ASSETS = files("dcp_otel.report")
@@ -61,22 +63,31 @@ _ASYNC_HEADERS = (
 )  # fmt: skip
 
 
+_HOST_HEADER = ("host", "where the rank ran: its resource's host.name, and its pod or container")
+
+
 def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
     e = html.escape
     is_async = ckpt.operation in semconv.ASYNC_OPERATIONS
     rows = []
     shown = ranks_worth_showing(ckpt)
+    hosts = any(r.where for r in ckpt.ranks)  # a host column, where the files say where ranks ran
     for r in (r for r in ckpt.ranks if r.rank in shown):
         mbps = f"{r.throughput_bps / 1e6:.1f}" if r.throughput_bps else "-"
         classes = [c for c, on in (("straggler", r.rank == ckpt.straggler), ("failed-origin", r.rank in ckpt.origins)) if on]
         cls = f' class="{" ".join(classes)}"' if classes else ""
-        cells = [str(r.rank), f"{r.duration_s:.3f}", f"{r.busy_s:.3f}", f"{r.wait_s:.3f}"]
+        cells = [str(r.rank), *([r.where or "-"] if hosts else []), f"{r.duration_s:.3f}", f"{r.busy_s:.3f}",
+                 f"{r.wait_s:.3f}"]  # fmt: skip
         if is_async:
             upload = f"{r.upload_s:.3f} {r.upload}" if r.upload else "-"
             cells += [f"{r.staging_s:.3f}", upload, f"{r.upload_busy_s:.3f}", f"{r.io_s:.3f}"]
         cells += [format_bytes(r.bytes), mbps, error_cell(r, ckpt)]
         rows.append(f"<tr{cls}>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
     headers = _ASYNC_HEADERS if is_async else _HEADERS
+    if hosts:
+        headers = (headers[0], _HOST_HEADER, *headers[1:])
+    rows += [f'<tr class="silent"><td>{rank}</td><td colspan="{len(headers) - 1}">no spans</td></tr>'
+             for rank in ckpt.silent_ranks[:_UNFINISHED_SHOWN]]  # fmt: skip
     step_rows = "".join(
         f"<tr><td>{e(step.name)}</td><td>{step.slowest_rank}</td><td>{step.by_rank[step.slowest_rank]:.3f}</td>"
         f"<td>{step.median_s:.3f}</td><td>{step.skew:.1f}x</td></tr>"
@@ -111,7 +122,7 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
     return (
         f'<section class="checkpoint" id="checkpoint-{index}"><details class="ckpt"{" open" if open_ else ""}>'
         f"<summary>{e(ckpt.title)} &mdash; {ckpt.duration_s:.3f} s, {status}</summary>"
-        f'<div class="meta">trace {e(ckpt.trace_id)}</div>'
+        f'<div class="meta">started {wall_clock(ckpt.start_ns)}, trace {e(ckpt.trace_id)}</div>'
         "<table><tr>" + "".join(f'<th title="{e(why)}">{e(name)}</th>' for name, why in headers) + "</tr>"
         + "".join(rows) + "</table>"
         '<details><summary>steps</summary><table class="steps"><tr><th>step</th><th>slowest rank</th>'
@@ -187,8 +198,12 @@ def _run_summary(summary: Summary, checkpoints: list[Checkpoint]) -> str:
     e = html.escape
     failed = f'<span class="failed">{len(summary.failures)} failed</span>' if summary.failures else "none failed"
     unfinished = f'<span class="failed">{len(summary.unfinished)} unfinished</span>, ' if summary.unfinished else ""
+    of = f" of {summary.ranks + len(summary.silent)}" if summary.silent else ""
     parts = [f'<div class="summary" id="summary"><p><b>{summary.operations} checkpoint operations</b> '
-             f"({e(summary.kinds)}) on {summary.ranks} ranks: {unfinished}{failed}.</p>"]  # fmt: skip
+             f"({e(summary.kinds)}) on {summary.ranks}{of} ranks: {unfinished}{failed}.</p>"]  # fmt: skip
+    if summary.silent:
+        parts.append(f'<p class="failed">No spans from rank {rank_ranges(summary.silent)}: a process killed before '
+                     "it exported, or a file not given.</p>")  # fmt: skip
     for u in summary.unfinished[:FAILURES_SHOWN]:
         parts.append(f'<p class="failed unfinished"><a href="#checkpoint-{u.index}">{e(u.operation)} '
                      f"{e(u.checkpoint_id)}</a> (operation {u.index + 1} of {summary.operations}) never finished: "

@@ -9,6 +9,7 @@ Usage::
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import sysconfig
 import textwrap
@@ -55,7 +56,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 def render_one(ckpt: Checkpoint) -> str:
     status = "UNFINISHED" if ckpt.is_unfinished else "FAILED" if ckpt.error else "ok"
-    lines = [f"{ckpt.title}  {ckpt.duration_s:.3f} s  {status}  "
+    lines = [f"{ckpt.title}  {ckpt.duration_s:.3f} s  {status}  started {wall_clock(ckpt.start_ns)}  "
              f"trace {ckpt.trace_id}"]  # fmt: skip
     is_async = ckpt.operation in semconv.ASYNC_OPERATIONS
     rows: list[tuple[str, ...]] = [_ASYNC_COLUMNS if is_async else _COLUMNS]
@@ -103,6 +104,15 @@ def render_one(ckpt: Checkpoint) -> str:
         if lost:
             lines.append(f"  {lost}")
     return "\n".join(lines)
+
+
+def wall_clock(unix_ns: int) -> str:
+    """``"2026-11-26 19:09:23.456 UTC"``: a time to find in the job's logs (UTC, as most log pipelines keep them)."""
+    try:
+        moment = datetime.datetime.fromtimestamp(unix_ns / 1e9, tz=datetime.timezone.utc)
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds: a file that says anything
+        return "?"
+    return moment.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
 
 
 def skew_line(ckpt: Checkpoint) -> str | None:
