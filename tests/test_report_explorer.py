@@ -10,6 +10,7 @@ time at 1,024 ranks x 50 checkpoints is in ``benchmarks/report_scale.py``.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,17 +131,27 @@ def test_zooming_narrows_the_time_axis_and_reset_restores_it(opened: Any) -> Non
 def test_comparing_a_checkpoint_with_a_straggler_to_one_without_shows_the_changed_step(opened: Any) -> None:
     # Checkpoint index 10 has no straggler (every tenth); the same operation's one before it has rank 7 slow.
     ops = [run.OPERATIONS[c % len(run.OPERATIONS)] for c in range(CHECKPOINTS)]
-    a = 10
-    b = max(c for c in range(a) if ops[c] == ops[a])
-    opened.execute_script(f"""
-        const [a, b] = [document.getElementById('compare-a'), document.getElementById('compare-b')];
-        a.value = '{a}'; a.dispatchEvent(new Event('change'));
-        b.value = '{b}'; b.dispatchEvent(new Event('change'));""")
-    top = opened.execute_script("""const row = document.querySelector('#compare-result table.compare-steps tr.changed-most');
-        return [...row.cells].map(c => c.textContent)""")
-    io_step = "read_data" if ops[a] == "load" else "write_data"
-    assert top[0] == io_step and f"(rank {run.SLOW})" in top[2]  # the slowest rank became rank 7
-    assert "+" in top[3]  # and it takes longer
+    newer = 10
+    older = max(c for c in range(newer) if ops[c] == ops[newer])
+    for first, second in ((newer, older), (older, newer)):  # whichever is picked first: newer minus older
+        opened.execute_script(f"""
+            const [a, b] = [document.getElementById('compare-a'), document.getElementById('compare-b')];
+            a.value = '{first}'; a.dispatchEvent(new Event('change'));
+            b.value = '{second}'; b.dispatchEvent(new Event('change'));""")
+        top = opened.execute_script("""const row = document.querySelector('#compare-result table.compare-steps tr.changed-most');
+            return [...row.cells].map(c => c.textContent)""")
+        io_step = "read_data" if ops[newer] == "load" else "write_data"
+        assert top[0] == io_step and f"(rank {run.SLOW})" in top[1]  # the older one's slowest rank was rank 7
+        assert top[3].startswith("-")  # and the newer one's slowest takes less
+        headline = opened.execute_script("return document.querySelector('#compare-result p.compare-headline').textContent")
+        said = re.fullmatch(rf"#{newer + 1} {ops[newer]} /ckpt/step-{newer * 10} \(newer, [\d.]+ s, ok\) took [\d.]+ s "
+                            rf"(longer|less) than #{older + 1} {ops[older]} /ckpt/step-{older * 10} \(older, [\d.]+ s, "
+                            r"ok\): ([+-])[\d.]+ s \([\d.]+x\), newer minus older\.", headline)  # fmt: skip
+        assert said is not None and (said.group(1) == "longer") == (said.group(2) == "+"), headline
+        # Ranks by the change in their busy time: the straggler that stopped straggling first.
+        first_row = opened.execute_script("""const row = document.querySelector('#compare-result table.compare-ranks').rows[1];
+            return [...row.cells].map(c => c.textContent)""")
+        assert first_row[0] == str(run.SLOW) and first_row[3].startswith("-") and first_row[7].endswith(" MiB")
     assert console_errors(opened) == []
 
 

@@ -246,17 +246,28 @@ function showSpan(ckpt, spanId) {
 }
 
 // --- compare two checkpoints ------------------------------------------------------------------
+// Always the newer minus the older, whichever was picked first, and said in words: "+16.019 s" means the
+// newer took longer. Ranks are ordered by the change in their busy time (their own work), not in their
+// total, which every rank waiting for a straggler shares.
 function fmt(seconds) { return seconds.toFixed(3) + " s"; }
-function change(a, b) {
-  const d = b - a;
-  return `${d >= 0 ? "+" : ""}${d.toFixed(3)} s` + (a > 0 ? ` (${(b / a).toFixed(2)}x)` : "");
+function change(older, newer) {
+  const d = newer - older;
+  return `${d >= 0 ? "+" : ""}${d.toFixed(3)} s` + (older > 0 ? ` (${(newer / older).toFixed(2)}x)` : "");
+}
+function bytes(n) {  // as the report's tables say sizes: powers of 1024, named so
+  let size = n;
+  for (const unit of ["B", "KiB", "MiB", "GiB"]) {
+    if (size < 1024) return unit === "B" ? `${size.toFixed(0)} B` : `${size.toFixed(1)} ${unit}`;
+    size /= 1024;
+  }
+  return `${size.toFixed(1)} TiB`;
 }
 function compare() {
-  const a = data.checkpoints[Number(document.getElementById("compare-a").value)];
-  const b = data.checkpoints[Number(document.getElementById("compare-b").value)];
+  const picked = ["compare-a", "compare-b"].map(id => data.checkpoints[Number(document.getElementById(id).value)]);
   const out = document.getElementById("compare-result");
   out.replaceChildren();
-  if (!a || !b) return;
+  if (!picked[0] || !picked[1]) return;
+  const [a, b] = picked[0].index <= picked[1].index ? picked : [picked[1], picked[0]];  // a: the older
   const steps = new Map();
   for (const [name, median, max, rank] of a.steps) steps.set(name, {name, a: {median, max, rank}});
   for (const [name, median, max, rank] of b.steps) steps.set(name, {...(steps.get(name) || {name}), b: {median, max, rank}});
@@ -271,13 +282,15 @@ function compare() {
     out.appendChild(t);
     return t;
   };
+  const [da, db] = [a.duration_ms / 1e3, b.duration_ms / 1e3];
   const h = document.createElement("p");
-  h.textContent = `#${a.index + 1} ${a.operation} ${a.id} (${(a.duration_ms / 1e3).toFixed(3)} s, ${a.status}) ` +
-    `against #${b.index + 1} ${b.operation} ${b.id} (${(b.duration_ms / 1e3).toFixed(3)} s, ${b.status}): ` +
-    `${change(a.duration_ms / 1e3, b.duration_ms / 1e3)}`;
+  h.className = "compare-headline";
+  h.textContent = `#${b.index + 1} ${b.operation} ${b.id} (newer, ${fmt(db)}, ${b.status}) took ` +
+    `${fmt(Math.abs(db - da))} ${db >= da ? "longer" : "less"} than #${a.index + 1} ${a.operation} ${a.id} ` +
+    `(older, ${fmt(da)}, ${a.status}): ${change(da, db)}, newer minus older.`;
   out.appendChild(h);
-  const stepsTable = table("compare-steps", ["step", "slowest rank, A", "slowest rank, B", "change", "median A",
-                                             "median B", "change of the median"]);
+  const stepsTable = table("compare-steps", ["step", "slowest rank, older", "slowest rank, newer", "change",
+                                             "median, older", "median, newer", "change of the median"]);
   rowsOfSteps.forEach((s, i) => {
     const tr = stepsTable.insertRow();
     if (i === 0) tr.className = "changed-most";
@@ -287,16 +300,17 @@ function compare() {
       tr.insertCell().textContent = v;
   });
   const ranksA = new Map(a.ranks.map(r => [r[0], r])), ranksB = new Map(b.ranks.map(r => [r[0], r]));
-  const changed = [...ranksA.keys()].filter(r => ranksB.has(r))
-    .sort((x, y) => Math.abs(ranksB.get(y)[1] - ranksA.get(y)[1]) - Math.abs(ranksB.get(x)[1] - ranksA.get(x)[1]))
+  const busyChange = r => Math.abs(ranksB.get(r)[2] - ranksA.get(r)[2]);
+  const changed = [...ranksA.keys()].filter(r => ranksB.has(r)).sort((x, y) => busyChange(y) - busyChange(x) || x - y)
     .slice(0, 10);
-  const ranksTable = table("compare-ranks", ["rank", "total A", "total B", "change", "busy A", "busy B",
-                                             "MB A", "MB B", "I/O MB/s A", "I/O MB/s B"]);
+  const ranksTable = table("compare-ranks", ["rank", "busy, older", "busy, newer", "change of busy", "total, older",
+                                             "total, newer", "change", "bytes, older", "bytes, newer",
+                                             "I/O MB/s, older", "I/O MB/s, newer"]);
   for (const r of changed) {
     const [ra, rb] = [ranksA.get(r), ranksB.get(r)];
     const tr = ranksTable.insertRow();
-    for (const v of [r, fmt(ra[1]), fmt(rb[1]), change(ra[1], rb[1]), fmt(ra[2]), fmt(rb[2]),
-                     (ra[4] / 1e6).toFixed(1), (rb[4] / 1e6).toFixed(1), (ra[5] / 1e6).toFixed(1), (rb[5] / 1e6).toFixed(1)])
+    for (const v of [r, fmt(ra[2]), fmt(rb[2]), change(ra[2], rb[2]), fmt(ra[1]), fmt(rb[1]), change(ra[1], rb[1]),
+                     bytes(ra[4]), bytes(rb[4]), (ra[5] / 1e6).toFixed(1), (rb[5] / 1e6).toFixed(1)])
       tr.insertCell().textContent = v;
   }
 }
