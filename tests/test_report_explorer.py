@@ -103,6 +103,21 @@ def test_searching_rank_7_keeps_only_its_lane(opened: Any) -> None:
     assert console_errors(opened) == []
 
 
+def test_a_search_that_every_rank_matches_keeps_the_page_folded(opened: Any) -> None:
+    opened.find_element(By.CSS_SELECTOR, "input[type=search]").send_keys("write_data")
+    height = opened.execute_script("return document.documentElement.scrollHeight")
+    assert height <= 15_000, height  # 1,024 lanes per timeline were 179,056 px
+    timelines = opened.execute_script("""return [...document.querySelectorAll('section.checkpoint')]
+        .filter(s => !s.hidden && s.querySelector('details.ckpt').open).map(s => ({
+            lanes: [...s.querySelectorAll('.timeline-host svg g.lane')].map(g => Number(g.dataset.rank)),
+            bands: s.querySelectorAll('.timeline-host svg g.band').length}))""")
+    assert timelines
+    for timeline in timelines:  # the ranks worth reading first (the coordinator, the straggler), the rest in bands
+        assert 0 in timeline["lanes"] and len(timeline["lanes"]) <= 24 and timeline["bands"] > 0, timeline
+    assert any(run.SLOW in t["lanes"] for t in timelines)
+    assert console_errors(opened) == []
+
+
 def test_a_band_unfolds_into_its_ranks_lanes_on_a_click(opened: Any) -> None:
     host = opened.find_element(By.CSS_SELECTOR, "section.checkpoint details.ckpt[open] .timeline-host")
     label = host.find_element(By.CSS_SELECTOR, "g.band .lane-label")

@@ -74,10 +74,23 @@ function matchingRanks(ckpt) {
 }
 
 // --- a timeline -----------------------------------------------------------------------------
+// A search keeps the page folded: at most MATCH_LANES matching ranks become lanes (those worth reading first,
+// then the lowest), the other matches stay in their bands, which a click unfolds as ever.
+const MATCH_LANES = 24;
 function rowsToShow(ckpt) {  // [{kind: "lane", rank} | {kind: "band", band, number}]
   const matches = matchingRanks(ckpt);
-  if (matches !== null) return [...matches].sort((a, b) => a - b).map(rank => ({kind: "lane", rank}));
   const open = expanded[ckpt.index] || new Set();
+  if (matches !== null) {
+    const sorted = [...matches].sort((a, b) => a - b);
+    const chosen = new Set(ckpt.lanes.filter(r => matches.has(r)).slice(0, MATCH_LANES));
+    for (const r of sorted) { if (chosen.size >= MATCH_LANES) break; chosen.add(r); }
+    ckpt.bands.forEach((band, n) => { if (open.has(n)) band.ranks.forEach(r => { if (matches.has(r)) chosen.add(r); }); });
+    const rows = [...chosen].sort((a, b) => a - b).map(rank => ({kind: "lane", rank}));
+    ckpt.bands.forEach((band, n) => {
+      if (band.ranks.some(r => matches.has(r) && !chosen.has(r))) rows.push({kind: "band", band, number: n});
+    });
+    return rows;
+  }
   const lanes = new Set(ckpt.lanes);
   ckpt.bands.forEach((band, n) => { if (open.has(n)) band.ranks.forEach(r => lanes.add(r)); });
   const rows = [...lanes].sort((a, b) => a - b).map(rank => ({kind: "lane", rank}));
