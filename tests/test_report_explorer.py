@@ -227,3 +227,20 @@ def test_a_wide_checkpoints_lanes_are_the_ranks_worth_reading_the_unfinished_one
     lanes, bands = fold(ckpt)
     assert 0 in lanes and 33 in lanes and 39 in lanes  # the coordinator, the unfinished, the slowest
     assert len(bands) == BANDS and sorted(lanes + [r for b in bands for r in b["ranks"]]) == list(range(40))
+
+
+def test_a_failed_bar_is_findable_and_its_details_keep_attribute_names_whole(browser: Any, tmp_path: Path) -> None:
+    folder = run.write_run(tmp_path / "failing", checkpoints=run.FAILED_AT + 1, ranks=8)
+    out = tmp_path / "failing.html"
+    done = subprocess.run([sys.executable, "-m", "dcp_otel", "report", str(folder), "--html", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    browser.get(out.as_uri())
+    bar = browser.find_element(By.CSS_SELECTOR, f".lane[data-rank='{run.FAILING}'] rect.bar.error.io")
+    assert float(bar.get_attribute("width")) >= 4  # its write lasted 0.06 s of a 1.6 s checkpoint
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('click', {bubbles: true}))", bar)
+    cells = browser.execute_script("""return [...document.querySelectorAll('#span-details table.attributes tr')]
+        .map(tr => { const range = document.createRange(); range.selectNodeContents(tr.cells[0]);
+                     return {name: tr.cells[0].textContent, lines: range.getClientRects().length}; })""")
+    assert cells and all(c["lines"] <= 1 for c in cells), cells  # "dcp.checkpoint_id", never "dcp.chec kpoint_id"
+    assert console_errors(browser) == []

@@ -149,7 +149,8 @@ function draw(ckpt) {
         const error = s[row.error] >= 0;
         const rect = el("rect", {
           class: "bar " + kindOf(s) + (error ? " error" : ""), "data-name": nameOf(s), "data-span-id": s[row.id],
-          x: x(s[row.start]), y: y0 + 4 + s[row.depth] * ROW, width: Math.max(1, s[row.dur] * scale),
+          // A failed span is never thinner than a few pixels: the outline of the failure must be findable.
+          x: x(s[row.start]), y: y0 + 4 + s[row.depth] * ROW, width: Math.max(error ? 4 : 1, s[row.dur] * scale),
           height: ROW - 2, fill: colors[kindOf(s)]}, g);
         el("title", {}, rect).textContent = `rank ${r.rank} ${nameOf(s)}: ${s[row.dur].toFixed(2)} ms` +
           (error ? " (failed: " + data.strings[s[row.error]] + ")" : "") + " — click for its attributes";
@@ -235,7 +236,12 @@ function showSpan(ckpt, spanId) {
   close.addEventListener("click", () => { panel.hidden = true; });
   add("h3", "dcp." + nameOf(s));
   const table = document.createElement("table");
-  const line = (k, v) => { const tr = table.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v; };
+  const line = (k, v) => {  // a value of several lines (a stack) keeps its lines, wrapped
+    const tr = table.insertRow();
+    tr.insertCell().textContent = k;
+    const cell = tr.insertCell();
+    if (String(v).includes("\n")) add("pre", String(v), cell); else cell.textContent = v;
+  };
   line("status", s[row.error] >= 0 ? "ERROR: " + data.strings[s[row.error]] : "OK");
   line("rank", s[row.rank]);
   line("start", `+${s[row.start].toFixed(3)} ms`);
