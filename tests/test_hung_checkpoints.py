@@ -111,6 +111,12 @@ def run_hung(tmp: Path, mode: str, *, plain: bool, ready: Callable[[Path], Any],
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        # A checkpoint process outlives its rank by its own ending (it got the SIGTERM too, and writes its
+        # evidence before it dies): wait for the job's process groups to empty, bounded, before reading.
+        groups = [int(p.read_text()) for p in out.glob("pgid-*") if p.read_text().strip().isdigit()]
+        deadline, pause = time.monotonic() + 30, threading.Event()
+        while any(_alive(g) for g in groups) and time.monotonic() < deadline:
+            pause.wait(0.1)
         for pgid in out.glob("pgid-*"):  # nothing of the job may outlive the test
             try:
                 os.killpg(int(pgid.read_text()), signal.SIGKILL)
@@ -119,6 +125,15 @@ def run_hung(tmp: Path, mode: str, *, plain: bool, ready: Callable[[Path], Any],
     exits = {int(p.name.split("-")[1]): int(p.read_text()) for p in out.glob("exit-*")}
     spans = read_spans([out / "traces"]) if (out / "traces").exists() else []
     return HungJob(out, code, log.read_text(errors="replace"), exits, seen, spans)
+
+
+def _alive(pgid: int) -> bool:
+    """Whether a process of the group is still there (a zombie of ours counts as gone)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def interrupted(spans: list[FileSpan], name: str, rank: int) -> FileSpan:
