@@ -18,9 +18,9 @@ from ``instrument()`` to its end: :mod:`dcp_otel.live.life`), this answers:
   lost to restarts (work redone plus time down).
 
 The wall time of a generation is known from its ``dcp.process`` spans; a
-generation without them (a killed process, dcp-otel before 0.5) gives its
-blocked seconds but no share. Time before ``instrument()`` (imports, the
-process group's start) is left out.
+generation without them (its processes were killed, or an older dcp-otel
+wrote its spans) gives its blocked seconds but no share. Time before
+``instrument()`` (imports, the process group's start) is left out.
 
 Usage::
 
