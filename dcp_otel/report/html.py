@@ -39,7 +39,6 @@ from dcp_otel.report.terminal import (
     skew_line,
     wall_clock,
 )
-from dcp_otel.tracing.failures import rank_ranges
 
 #: The page's style and script, beside this module (package data), embedded whole: the page works offline.
 _ASSETS = files("dcp_otel.report")
@@ -198,12 +197,10 @@ def _run_summary(summary: Summary, checkpoints: list[Checkpoint]) -> str:
     e = html.escape
     failed = f'<span class="failed">{len(summary.failures)} failed</span>' if summary.failures else "none failed"
     unfinished = f'<span class="failed">{len(summary.unfinished)} unfinished</span>, ' if summary.unfinished else ""
-    of = f" of {summary.ranks + len(summary.silent)}" if summary.silent else ""
     parts = [f'<div class="summary" id="summary"><p><b>{summary.operations} checkpoint operations</b> '
-             f"({e(summary.kinds)}) on {summary.ranks}{of} ranks: {unfinished}{failed}.</p>"]  # fmt: skip
-    if summary.silent:
-        parts.append(f'<p class="failed">No spans from rank {rank_ranges(summary.silent)}: a process killed before '
-                     "it exported, or a file not given.</p>")  # fmt: skip
+             f"({e(summary.kinds)}) on {summary.ranks_said} ranks: {unfinished}{failed}.</p>"]  # fmt: skip
+    if summary.silent_said:
+        parts.append(f'<p class="failed">{e(summary.silent_said[0].upper() + summary.silent_said[1:])}.</p>')
     for u in summary.unfinished[:FAILURES_SHOWN]:
         parts.append(f'<p class="failed unfinished"><a href="#checkpoint-{u.index}">{e(u.operation)} '
                      f"{e(u.checkpoint_id)}</a> (operation {u.index + 1} of {summary.operations}) never finished: "

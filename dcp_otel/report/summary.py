@@ -135,6 +135,18 @@ class Summary:
     silent: list[int] = field(default_factory=list)
 
     @property
+    def ranks_said(self) -> str:
+        """``"4"``, or ``"3 of 4"`` when ranks of the world sent nothing."""
+        return f"{self.ranks} of {self.ranks + len(self.silent)}" if self.silent else str(self.ranks)
+
+    @property
+    def silent_said(self) -> str | None:
+        """``"no spans from rank 1: ..."`` (``None``: every rank sent spans)."""
+        if not self.silent:
+            return None
+        return f"no spans from rank {rank_ranges(self.silent)}: a process killed before it exported, or a file not given"
+
+    @property
     def kinds(self) -> str:
         """``"2 save, 2 async_save, 1 load"``."""
         return ", ".join(f"{n} {op}" for op, n in self.by_operation.items())

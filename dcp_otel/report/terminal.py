@@ -168,12 +168,10 @@ def render_summary(summary: Summary) -> str:
     with its full cause, the run's straggler, the trends."""
     failed = f"{len(summary.failures)} failed" if summary.failures else "none failed"
     unfinished = f"{len(summary.unfinished)} unfinished, " if summary.unfinished else ""
-    of = f" of {summary.ranks + len(summary.silent)}" if summary.silent else ""
-    lines = [f"{summary.operations} checkpoint operations ({summary.kinds}) on {summary.ranks}{of} ranks: "
+    lines = [f"{summary.operations} checkpoint operations ({summary.kinds}) on {summary.ranks_said} ranks: "
              f"{unfinished}{failed}"]  # fmt: skip
-    if summary.silent:
-        lines.append(f"no spans from rank {rank_ranges(summary.silent)}: a process killed before it exported, or a "
-                     "file not given")  # fmt: skip
+    if summary.silent_said:
+        lines.append(summary.silent_said)
     for u in summary.unfinished[:FAILURES_SHOWN]:
         lines.append(f"UNFINISHED  {u.operation} {u.checkpoint_id or '(no id)'} (operation {u.index + 1} of "
                      f"{summary.operations}): {u.headline()}")  # fmt: skip
