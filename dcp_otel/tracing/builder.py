@@ -45,7 +45,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
-from dcp_otel.tracing.outcome import at_risk, failure_origin
+from dcp_otel.tracing.outcome import at_risk, failure_origin, own_call
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
     KIND_OPERATION,
@@ -333,8 +333,8 @@ def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool =
     if not late:
         # The training thread's own call (an async save's until it returned; not its background save, nor the
         # async save process's, whose relayed counts the rank drops).
-        own = next((c for c in calls if c.kind == KIND_OPERATION and c.func_name == op.name and c.end_ns), None)
-        if own is not None:
+        own = own_call(op, calls)
+        if own is not None and own.end_ns:
             metrics.training_blocked(op.name, rank, own.duration_s)
     if not late and op.failed is not None:
         origin = failure_origin(calls)

@@ -24,9 +24,15 @@ def failure_origin(calls: list[Call]) -> str | None:
     return first.failure.origin if first is not None and first.failure is not None else None
 
 
+def own_call(op: Operation, calls: list[Call]) -> Call | None:
+    """The operation's own call among ``calls``: the caller's (an async save's until it returned), not its
+    background save's, nor the async save process's."""
+    return next((c for c in calls if c.kind == KIND_OPERATION and c.func_name == op.name), None)
+
+
 def at_risk(op: Operation, calls: list[Call], last_save_ns: int | None) -> None:
     """On a failed (or interrupted) operation's span: the age of this process's last durable save, the work a
     restart from it would redo (none said before this process's first)."""
-    own = next((c for c in calls if c.kind == KIND_OPERATION and c.func_name == op.name), None)
+    own = own_call(op, calls)
     if own is not None and last_save_ns and op.end_ns >= last_save_ns:
         own.extra = {**(own.extra or {}), semconv.ATTR_RECOVERY_POINT_AGE: round((op.end_ns - last_save_ns) / 1e9, 3)}
