@@ -36,6 +36,7 @@ from dcp_otel.attach.async_process import (
     replace_daemon_entry,
 )
 from dcp_otel.attach.async_thread import AsyncContextCarrier
+from dcp_otel.attach.call_arguments import CallArguments
 from dcp_otel.attach.logger_tap import DCPLoggerTap
 from dcp_otel.attach.unlogged_calls import consolidated, logged_call, public_call
 from dcp_otel.attach.wrapping import Replacer, attribute, wrap
@@ -390,6 +391,10 @@ def install(
         module, dcp_logger = found
         installed.tap, installed.logger_module = DCPLoggerTap(dcp_logger, recorder), module
         setattr(module, LOGGER_ATTR, installed.tap)
+        recorder.call_arguments = CallArguments.of(module)
+        if recorder.call_arguments is None:
+            installed.missing.append(f"{LOGGER_MODULE}._dcp_method_logger's arguments (no_dist saves are counted "
+                                     "with the group's checkpoints)")  # fmt: skip
     hooks = Hooks(recorder, carrier, bridge, installed.tap.feed if installed.tap is not None else _no_feed)
     for patch in PATCHES:
         target = resolve(patch)

@@ -9,7 +9,7 @@ call of the operation inherits all of that through the context.
 
 Usage (what :class:`~dcp_otel.tracing.tracker.SpanRecorder` does)::
 
-    op, parent_ctx = starter.begin(event, context_api.get_current(), seq)
+    op, parent_ctx = starter.begin(event, context_api.get_current(), sequences)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dcp_otel.tracing.records import Operation, new_span_id
 from dcp_otel.tracing.trace_ids import (
     CheckpointKey,
     RunIdentity,
-    SequenceCounter,
+    SequenceTables,
     derive_ids,
     remote_root_context,
     resolve_run_id,
@@ -127,9 +127,13 @@ class OperationStarter:
         return {attr: str(details[field]) for field, attr in _CLASS_FIELDS if details.get(field)}
 
     def begin(
-        self, event: DCPEvent, ctx: context_api.Context, seq_counter: SequenceCounter
+        self, event: DCPEvent, ctx: context_api.Context, sequences: SequenceTables
     ) -> tuple[Operation, context_api.Context]:
-        """A DCP call with no enclosing DCP call: this rank's part of a trace, and its parent context."""
+        """A DCP call with no enclosing DCP call: this rank's part of a trace, and its parent context.
+
+        A ``no_dist`` call inside a process group is this process's alone, as outside torch.distributed:
+        a trace of one rank, its own coordinator, counted apart from the group's checkpoints.
+        """
         _, tracer, chosen_ids, static_flags = self._tracer()
         environment = self._environment
         if environment is None:
@@ -138,13 +142,19 @@ class OperationStarter:
         if watch is not None:
             watch()
         fields = operation_fields(event.details)
-        if fields.global_rank is not None and fields.world_size is not None:
+        read_arguments = self._recorder.call_arguments
+        arguments = read_arguments() if read_arguments is not None else None
+        private = arguments is not None and arguments.get("no_dist") is True
+        if fields.global_rank is not None and fields.world_size is not None and not private:
             distributed = True
             rank, world_size = fields.global_rank, fields.world_size
             group_rank = fields.group_rank if fields.group_rank is not None else rank
-        else:  # torch.distributed not initialized: DCP runs as a single process
+        else:  # torch.distributed not initialized, or no_dist: DCP runs as a single process
             distributed = False
             rank, world_size = environment.rank, environment.world_size
+            if private:
+                rank = fields.global_rank if fields.global_rank is not None else rank
+                world_size = 1
             group_rank = 0
         identity = self._run_identity(world_size if distributed else 1)
         if identity.source == "fallback":
@@ -167,7 +177,8 @@ class OperationStarter:
             checkpoint_id,
             generation,
         )
-        seq = seq_counter.next(key)
+        group = arguments.get("process_group") if arguments is not None else None
+        seq = sequences.counter(group, not distributed).next(key)
         ids = derive_ids(key, seq)
         is_coordinator = group_rank == 0
         attributes: dict[str, Any] = {

@@ -177,10 +177,10 @@ def derive_ids(key: CheckpointKey, seq: int) -> DerivedIds:
     return DerivedIds(trace_id, span_id)
 
 
-#: Checkpoint keys a process remembers the count of. Most ids are saved once (``step-2000``), so the
-#: table would grow by one entry per checkpoint, forever; the least recently used is forgotten past
-#: this. An id saved again after this many other ids starts at 0 again (its trace id repeats its first
-#: save's); one that keeps being reused (``latest``) stays remembered.
+#: Checkpoint keys a process remembers the count of, per process group. Most ids are saved once
+#: (``step-2000``), so a table would grow by one entry per checkpoint, forever; the least recently used
+#: is forgotten past this. An id saved again after this many other ids starts at 0 again (its trace id
+#: repeats its first save's); one that keeps being reused (``latest``) stays remembered.
 MAX_KEYS = 16_384
 
 
@@ -206,6 +206,62 @@ class SequenceCounter:
 
     def __len__(self) -> int:
         return len(self._next)
+
+
+class SequenceTables:
+    """The sequence counts of one process: a :class:`SequenceCounter` per process group, one for ``no_dist`` calls.
+
+    Why not one table: a bounded table forgets its least recently used key, and which key that is depends
+    on every operation the table has seen. Ranks of one checkpoint must derive the same sequence number,
+    so their tables must have seen the same operations in the same order. A group's collective operations
+    are made by every rank of the group in the same order (DCP's collectives would deadlock otherwise), so
+    a table that sees only them is the same on every rank of the group, and evicts alike: its ranks cannot
+    disagree. What only some ranks make (``no_dist`` saves, a subgroup's saves) goes to tables the other
+    ranks' checkpoints never read. A table per group is created at its first operation and goes with it.
+
+    Usage::
+
+        seq = tables.counter(group=None, private=False).next(key)   # the default group's table
+    """
+
+    def __init__(self, max_keys: int | None = None) -> None:
+        self._max_keys = max_keys = MAX_KEYS if max_keys is None else max_keys  # (read now: a test may lower it)
+        self.default = SequenceCounter(max_keys)
+        self.private = SequenceCounter(max_keys)
+        self._groups: weakref.WeakKeyDictionary[Any, SequenceCounter] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def counter(self, group: Any = None, private: bool = False) -> SequenceCounter:
+        """The table for an operation on ``group`` (``None``: the default group), or for a ``no_dist`` one."""
+        if private:
+            return self.private
+        if group is None or group is _default_group():
+            return self.default
+        try:
+            with self._lock:
+                found = self._groups.get(group)
+                if found is None:
+                    found = self._groups[group] = SequenceCounter(self._max_keys)
+                return found
+        except TypeError:  # a group that cannot be weakly referenced: counted with the default group, as before
+            return self.default
+
+    def reset_lock(self) -> None:
+        """After ``fork``: locks no thread of the child holds (the counts stay)."""
+        self._lock = threading.Lock()
+        for table in (self.default, self.private, *self._groups.values()):
+            table.reset_lock()
+
+
+def _default_group() -> Any:
+    """The default process group, or ``None`` (no torch.distributed, or not initialized)."""
+    c10d = _c10d
+    try:
+        if c10d is None:
+            from torch.distributed import distributed_c10d as c10d
+        return c10d._get_default_group() if c10d.is_initialized() else None
+    except Exception:  # noqa: BLE001 - not this torch
+        return None
 
 
 class _OverridableIds:

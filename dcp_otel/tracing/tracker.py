@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import context as context_api
@@ -61,7 +61,7 @@ from dcp_otel.tracing.records import (
     failure_of,
     new_span_id,
 )
-from dcp_otel.tracing.trace_ids import SequenceCounter
+from dcp_otel.tracing.trace_ids import SequenceTables
 from dcp_otel.tracing.uploads import InFlight
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
@@ -98,11 +98,13 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         self._stale_tokens: dict[int, object] = {}  # thread id -> the context token its interrupted calls left
         self._interrupt_lock = threading.RLock()  # the ending thread and atexit may both end the open calls
         self._max_open = options.max_open_spans
-        self._seq = SequenceCounter()
+        self._seq = SequenceTables()
         self.uploads = InFlight()
         self._hooks = ProviderHooks(self.builder, float(options.flush_timeout_s or 10))
         #: Called when an operation starts (or is continued here): starts the stall watchdog.
         self.watch: Callable[[], None] | None = None
+        #: Reads the starting call's own arguments (``no_dist``, ``process_group``), where this torch allows.
+        self.call_arguments: Callable[[], Mapping[str, Any] | None] | None = None
         self.closed = False
         _forksafe.register(self)
 
