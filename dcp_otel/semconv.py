@@ -22,8 +22,7 @@ from typing import Final
 SCOPE_NAME: Final = "dcp_otel"
 
 # --- span names -------------------------------------------------------------
-#: Every DCP function logged by torch's ``_dcp_method_logger`` becomes a span
-#: named ``SPAN_PREFIX + func_name`` (``dcp.save``, ``dcp.write_data``, ...).
+#: Every DCP function logged by torch's ``_dcp_method_logger`` becomes a span ``SPAN_PREFIX + func_name`` (``dcp.save``).
 SPAN_PREFIX: Final = "dcp."
 #: The root of a checkpoint's trace, emitted by the coordinator rank only; every rank's operation span is its child.
 SPAN_CHECKPOINT: Final = "dcp.checkpoint"
@@ -31,12 +30,10 @@ SPAN_CHECKPOINT: Final = "dcp.checkpoint"
 SPAN_ASYNC_UPLOAD: Final = "dcp.async_upload"
 #: Async save with an asynchronous stager: until the staging future completes.
 SPAN_ASYNC_STAGING: Final = "dcp.async_staging"
-#: A DCP call that has made no progress for longer than its stall threshold: a zero-length span under the open step
-#: (or the operation, between steps), emitted by the watchdog while the call is open, exported at once (live/).
+#: A DCP call with no progress past its stall threshold: a zero-length span under the open step, emitted at once (live/).
 SPAN_STALL: Final = "dcp.stall"
-#: One of DCP's own object collectives (``_DistWrapper.gather_object``, ``scatter_object``, ``broadcast_object``,
-#: ``all_gather_object``, ``barrier``): ``dcp.collective.gather_object``, a child of the rank's operation span. Its
-#: time is waiting for the others, never the rank's own work; with "auto" it goes with the ranks' step spans.
+#: One of DCP's object collectives (``_DistWrapper.gather_object``, ...): ``dcp.collective.gather_object``, a child of
+#: the rank's operation span. Its time is waiting for the others; with "auto" it goes with the ranks' step spans.
 SPAN_COLLECTIVE_PREFIX: Final = "dcp.collective."
 
 # --- attribute keys (on every DCP span unless noted) -----------------------
@@ -81,6 +78,13 @@ ATTR_COLLECTIVE_PATTERN: Final = "dcp.collective.pattern"
 #: int: bytes of pickled objects this rank sent, and received, in it (plans, write results, metadata; not a barrier).
 ATTR_COLLECTIVE_SENT_BYTES: Final = "dcp.collective.sent_bytes"
 ATTR_COLLECTIVE_RECEIVED_BYTES: Final = "dcp.collective.received_bytes"
+#: On the coordinator's write gather and the root of a save it waited in for one rank (attach/arrivals.py): that rank
+#: (int), its and the other ranks' median seconds from the plan's release to sending their write results (floats),
+#: and how many ranks' results said (int: instrumented ones). Named at SLOW_FACTOR x that median (tracing/detail.py).
+ATTR_STRAGGLER_RANK: Final = "dcp.straggler.rank"
+ATTR_STRAGGLER_SECONDS: Final = "dcp.straggler.seconds"
+ATTR_STRAGGLER_MEDIAN_SECONDS: Final = "dcp.straggler.median_seconds"
+ATTR_STRAGGLER_RANKS: Final = "dcp.straggler.ranks_said"
 #: True on a span whose exception one of DCP's collectives raised (a peer gone, a timeout): not this rank's own.
 ATTR_FAILED_IN_COLLECTIVE: Final = "dcp.failed_in_collective"
 
@@ -254,10 +258,9 @@ class MetricSpec:
     multiprocess_mode: str = ""
 
 
-#: Checkpoint reality spans planning (milliseconds) to writing at scale (hours). Neighbouring bounds are
-#: at most 2.5x apart from 10 ms to 1 h, so a quantile moves with the checkpoint (with 60 s and 300 s
-#: neighbours, every checkpoint between them read p50 = 180 s whatever it was); round values a person reads
-#: (1 min, 2.5 min, 5 min, 10 min, 25 min, 1 h). Each bound is a series per labelset: 19 of them.
+#: Checkpoints span planning (ms) to writing at scale (hours). Bounds at most 2.5x apart from 10 ms to 1 h, so a quantile
+#: moves with the checkpoint (60 s and 300 s neighbours read p50 = 180 s for all between); round values (1 min, 2.5 min,
+#: 5 min, 10 min, 25 min, 1 h). Each bound is a series per labelset: 19 of them.
 #: Over OTLP, OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram
 #: sends exponential histograms instead (the exporter's preferred aggregation overrides these bounds).
 DURATION_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 150.0,
@@ -311,8 +314,7 @@ TRAINING_BLOCKED: Final = MetricSpec(
     "dcp_training_blocked_seconds", "dcp.training.blocked", "s", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK),
     "Seconds the calling (training) thread spent blocked in checkpoint calls (an async save until it returned).",
 )  # fmt: skip
-#: Counted once per failed operation, by the rank whose own exception it was (not by the peers that only
-#: re-raise torch's CheckpointException): where a failure started, and what it was.
+#: Once per failed operation, by the rank whose own exception it was (not peers re-raising CheckpointException).
 FAILURES: Final = MetricSpec(
     "dcp_failures", "dcp.failures", "{failure}", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK, LABEL_ERROR_TYPE),
     "Failed checkpoint operations counted where the failure started: the rank whose own exception it was.",
@@ -322,8 +324,7 @@ TELEMETRY_PROBLEMS: Final = MetricSpec(
     "dcp_otel_telemetry_problems", "dcp_otel.telemetry_problems", "{problem}", KIND_COUNTER, (LABEL_REASON, LABEL_RANK),
     "Telemetry dcp-otel dropped or failed to record (what dcp_otel.diagnostics() counts).",
 )  # fmt: skip
-#: Where every rank is now, read from its open DCP calls when metrics are collected (an observable
-#: gauge; in multiprocess mode, published by the watchdog every tick): gone once the call ends.
+#: Where every rank is now, from its open DCP calls at collection (observable; multiprocess: the watchdog publishes it).
 IN_PROGRESS: Final = MetricSpec(
     "dcp_in_progress_since_timestamp_seconds", "dcp.in_progress_since_timestamp", "s", KIND_OBSERVED,
     (LABEL_OPERATION, LABEL_STEP, LABEL_RANK),

@@ -177,3 +177,14 @@ def test_staging_walk_prints_the_walk_and_the_async_save_it_sits_in() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"the walk alone: [\d.]+ ms for 200 tensors \([\d.]+ us each\)", done.stdout), done.stdout
     assert re.search(r"plain [\d.]+ ms, instrumented [\d.]+ ms, ratio [\d.]+ \(added [-+][\d.]+ ms", done.stdout), done.stdout
+
+
+def test_straggler_marks_prints_what_the_marks_add_to_the_coordinators_gather() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/straggler_marks.py", "--ranks", "500", "--items", "4", "--blocks", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]  # (it stops when a marked result differs from the plain one)
+    found = re.search(r"unpickling, plain / marked +([\d.]+) / +([\d.]+) ms +ratio ([\d.]+) +added ([-+][\d.]+) ms",
+                      done.stdout)  # fmt: skip
+    assert found is not None and _is_ratio_of_printed(found.group(2), found.group(1), found.group(3)), done.stdout
+    size = re.search(r"bytes a mark adds per rank +(\d+) B \(of (\d+) B\)", done.stdout)
+    assert size is not None and 30 < int(size.group(1)) < 100 < int(size.group(2)), done.stdout

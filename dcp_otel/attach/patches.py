@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_otel.attach import checkpointer, unlogged_calls
+from dcp_otel import semconv
+from dcp_otel.attach import arrivals, checkpointer, unlogged_calls
 from dcp_otel.attach.async_process import (
     DAEMON_CLASS,
     DAEMON_ENTRY,
@@ -42,6 +43,7 @@ from dcp_otel.attach.unlogged_calls import consolidated, logged_call, public_cal
 from dcp_otel.attach.wrapping import Replacer, attribute, wrap
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.metrics.prometheus import MetricsSink
+from dcp_otel.tracing.records import Call
 from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
@@ -131,7 +133,10 @@ def _collective_wrapper(method: str) -> Callable[[Hooks], Replacer]:
                 if call is None:
                     return original(self, *args, **kwargs)
                 try:
-                    result = original(self, *args, **kwargs)
+                    if gathers and call.extra is not None and call.extra.get(_STEP) == "write" and len(args) == 1:
+                        result = _gather_write_results(recorder, original, self, args[0], call)
+                    else:
+                        result = original(self, *args, **kwargs)
                 except BaseException as exc:
                     recorder.collective_ended(call, exc)
                     raise
@@ -143,6 +148,24 @@ def _collective_wrapper(method: str) -> Callable[[Hooks], Replacer]:
         return replacer
 
     return make
+
+
+_STEP = semconv.ATTR_COLLECTIVE_STEP
+
+
+def _gather_write_results(recorder: SpanRecorder, original: Callable[..., Any], wrapper: Any, results: Any,
+                          call: Call) -> Any:  # fmt: skip
+    """A save's write gather: the results go with this rank's mark, and the coordinator notes every rank's
+    (:mod:`dcp_otel.attach.arrivals`). DCP gets back exactly what it would have without dcp-otel."""
+    op = call.op
+    if op is not None and op.released_ns:  # since the plan released this rank (no plan collective: no mark)
+        results = arrivals.tag(results, op.rank, call.start_ns - op.released_ns)
+    if not getattr(wrapper, "is_coordinator", False):
+        return original(wrapper, results)
+    with arrivals.receiving() as marks:
+        gathered = original(wrapper, results)
+    recorder.on_arrivals(call, marks)
+    return gathered
 
 
 def _collective_scope_wrapper(pattern: str) -> Callable[[Hooks], Replacer]:

@@ -44,7 +44,7 @@ from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
 from dcp_otel.metrics.prometheus import MetricsSink
-from dcp_otel.tracing.detail import DetailPolicy, summary_attributes
+from dcp_otel.tracing.detail import DetailPolicy, named_straggler, summary_attributes
 from dcp_otel.tracing.outcome import at_risk, failure_origin, own_call
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
@@ -222,9 +222,16 @@ class SpanBuilder:
             summary = summary_attributes(op, steps, detailed, reason, collectives) if op_call is not None else None
         if not op.sampled:
             return
+        straggler: dict[str, int | float] = {}
+        for call in collectives:
+            if call.arrivals:  # the coordinator's write gather: whom it waited for, on it and on the root
+                straggler = named_straggler(call.arrivals)
+                call.arrivals = None
+                if straggler:
+                    call.extra = {**(call.extra or {}), **straggler}
         emit = _Emitter(op, self._twin(op.tracer))
         if op.root_span_id and not late:
-            emit.root()
+            emit.root(straggler)
         for call in calls:
             if not detailed and call.kind in _DETAIL_KINDS:
                 continue
@@ -263,10 +270,11 @@ class _Emitter:
         self.emitted[span_id] = span.get_span_context()
         return span
 
-    def root(self) -> None:
+    def root(self, extra: dict[str, int | float]) -> None:
         op = self.op
         links = [Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER})] if op.caller is not None else []
-        span = self._start(semconv.SPAN_CHECKPOINT, op.root_span_id, None, attributes=op.attributes, links=links,
+        attributes = {**op.attributes, **extra} if extra else op.attributes
+        span = self._start(semconv.SPAN_CHECKPOINT, op.root_span_id, None, attributes=attributes, links=links,
                            start_time=op.start_ns)  # fmt: skip
         if op.failed:
             span.set_status(Status(StatusCode.ERROR, op.failed[:MAX_STATUS_TEXT]))

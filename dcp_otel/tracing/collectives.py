@@ -110,12 +110,18 @@ class CollectiveCalls:
             self._open.pop(call.uuid, None)
             if op is None:
                 return
+            op.released_ns = call.end_ns
             if op.submitted:  # ended after its operation was built: built on its own
                 self.builder.submit(op, [call])
             else:
                 op.calls.append(call)
         except Exception:  # noqa: BLE001
             report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
+
+    def on_arrivals(self, call: Call, marks: list[tuple[int, int]]) -> None:
+        """The coordinator's write gather ``call`` received ``marks``: (rank, its time since the plan released it)."""
+        if marks:
+            call.arrivals = marks
 
     def current_collective(self) -> Call | None:
         """DCP's collective this thread is in, if any: where torch's pickled bytes are counted.

@@ -210,3 +210,31 @@ def summary_attributes(
     if detailed:  # a summary-only span says why by its ATTR_DETAIL alone
         attrs[semconv.ATTR_DETAIL_REASON] = reason
     return attrs
+
+
+#: The coordinator names the rank it waited for only when that rank was at least this much later than the others'
+#: median (besides SLOW_FACTOR times it): milliseconds of jitter in a balanced job name nobody.
+NAMED_LEAD_S: Final = 0.1
+
+
+def named_straggler(marks: list[tuple[int, int]]) -> dict[str, int | float]:
+    """The attributes naming the rank the coordinator's write gather waited for, from every rank's
+    (rank, nanoseconds from the plan's release to sending its write results); empty when none stood out.
+
+    Compared with the median of the *other* ranks, so that two ranks can name one. Whatever the world size
+    this is one sort on the builder thread and four attributes on spans exported anyway: every checkpoint a
+    persistent straggler delays names it, at 10,000 ranks too, within any span budget.
+    """
+    if len(marks) < 2:
+        return {}
+    ordered = sorted(marks, key=lambda mark: mark[1])
+    rank, last_ns = ordered[-1]
+    median_ns = statistics.median(mark[1] for mark in ordered[:-1])
+    if last_ns < SLOW_FACTOR * median_ns or last_ns - median_ns < NAMED_LEAD_S * 1e9:
+        return {}
+    return {
+        semconv.ATTR_STRAGGLER_RANK: rank,
+        semconv.ATTR_STRAGGLER_SECONDS: last_ns / 1e9,
+        semconv.ATTR_STRAGGLER_MEDIAN_SECONDS: median_ns / 1e9,
+        semconv.ATTR_STRAGGLER_RANKS: len(marks),
+    }

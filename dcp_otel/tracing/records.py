@@ -112,6 +112,7 @@ class Call:
     extra: dict[str, Any] | None = None  # attributes learnt while it ran (byte counts)
     sent_bytes: int = 0  # a collective's: the bytes torch pickled for it on this rank, and unpickled
     received_bytes: int = 0
+    arrivals: list[tuple[int, int]] | None = None  # the coordinator's write gather: (rank, since_ns) each sent
 
     def __init__(
         self,
@@ -211,7 +212,7 @@ class Operation:
         "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
         "wait_s", "lock", "storage", "exemplar_span_id", "_exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
-        "group", "collective_error", "staging",
+        "group", "collective_error", "staging", "released_ns",
     )  # fmt: skip
 
     def __init__(
@@ -258,6 +259,7 @@ class Operation:
         self.interrupted: str | None = None  # ended by the process ending (SIGTERM, exit) while open
         self.group: object | None = None  # the process group DCP ran it on, once seen (None: the default)
         self.collective_error = 0  # id() of the exception one of its collectives raised, while it propagates
+        self.released_ns = 0  # when its last collective so far returned on this rank (0: none yet)
         self.staging: Staged | None = None  # what an async save's stager copied (dcp_otel.tracing.facts)
         self.lock = threading.Lock()
 
