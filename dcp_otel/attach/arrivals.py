@@ -10,7 +10,8 @@ rank's time since its last collective (the plan's) released it; about 50 bytes m
 Only the coordinator, inside that gather, unpickles with :class:`RecordingUnpickler` (torch's
 ``_unpickler`` global, swapped for the gather and put back): where ``operator.getitem`` is looked up it
 gets :func:`_recording_getitem`, which notes a mark before doing what ``getitem`` does. A rank that is not
-instrumented sends no mark and is not among those compared.
+instrumented sends no mark and is not among those compared. (The one thing that differs there: write
+results that hold ``operator.getitem`` itself as a value, not a call of it, would hold this function.)
 
 Usage (what the gather's patch does)::
 
