@@ -128,18 +128,11 @@ def round_generation(explicit: str | None = None) -> str:
         explicit = os.environ.get(semconv.ENV_GENERATION, "").strip()
     if explicit:
         return explicit
-    global _generation, _c10d
-    c10d = _c10d
-    try:
-        if c10d is None:
-            from torch.distributed import distributed_c10d as c10d
-
-            _c10d = c10d
-        if not c10d.is_initialized():
-            return ""
-        group = c10d._get_default_group()
-    except Exception:  # noqa: BLE001 - not this torch: no generation
+    global _generation
+    group = _default_group()
+    if group is None:  # no process group (or not this torch): no generation
         return ""
+    c10d = _c10d
     known = _generation  # (one tuple, replaced whole: read without the lock)
     if known is not None and known[0]() is group:
         return known[1]
@@ -156,6 +149,23 @@ def round_generation(explicit: str | None = None) -> str:
             generation = ""
         _generation = (weakref.ref(group), generation)  # once per process group, even when it failed
         return generation
+
+
+def _default_group() -> Any:
+    """The default process group, or ``None`` (no torch.distributed, not initialized, or not this torch).
+
+    torch.distributed is imported at the first operation, not with dcp_otel, and kept in ``_c10d``.
+    """
+    global _c10d
+    c10d = _c10d
+    try:
+        if c10d is None:
+            from torch.distributed import distributed_c10d as c10d
+
+            _c10d = c10d
+        return c10d._get_default_group() if c10d.is_initialized() else None
+    except Exception:  # noqa: BLE001 - not this torch
+        return None
 
 
 def agree_on_generation(store: Any, key: str) -> str:
@@ -251,17 +261,6 @@ class SequenceTables:
         self._lock = threading.Lock()
         for table in (self.default, self.private, *self._groups.values()):
             table.reset_lock()
-
-
-def _default_group() -> Any:
-    """The default process group, or ``None`` (no torch.distributed, or not initialized)."""
-    c10d = _c10d
-    try:
-        if c10d is None:
-            from torch.distributed import distributed_c10d as c10d
-        return c10d._get_default_group() if c10d.is_initialized() else None
-    except Exception:  # noqa: BLE001 - not this torch
-        return None
 
 
 class _OverridableIds:
