@@ -19,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,15 @@ RANK_JOB, AGENT_JOB = "dcp-otel", "torchelastic-agent"
 JOB_TIMEOUT_S = 420
 #: The job's stall threshold: its last async save hangs (on SLOW_RANK) while the test looks.
 STALL_AFTER_S = 2
-#: The agent's remote-write progress: the newest sample timestamp it has sent.
+#: The agent's remote-write progress: the newest sample timestamp it has sent, in whole seconds (Prometheus
+#: divides its milliseconds by 1000), so a sample sent at 13.2 s says nothing of one scraped at 13.7 s.
 _SENT = re.compile(r"^prometheus_remote_storage_queue_highest_sent_timestamp_seconds\{[^}]*\} (\S+)$", re.MULTILINE)
-#: ... and the newest it has scraped.
-_APPENDED = re.compile(r"^prometheus_remote_storage_highest_timestamp_in_seconds (\S+)$", re.MULTILINE)
+#: What the agent's remote-write took in (samples and histograms appended: no labels; not exemplars, which every
+#: scrape counts in again while the agent's log keeps each once, so they never balance) ...
+_TAKEN_IN = re.compile(r"^prometheus_remote_storage_(?:samples|histograms)_in_total (\S+)$", re.MULTILINE)
+#: ... and what its queue is done with: sent, dropped or given up (per queue, labelled).
+_DONE = re.compile(r"^prometheus_remote_storage_(?:samples|histograms)_(?:total|dropped_total|failed_total)"
+                   r"\{[^}]*\} (\S+)$", re.MULTILINE)  # fmt: skip
 
 
 def live_config(shipped: Path, targets: Path, interval: str = "1s") -> dict[str, Any]:
@@ -133,26 +139,59 @@ class Stack:
             self.scraper.__exit__(*exc)
         self.prom.__exit__(*exc)
 
-    def wait_until_sent(self, at: float | None, timeout_s: float = 60.0) -> None:
-        """Until the agent has sent the central side every sample it scraped up to ``at`` (``None``: all it
-        has scraped; no-op without an agent).
+    def _agent_metrics(self) -> str:
+        assert self.scraper is not None
+        with urllib.request.urlopen(f"{self.scraper.url}/metrics", timeout=10) as response:  # noqa: S310 - loopback
+            return response.read().decode()
+
+    def _poll(self, done: Callable[[], bool], why: str, timeout_s: float = 60.0) -> None:
+        """Until ``done()``; fail with ``why`` and the logs after ``timeout_s``."""
+        deadline, wake = time.monotonic() + timeout_s, threading.Event()
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{why}:\n{self.log_tail()}")
+            wake.wait(0.25)  # polling the agent's progress, bounded by the deadline
+
+    def wait_until_sent(self, at: float) -> None:
+        """Until the agent has sent the central side a sample scraped after ``at`` (no-op without an agent).
 
         Scrapes reach the central side through the agent's remote-write queue, a
-        batch at a time; the agent's own metrics say how far it has sent.
+        batch at a time; the agent's own metrics say how far it has sent. For
+        live targets, scraped every second, a sample from a later whole second
+        (the resolution of that metric) having gone means those before it went.
+        """
+        if self.scraper is not None:
+            self._poll(lambda: max((float(v) for v in _SENT.findall(self._agent_metrics())), default=0.0) >= at,
+                       f"the agent never sent its samples up to {at}")  # fmt: skip
+
+    def wait_until_all_sent(self, ended: float) -> None:
+        """After the job ``ended``: until the agent has sent the central side all it scraped (no-op without one).
+
+        The torchelastic agent's last scrape, which holds its run results, is the
+        last sample of the run, scraped in the second the job ends: no later
+        sample tells it went. So first the agent has done with that target (the
+        target is gone, or a scrape began after the job ended: a target's scrapes
+        are appended in turn), then every sample it took in is accounted for:
+        sent, dropped or failed.
         """
         if self.scraper is None:
             return
-        deadline, wake = time.monotonic() + timeout_s, threading.Event()
-        while True:
-            with urllib.request.urlopen(f"{self.scraper.url}/metrics", timeout=10) as response:  # noqa: S310 - loopback
-                text = response.read().decode()
-            sent = [float(v) for v in _SENT.findall(text)]
-            target = at if at is not None else max((float(v) for v in _APPENDED.findall(text)), default=0.0)
-            if sent and max(sent) >= target > 0:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the agent never sent its samples up to {at}:\n{self.log_tail()}")
-            wake.wait(0.25)  # polling the agent's progress, bounded by the deadline
+        self._poll(lambda: self._agent_target_done(ended), "the agent never finished with the torchelastic agent's target")
+
+        def accounted() -> bool:
+            text = self._agent_metrics()
+            taken_in = sum(float(v) for v in _TAKEN_IN.findall(text))
+            return taken_in > 0 and sum(float(v) for v in _DONE.findall(text)) >= taken_in
+
+        self._poll(accounted, "the agent never sent all it scraped")
+
+    def _agent_target_done(self, ended: float) -> bool:
+        assert self.scraper is not None
+        with urllib.request.urlopen(f"{self.scraper.url}/api/v1/targets?state=active", timeout=10) as response:  # noqa: S310
+            targets = json.load(response)["data"]["activeTargets"]
+        last = [t["lastScrape"] for t in targets if t["labels"].get("job") == AGENT_JOB]
+        # RFC 3339 with nanoseconds; fromisoformat takes microseconds at most.
+        return all(datetime.fromisoformat(re.sub(r"(\.\d{6})\d*", r"\1", t)).timestamp() > ended for t in last)
 
     def run_job(self, while_ranks_live: Callable[[], None] = lambda: None) -> None:
         """Run the job to its end; raise with its log if it fails or overruns."""
@@ -189,8 +228,9 @@ class Stack:
                 code = self._job.wait(timeout=JOB_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 code = None
+        ended = time.time()
         assert code == 0, f"the job ended with {code}:\n{self.log_tail()}"
-        self.wait_until_sent(None)  # the agent's final scrape, too
+        self.wait_until_all_sent(ended)  # the agent's final scrape, too
         self.t_agent = self.last_scrape(AGENT_JOB)
 
     def last_scrape(self, job: str) -> float:
@@ -206,8 +246,6 @@ class Stack:
 
 def draw(live: Stack, dashboard: str, at: float, out_dir: Path) -> dict[str, int]:
     """The documentation's picture of ``dashboard``'s main panels, from this run, up to ``at``."""
-    import json
-
     from mixin.pictures import MAIN_PANELS, render
 
     model = json.loads((REPO / "grafana" / "dashboards" / dashboard).read_text())
