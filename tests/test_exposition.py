@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
@@ -352,6 +356,53 @@ def test_at_exit_a_process_waits_for_one_last_scrape_so_its_last_values_are_not_
     finally:
         proc.kill()
         proc.wait()
+
+
+def scrape_with_deadline(url: str, timeout_s: str) -> str:
+    """Scrape as Prometheus does, saying how long it waits for the response."""
+    request = urllib.request.Request(url, headers={"X-Prometheus-Scrape-Timeout-Seconds": timeout_s})
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback URL we built
+        return response.read().decode()
+
+
+class _Said(logging.Handler):
+    """Sets ``event`` when dcp-otel logs a message containing ``words``."""
+
+    def __init__(self, words: str, event: threading.Event) -> None:
+        super().__init__(logging.INFO)
+        self.words, self.event = words, event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.event.set()
+
+
+def test_a_last_scrape_answered_after_its_scrapers_deadline_does_not_end_the_wait(registry: CollectorRegistry) -> None:
+    """Prometheus says with each scrape how long it waits, and stores nothing of a response that comes later:
+    the agent's run results in it would be lost. So the process waits on for the next scrape, and counts the
+    late one."""
+    _selftelemetry.reset()
+    endpoint = dcp_otel.start_metrics_server(0, "127.0.0.1", registry=registry)
+    assert endpoint is not None
+    endpoint.final_scrape_timeout_s = 60
+    waiting, logger = threading.Event(), logging.getLogger("dcp_otel")
+    said, level = _Said("waiting up to 60s for a last scrape", waiting), logger.level
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            finished = pool.submit(endpoint.finish)
+            assert waiting.wait(30)
+            assert "probe_total 1.0" in scrape_with_deadline(endpoint.url, "1e-9")  # written after its deadline
+            with pytest.raises(FutureTimeout):
+                finished.result(timeout=1)  # still waiting: that scrape was not taken
+            scrape_with_deadline(endpoint.url, "10")
+            finished.result(timeout=30)  # this one was: the process may exit
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+    assert dcp_otel.diagnostics().get("late_scrape") == 1
+    assert "final_scrape_timeout" not in dcp_otel.diagnostics()
 
 
 def test_without_a_final_scrape_the_wait_ends_at_its_timeout_and_is_counted(registry: CollectorRegistry) -> None:

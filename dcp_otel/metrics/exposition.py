@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,36 +63,52 @@ class ScrapeWatch:
     torchelastic agent's run results were then lost now and then. A wait is
     over only once no response is still being written, or a process exiting
     right after the collection would cut its last scrape short (Prometheus
-    then gets nothing).
+    then gets nothing). Nor does a response written after the deadline its
+    scraper sent with it (``X-Prometheus-Scrape-Timeout-Seconds``) end a wait:
+    Prometheus has given up on that scrape and stored none of it, so the wait
+    goes on for the next one (counted as ``late_scrape``).
     """
 
     def __init__(self) -> None:
         self._scraped = threading.Condition()
-        self._count = 0
+        self._count = 0  # scrapes begun: each is numbered as it begins
+        self._answered = 0  # the highest number of a scrape answered in time
         self._responding = 0  # responses being computed or written
 
     def serving(self, app: Callable[..., Any]) -> Callable[..., Any]:
         """``app`` (the endpoint's WSGI app), each response counted until the server has written it."""
 
         def counted(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+            began = time.monotonic()
             with self._scraped:
                 # Counted as it begins: a scrape that began before a wait's ``seen`` may have collected the
                 # other metrics before the values the wait is for (this collector is registered last, so it
                 # is collected last), and must not end the wait.
                 self._count += 1
                 self._responding += 1
+                number = self._count
+            deadline = began + _scrape_timeout(environ)
+
+            def written() -> None:
+                self._written(number if time.monotonic() <= deadline else None)
+
             try:
-                return _Written(app(environ, start_response), self._written)
+                return _Written(app(environ, start_response), written)
             except BaseException:
-                self._written()
+                self._written(None)
                 raise
 
         return counted
 
-    def _written(self) -> None:
+    def _written(self, number: int | None) -> None:
+        """A response is written: scrape ``number``, or ``None`` when its scraper will not have taken it."""
         with self._scraped:
             self._responding -= 1
+            if number is not None:
+                self._answered = max(self._answered, number)
             self._scraped.notify_all()
+        if number is None:
+            report("late_scrape", "dcp_otel: a scrape was answered after its scraper's timeout; waiting for the next")
 
     def describe(self) -> list[object]:
         return []  # registering must not count as a scrape
@@ -99,6 +117,7 @@ class ScrapeWatch:
         with self._scraped:
             if not self._responding:  # another reader of the registry (a scrape was counted as it began)
                 self._count += 1
+                self._answered = self._count
                 self._scraped.notify_all()
         return []
 
@@ -108,9 +127,23 @@ class ScrapeWatch:
             return self._count
 
     def wait_past(self, seen: int, timeout_s: float) -> bool:
-        """Wait until there were more than ``seen`` scrapes, all of them answered; ``False`` after ``timeout_s``."""
+        """Wait until a scrape after the first ``seen`` was answered in time, and none is being answered;
+        ``False`` after ``timeout_s``."""
         with self._scraped:
-            return self._scraped.wait_for(lambda: self._count > seen and not self._responding, timeout=timeout_s)
+            return self._scraped.wait_for(lambda: self._answered > seen and not self._responding, timeout=timeout_s)
+
+
+#: Sent by Prometheus with every scrape: how long it waits for the response.
+_TIMEOUT_HEADER = "HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS"
+
+
+def _scrape_timeout(environ: dict[str, Any]) -> float:
+    """The scraper's own deadline for this response, in seconds; unbounded when it sent none (or a bad one)."""
+    try:
+        timeout = float(environ.get(_TIMEOUT_HEADER) or "inf")
+    except ValueError:
+        return math.inf
+    return timeout if timeout > 0 else math.inf
 
 
 class _Written:
@@ -168,8 +201,9 @@ class MetricsEndpoint:
         The last checkpoint of a job (and a torchelastic agent's run results)
         happen just before exit, after the last scrape. With
         ``final_scrape_timeout_s`` set, this waits for one more scrape, at
-        most that long, before closing. It runs at exit (also in the
-        launcher, after its workers ended); not in forked children.
+        most that long, before closing: one answered in full, within the
+        timeout its scraper sent. It runs at exit (also in the launcher,
+        after its workers ended); not in forked children.
         """
         if os.getpid() != self._pid:
             return
