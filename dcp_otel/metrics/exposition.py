@@ -90,7 +90,10 @@ class ScrapeWatch:
             deadline = began + _scrape_timeout(environ)
 
             def written() -> None:
-                self._written(number if time.monotonic() <= deadline else None)
+                in_time = time.monotonic() <= deadline
+                self._written(number if in_time else None)
+                if not in_time:
+                    report("late_scrape", "dcp_otel: a scrape was answered after its scraper's timeout; waiting on")
 
             try:
                 return _Written(app(environ, start_response), written)
@@ -101,14 +104,12 @@ class ScrapeWatch:
         return counted
 
     def _written(self, number: int | None) -> None:
-        """A response is written: scrape ``number``, or ``None`` when its scraper will not have taken it."""
+        """A response is over: scrape ``number`` answered, or ``None`` when its scraper will not have it."""
         with self._scraped:
             self._responding -= 1
             if number is not None:
                 self._answered = max(self._answered, number)
             self._scraped.notify_all()
-        if number is None:
-            report("late_scrape", "dcp_otel: a scrape was answered after its scraper's timeout; waiting for the next")
 
     def describe(self) -> list[object]:
         return []  # registering must not count as a scrape
