@@ -23,6 +23,11 @@ handler there. On SIGTERM:
    in C, the watchdog ends it the same way once the flush is done or the
    deadline has come;
 3. a second signal (SIGTERM or SIGINT) cuts the wait short, never restarts it.
+   Not a SIGINT that comes once this process's parent is gone: torch's
+   ``spawn`` (the ``_experimental`` checkpointer's checkpoint process) sets
+   SIGINT as the signal a child gets when its parent dies, and a rank dies of
+   the same SIGTERM a moment before its checkpoint process has written what it
+   was doing.
 
 The main thread stays frozen in the handler, wherever the signal found it: as
 without dcp-otel, no code of the application's runs after the signal. Where it
@@ -110,6 +115,7 @@ class SignalGuard:
             end.setblocking(False)
         self._wakeup = WakeupFd(self._writer.fileno(), self._on_wakeup_owner)
         self._previous: dict[int, Any] = {}  # signum -> the disposition ours replaced (kept after remove())
+        self._parent = os.getppid()  # a SIGINT once it is gone is its death's, not a second signal
         self.active = False
         self.reader_alive = False  # the watchdog reads the wakeup fd (set by the watchdog thread)
         self._reset_counts()
@@ -207,6 +213,7 @@ class SignalGuard:
         """A forked child (a DataLoader worker) handles signals as it would without dcp-otel."""
         self.active = False
         self.reader_alive = False
+        self._parent = os.getppid()
         try:
             self._give_back_sigterm()
             self._wakeup.forget_after_fork()
@@ -250,8 +257,8 @@ class SignalGuard:
 
     def _wait_for_the_ending(self) -> None:
         fallback = time.monotonic() + self._ending.clock.timeout_s  # should the watchdog never answer
-        try:
-            while self._state != _DONE:
+        while self._state != _DONE:
+            try:
                 deadline = self._ending.clock.deadline
                 remaining = min(fallback, deadline if deadline is not None else fallback) - time.monotonic()
                 if remaining <= 0:
@@ -259,8 +266,13 @@ class SignalGuard:
                 ready, _, _ = select.select([self._done_reader], [], [], remaining)
                 if ready:
                     return
-        except BaseException:  # noqa: BLE001 - Ctrl-C (KeyboardInterrupt) during the wait: cut short, not raised
-            self._ending.clock.cut()
+            except BaseException as exc:  # noqa: BLE001 - Ctrl-C (KeyboardInterrupt) during the wait: cut short, not raised
+                if not (isinstance(exc, KeyboardInterrupt) and self._parent_gone()):  # (that: the parent's death)
+                    self._ending.clock.cut()
+                    return
+
+    def _parent_gone(self) -> bool:
+        return os.getppid() != self._parent
 
     @staticmethod
     def _default_action(signum: int) -> None:
@@ -275,6 +287,8 @@ class SignalGuard:
     def on_byte(self, signum: int) -> None:
         """The watchdog read ``signum`` from the wakeup fd (0: a poke)."""
         if signum in self._woken:
+            if signum == signal.SIGINT and self._state != _IDLE and self._parent_gone():
+                return  # the SIGINT of the parent's death (torch's spawn), not a second signal: the ending goes on
             self._woken[signum] += 1
             if signum == signal.SIGINT and self._state == _IDLE:
                 self._flushes_asked += 1
