@@ -24,6 +24,8 @@ import os
 import weakref
 from typing import Protocol
 
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+
 
 class ForkAware(Protocol):
     def _after_fork_in_child(self) -> None: ...
@@ -41,8 +43,8 @@ def _after_fork_in_child() -> None:
     for obj in list(_objects):
         try:
             obj._after_fork_in_child()
-        except Exception:  # noqa: BLE001, S110 - a fork must never fail because of telemetry
-            pass
+        except Exception as exc:  # noqa: BLE001 - a fork must never fail because of telemetry
+            reraise_if_signalled(exc)
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dcp_otel import _forksafe
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 
 logger = logging.getLogger("dcp_otel")
 
@@ -58,8 +59,8 @@ def report(reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         for listener in tuple(_listeners):
             try:
                 listener(reason)
-            except Exception:  # noqa: BLE001 - counting a problem must not become one
-                pass
+            except Exception as exc:  # noqa: BLE001 - counting a problem must not become one
+                reraise_if_signalled(exc)
         now = time.monotonic()
         # Bounded: a thread that holds it may be frozen (the main thread, in a signal handler waiting for
         # the thread that reports now); that report is then dropped rather than the ending hung.
@@ -78,8 +79,8 @@ def report(reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
             msg += " (%d occurrences so far)"
             args = (*args, suppressed + 1)
         logger.warning(msg, *args, exc_info=exc_info)
-    except Exception:  # noqa: BLE001 - the last line of defence must not raise
-        pass
+    except Exception as exc:  # noqa: BLE001 - the last line of defence must not raise
+        reraise_if_signalled(exc)
 
 
 def counts() -> dict[str, int]:

@@ -27,6 +27,7 @@ from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from dcp_otel import semconv
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.detail import DETAIL_MODES, DetailMode
 from dcp_otel.tracing.training_step import DEFAULT_STEP_PATTERN, compiled
 
@@ -307,6 +308,7 @@ def resolve_callable(spec: str) -> Callable[..., Any]:
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - whatever the import raised, say so plainly
+        reraise_if_signalled(exc)
         raise ValueError(f"cannot import {module_name!r} for {spec!r}: {exc}") from exc
     for part in attr.split("."):
         target = getattr(target, part, None)

@@ -40,6 +40,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 
 _ID_FIELDS: Final = ("traceId", "spanId", "parentSpanId")
 STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
@@ -65,7 +66,8 @@ class OTLPJsonFileExporter(SpanExporter):
                 self._file.write(line + "\n")
                 self._file.flush()
             return SpanExportResult.SUCCESS
-        except Exception:  # noqa: BLE001 - an exporter reports, it does not raise into the SDK
+        except Exception as exc:  # noqa: BLE001 - an exporter reports, it does not raise into the SDK
+            reraise_if_signalled(exc)
             report("span_file_error", "dcp_otel could not write spans to %s", self.path, exc_info=True)
             return SpanExportResult.FAILURE
 

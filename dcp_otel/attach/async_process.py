@@ -46,6 +46,7 @@ from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions, resolve_callable
 from dcp_otel.live.progress import RemoteProgress
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import LiveEntry, MetricsSink
 from dcp_otel.metrics.relay import drain
 from dcp_otel.processes import DAEMON_MAIN
@@ -125,7 +126,8 @@ class ProcessBridge:
         result = wrapped(*args, **kwargs)
         try:
             setattr(instance, BOOTSTRAP_ATTR, self.bootstrap())
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("process_bridge_error", "dcp_otel could not prepare the async save process", exc_info=True)
         return result
 
@@ -138,7 +140,8 @@ class ProcessBridge:
             if carried is not None:
                 try:
                     setattr(request_id, CARRIER_ATTR, carried)
-                except Exception:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001
+                    reraise_if_signalled(exc)
                     report("process_bridge_error", "dcp_otel could not tag an async save request", exc_info=True)
         return wrapped(*args, **kwargs)
 
@@ -228,7 +231,8 @@ def replace_entry(owner_of: Callable[[], type], name: str, replacement_spec: str
     """
     try:
         owner = owner_of()
-    except Exception:  # noqa: BLE001 - any import failure means "not this torch"
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not this torch"
+        reraise_if_signalled(exc)
         return None
     original = vars(owner).get(name)
     if not isinstance(original, staticmethod):

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+
 #: Frames from the reader up to torch's wrapper: the starter, the recorder's start, its entry, the tap's
 #: one or two methods. A few more than that, and never the whole stack.
 _MAX_DEPTH = 12
@@ -44,7 +46,8 @@ class CallArguments:
         """The reader for this torch's decorator, or ``None`` where its wrapper is not a plain function."""
         try:
             code = logger_module._dcp_method_logger()(_decorated).__code__
-        except Exception:  # noqa: BLE001 - another torch: no reader, nothing else lost
+        except Exception as exc:  # noqa: BLE001 - another torch: no reader, nothing else lost
+            reraise_if_signalled(exc)
             return None
         return cls(code) if "kwargs" in code.co_varnames else None
 

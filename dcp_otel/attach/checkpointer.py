@@ -52,6 +52,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.attach.async_process import BOOTSTRAP_ATTR, replace_entry
 from dcp_otel.attach.unlogged_calls import After, CheckpointFile, logged_call
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.processes import CHECKPOINT_PROCESS_MAIN
 
 if TYPE_CHECKING:
@@ -157,7 +158,8 @@ def process_init(hooks: Hooks) -> Wrapper:
                 args = (_with_bootstrap(args[0], bridge.bootstrap()), *args[1:])
             elif "rank_info" in kwargs:
                 kwargs = {**kwargs, "rank_info": _with_bootstrap(kwargs["rank_info"], bridge.bootstrap())}
-        except Exception:  # noqa: BLE001 - the process then runs untraced
+        except Exception as exc:  # noqa: BLE001 - the process then runs untraced
+            reraise_if_signalled(exc)
             report("process_bridge_error", "dcp_otel could not prepare the checkpoint process", exc_info=True)
         return wrapped(*args, **kwargs)
 

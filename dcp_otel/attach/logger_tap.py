@@ -32,6 +32,7 @@ from typing import Any
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.events import MalformedEvent, parse_event
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.tracker import SpanRecorder
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
@@ -101,7 +102,8 @@ class DCPLoggerTap:
         except MalformedEvent as exc:
             report("malformed_event", "dropped a DCP log record: %s", exc)
             return
-        except Exception:  # noqa: BLE001 - telemetry never raises into training
+        except Exception as exc:  # noqa: BLE001 - telemetry never raises into training
+            reraise_if_signalled(exc)
             report("handler_error", "dcp_otel failed to read a DCP log record", exc_info=True)
             return
         # torch logs an exception from inside its ``except`` block: the

@@ -42,6 +42,7 @@ from dcp_otel.attach.logger_tap import DCPLoggerTap
 from dcp_otel.attach.unlogged_calls import consolidated, logged_call, public_call
 from dcp_otel.attach.wrapping import Replacer, attribute, wrap
 from dcp_otel.config import InstrumentOptions
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.records import Call
 from dcp_otel.tracing.tracker import SpanRecorder
@@ -207,8 +208,8 @@ def _object_bytes_wrapper(sent: bool) -> Callable[[Hooks], Replacer]:
                             call.sent_bytes += int(result[0].numel())
                         else:
                             call.received_bytes += int(args[1] if len(args) > 1 else kwargs["tensor_size"])
-                    except Exception:  # noqa: BLE001 - a torch whose functions differ: no bytes, no harm
-                        pass
+                    except Exception as exc:  # noqa: BLE001 - a torch whose functions differ: no bytes, no harm
+                        reraise_if_signalled(exc)
                 return result
 
             return replacement
@@ -372,7 +373,8 @@ def find_dcp_logger() -> tuple[Any, logging.Logger] | None:
     """torch's DCP logger module and the logger its ``_dcp_method_logger`` calls, if this torch has them."""
     try:
         module = importlib.import_module(LOGGER_MODULE)
-    except Exception:  # noqa: BLE001 - any import failure means "not this torch"
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not this torch"
+        reraise_if_signalled(exc)
         return None
     candidate = getattr(module, LOGGER_ATTR, None)
     if isinstance(candidate, DCPLoggerTap):  # another recorder's tap (never two instrumentations at once)
@@ -384,15 +386,15 @@ def resolve(patch: Patch) -> tuple[Any, str] | None:
     """The (owner, attribute) to wrap, or ``None`` if this torch lacks it."""
     try:
         owner: Any = importlib.import_module(patch.module)
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        reraise_if_signalled(exc)
         return None
     *path, attr = patch.name.split(".")
     for part in path:
         owner = getattr(owner, part, None)
         if owner is None:
             return None
-    # On a class, only a method it defines itself: an inherited (say abstract)
-    # one is not the code path we mean to wrap.
+    # On a class, only a method it defines itself: an inherited (say abstract) one is not the path we wrap.
     found = attribute(owner, attr)
     return (owner, attr) if callable(found) else None
 

@@ -62,6 +62,7 @@ from types import FrameType
 from typing import Any, Final
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 
 MODULE: Final = "torch.distributed.checkpoint.state_dict"
 #: The context manager every public function runs in.
@@ -111,7 +112,8 @@ def _start(
         record = _base_record(func_name, with_ranks, checkpoint_id)
         feed({**record, "event": "start", "time": time.time_ns(), "log_exceptions": True})
         return record
-    except Exception:  # noqa: BLE001 - telemetry never breaks the call
+    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the call
+        reraise_if_signalled(exc)
         report("recorder_error", "dcp_otel failed to record a state-dict call", exc_info=True)
         return None
 
@@ -123,7 +125,8 @@ def _end(feed: Feed, record: dict[str, Any], error: BaseException | None) -> Non
             feed({**record, "event": "end", "time": time.time_ns()})
         else:
             feed({**record, "event": "exception", "error": f"{error}", "time": time.time_ns()})
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        reraise_if_signalled(exc)
         report("recorder_error", "dcp_otel failed to record a state-dict call", exc_info=True)
 
 
@@ -166,7 +169,8 @@ def public_call(feed: Feed) -> Callable[..., Any]:
         inner = wrapped(*args, **kwargs)
         try:
             func_name = _public_caller()
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             func_name = None
         return inner if func_name is None else _LoggedContext(inner, feed, func_name)
 
@@ -197,7 +201,8 @@ def logged_call(
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             ckpt = checkpoint_id(args, kwargs) if checkpoint_id is not None else None
-        except Exception:  # noqa: BLE001 - arguments torch will reject itself
+        except Exception as exc:  # noqa: BLE001 - arguments torch will reject itself
+            reraise_if_signalled(exc)
             ckpt = None
         record = _start(feed, func_name, starts_operations, ckpt if isinstance(ckpt, (str, os.PathLike)) else None)
         if record is None:
@@ -210,7 +215,8 @@ def logged_call(
         if after is not None:
             try:
                 after(instance, args, kwargs)
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
+                reraise_if_signalled(exc)
                 report("recorder_error", "dcp_otel failed to record what %s produced", func_name, exc_info=True)
         _end(feed, record, None)
         return result

@@ -56,6 +56,7 @@ from torch.distributed.elastic.metrics.api import MetricData, MetricHandler
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import metric_sinks_from_env
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.otel import OTelElasticInstruments
 from dcp_otel.metrics.prometheus import exemplar_for, prometheus_collector
 from dcp_otel.version import __version__
@@ -159,7 +160,8 @@ class OTelMetricHandler(MetricHandler):
                     (otel.calls if kind is _CALLS else otel.events).add(value, route.attributes)
             else:
                 self._duration(route, value, _number(getattr(metric_data, "timestamp", None)))
-        except Exception:  # noqa: BLE001 - a metrics sink must never break the agent
+        except Exception as exc:  # noqa: BLE001 - a metrics sink must never break the agent
+            reraise_if_signalled(exc)
             self._drop("handler_error", "OTelMetricHandler failed to record a metric", exc_info=True)
 
     def _apply_rules(self, route: _Route, value: float, data: MetricData) -> bool:
@@ -231,8 +233,8 @@ class OTelMetricHandler(MetricHandler):
                 self._metrics.dropped.labels(reason).inc()
             if self._otel is not None:
                 self._otel.dropped.add(1, {semconv.LABEL_REASON: reason})
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
 
 
 _DURATION, _CALLS, _EVENT = "duration", "calls", "event"

@@ -43,6 +43,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.cli.check import warn_if_workers_setup_fails
 from dcp_otel.config import env_int
 from dcp_otel.elastic.handler import OTelMetricHandler
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
 from dcp_otel.tracing.trace_ids import agree_on_generation, resolve_run_id
 
@@ -90,7 +91,8 @@ def publish_generation(wrapped: Callable[..., Any], instance: Any, args: tuple[A
     group: Any = args[0] if args else kwargs.get("worker_group")
     try:
         os.environ[semconv.ENV_GENERATION] = agree_on_generation(group.store, semconv.STORE_GENERATION_KEY)
-    except Exception:  # noqa: BLE001 - the workers then agree through their own store
+    except Exception as exc:  # noqa: BLE001 - the workers then agree through their own store
+        reraise_if_signalled(exc)
         os.environ.pop(semconv.ENV_GENERATION, None)
         report("no_generation", "dcp-otel-run could not agree on a generation for this round of workers",
                exc_info=True)  # fmt: skip
@@ -119,7 +121,8 @@ def label_with_the_run(endpoint: MetricsEndpoint) -> Callable[..., Any]:
         try:
             options = args[0] if args else kwargs["args"]
             endpoint.relabel(workers_run_id(str(options.rdzv_id), str(options.master_addr), options.master_port))
-        except Exception:  # noqa: BLE001 - the label is ours; the launch is not
+        except Exception as exc:  # noqa: BLE001 - the label is ours; the launch is not
+            reraise_if_signalled(exc)
             report("file_sd_error", "dcp-otel-run could not label the agent's target with the run id", exc_info=True)
         return result
 

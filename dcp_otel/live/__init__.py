@@ -16,12 +16,15 @@ from outside the caller's thread:
   process ends, then building and flushing within ``flush_timeout_s``;
 * :mod:`~dcp_otel.live.signals`: SIGTERM, even while the main thread is
   blocked in a collective, without ever deciding how the process ends;
+* :mod:`~dcp_otel.live.signal_exceptions`: what a signal handler raised (torchelastic's
+  ``SignalException``) is the application's: every ``except Exception`` of dcp-otel
+  raises it again, on whatever thread of the caller's it runs;
 * :mod:`~dcp_otel.live.wakeup`: the signal wakeup fd, held only while nobody
   else (asyncio, trio) wants it;
 * :mod:`~dcp_otel.live.watchdog`: the one background thread per process that
   ties them together.
 
-Nothing here runs on the caller's thread, takes part in a collective, or
+Nothing else here runs on the caller's thread, takes part in a collective, or
 touches a torch object.
 
 Usage (what :class:`dcp_otel.DCPInstrumentor` does)::

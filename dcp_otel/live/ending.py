@@ -35,6 +35,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.life import ProcessLife
 from dcp_otel.live.progress import LiveState, Progress
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.live.stacks import ThreadStack, thread_stack
 from dcp_otel.metrics.otel import OTelCheckpointMetrics
 from dcp_otel.tracing.flushing import flush_all
@@ -128,7 +129,8 @@ class Ending:
                 return description(cause, p, stacks.get(p.thread_id) if p is not None and p.thread_id else None)
 
             return self._recorder.interrupt_open(cause, describe, {i: s.text for i, s in stacks.items()})
-        except Exception:  # noqa: BLE001 - the process is ending: keep what can be kept
+        except Exception as exc:  # noqa: BLE001 - the process is ending: keep what can be kept
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to end the open DCP calls", exc_info=True)
             return []
 
@@ -145,7 +147,8 @@ class Ending:
                 self._recorder.drain(max(0.0, deadline - time.monotonic()), metrics_only=True)
                 self._after_build()
             return flush_all(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("flush_error", "dcp_otel failed to flush as the process ended", exc_info=True)
             return False
 

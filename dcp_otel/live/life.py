@@ -39,6 +39,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.tracker import SpanRecorder
 from dcp_otel.tracing.training_step import explicit_step
 
@@ -70,7 +71,8 @@ class ProcessLife:
                 self._emit(cause, last)
             finally:
                 self._lock.release()
-        except Exception:  # noqa: BLE001 - the process is ending: its checkpoints' spans matter more
+        except Exception as exc:  # noqa: BLE001 - the process is ending: its checkpoints' spans matter more
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to emit the process span", exc_info=True)
 
     def _emit(self, cause: str, last: dict[str, Any]) -> None:

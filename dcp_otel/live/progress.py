@@ -41,6 +41,7 @@ from typing import Final
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import LiveEntry
 from dcp_otel.tracing.records import KIND_COLLECTIVE, KIND_OPERATION, KIND_UPLOAD, Call, DurationHistory, Operation
 from dcp_otel.tracing.tracker import SpanRecorder
@@ -112,7 +113,8 @@ class LiveState:
         """One :class:`Progress` per open operation. Never raises (a failure is counted: ``[]``)."""
         try:
             return _merge(_local(self.recorder.open_calls()), self.remote() if self.remote is not None else [])
-        except Exception:  # noqa: BLE001 - a reader of telemetry state never raises
+        except Exception as exc:  # noqa: BLE001 - a reader of telemetry state never raises
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to read where the open DCP calls are", exc_info=True)
             return []
 

@@ -83,6 +83,7 @@ from typing import Any, Final
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.ending import Ending
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.live.wakeup import WakeupFd
 
 logger = logging.getLogger("dcp_otel")
@@ -348,7 +349,8 @@ class SignalGuard:
     def _flush_quietly(self) -> None:
         try:
             self._flush_finished()
-        except Exception:  # noqa: BLE001 - a flush must never break anything
+        except Exception as exc:  # noqa: BLE001 - a flush must never break anything
+            reraise_if_signalled(exc)
             report("flush_error", "dcp_otel failed to flush after a signal", exc_info=True)
 
     def _die(self, signum: int) -> None:
@@ -364,8 +366,8 @@ class SignalGuard:
             libc.signal(signum, None)  # SIG_DFL
             os.kill(os.getpid(), signum)
             threading.Event().wait(_DEATH_GRACE_S)
-        except Exception:  # noqa: BLE001, S110 - no C library: the exit status the shell gives a signal's death
-            pass
+        except Exception as exc:  # noqa: BLE001 - no C library: the exit status the shell gives a signal's death
+            reraise_if_signalled(exc)
         os._exit(128 + signum)
 
 

@@ -39,6 +39,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report as report_problem
 from dcp_otel.live.progress import Progress
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.live.stacks import ThreadStack, thread_stack
 from dcp_otel.live.status import board
 from dcp_otel.metrics.prometheus import MetricsSink
@@ -86,7 +87,8 @@ class StallReporter:
             if p.op.sampled:
                 self._export(p, threshold_s, number, stack, now_ns)
             self.reported += 1
-        except Exception:  # noqa: BLE001 - a report must never break the watchdog, nor training
+        except Exception as exc:  # noqa: BLE001 - a report must never break the watchdog, nor training
+            reraise_if_signalled(exc)
             report_problem("stall_report_error", "dcp_otel failed to report a stalled DCP call", exc_info=True)
 
     def _log(self, p: Progress, threshold_s: float, number: int, stack: ThreadStack | None, now_ns: int) -> None:
@@ -148,7 +150,8 @@ class StallReporter:
                 force_flush = getattr(self._recorder.provider(), "force_flush", None)
                 if force_flush is not None:  # out now, not with the next batch: it survives a SIGKILL after it
                     force_flush(int(self._flush_timeout_s * 1000))
-            except Exception:  # noqa: BLE001 - a report must never break anything
+            except Exception as exc:  # noqa: BLE001 - a report must never break anything
+                reraise_if_signalled(exc)
                 report_problem("stall_report_error", "dcp_otel failed to export a stall span", exc_info=True)
             finally:
                 self._queue.task_done()

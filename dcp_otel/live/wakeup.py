@@ -44,6 +44,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, Final
 
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+
 #: The interpreter's own function, whatever wraps ``signal.set_wakeup_fd`` later.
 _REAL_SET_WAKEUP_FD: Final = signal.set_wakeup_fd
 
@@ -120,8 +122,8 @@ class WakeupFd:
     def _tell(self) -> None:
         try:
             self._on_change(self.owned)
-        except Exception:  # noqa: BLE001, S110 - the caller's set_wakeup_fd must behave as the interpreter's
-            pass
+        except Exception as exc:  # noqa: BLE001 - the caller's set_wakeup_fd must behave as the interpreter's
+            reraise_if_signalled(exc)
 
 
 def _holder_warns(fd: int) -> bool:
@@ -130,8 +132,8 @@ def _holder_warns(fd: int) -> bool:
         trio = sys.modules.get("trio")
         if trio is not None and trio.lowlevel.in_trio_run():
             return False  # trio: set_wakeup_fd(fd, warn_on_full_buffer=False)
-    except Exception:  # noqa: BLE001, S110 - an old or odd trio: not trio's then
-        pass
+    except Exception as exc:  # noqa: BLE001 - an old or odd trio: not trio's then
+        reraise_if_signalled(exc)
     asyncio = sys.modules.get("asyncio")
     if asyncio is not None:
         loop = asyncio._get_running_loop()

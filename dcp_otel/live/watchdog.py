@@ -41,6 +41,7 @@ from typing import Final
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.progress import LiveState, Progress
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.live.signals import SignalGuard
 from dcp_otel.live.stalls import StallReporter
 from dcp_otel.metrics.prometheus import LiveEntry
@@ -152,7 +153,8 @@ class Watchdog:
                     if time.monotonic() >= next_tick:
                         self.check()
                         next_tick = time.monotonic() + self.tick_s
-                except Exception:  # noqa: BLE001 - the watchdog never dies of a telemetry problem
+                except Exception as exc:  # noqa: BLE001 - the watchdog never dies of a telemetry problem
+                    reraise_if_signalled(exc)
                     report("watchdog_error", "dcp_otel's watchdog failed a tick", exc_info=True)
                     next_tick = time.monotonic() + self.tick_s
         finally:

@@ -39,6 +39,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observa
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from dcp_otel import _selftelemetry, semconv
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import ERROR_TYPES, Exemplar, LiveEntry, bounded_name, bounded_step, process_rank
 from dcp_otel.version import __version__
 
@@ -239,7 +240,8 @@ def _live_entries() -> Iterator[LiveEntry]:
             continue
         try:
             yield from live()
-        except Exception:  # noqa: BLE001 - a collection must go on
+        except Exception as exc:  # noqa: BLE001 - a collection must go on
+            reraise_if_signalled(exc)
             _selftelemetry.report("metrics_error", "dcp_otel failed to observe the open DCP calls", exc_info=True)
 
 
@@ -268,7 +270,8 @@ def _collection_barrier(options: CallbackOptions) -> Iterable[Observation]:
     for sink in list(_ACTIVE):
         try:
             sink.collecting()
-        except Exception:  # noqa: BLE001 - a collection must go on
+        except Exception as exc:  # noqa: BLE001 - a collection must go on
+            reraise_if_signalled(exc)
             _selftelemetry.report("metrics_error", "dcp_otel failed to record queued metrics before a collection",
                                   exc_info=True)  # fmt: skip
     return ()

@@ -30,6 +30,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import GaugeMetricFamily
 
 from dcp_otel import _selftelemetry, semconv
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 
 Exemplar = dict[str, str]
 #: One open operation as the in-progress metrics show it: (operation, step, rank, Unix seconds it last
@@ -410,6 +411,7 @@ class FanOut(ForwardingSink):
         for sink in self.sinks:
             try:
                 getattr(sink, name)(*args)
-            except Exception:  # noqa: BLE001 - the next sink still gets the fact
+            except Exception as exc:  # noqa: BLE001 - the next sink still gets the fact
+                reraise_if_signalled(exc)
                 _selftelemetry.report("metrics_error", "dcp_otel failed to record a checkpoint metric (%s in %s)",
                                       name, type(sink).__name__, exc_info=True)  # fmt: skip

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import ForwardingSink, LiveEntry, MetricsSink
 
 #: The observations a daemon can make (the operation itself belongs to the rank).
@@ -136,6 +137,7 @@ def drain(reader: Connection, metrics: MetricsSink | None,
     except (EOFError, OSError):  # the daemon exited: nothing more will come, nothing of it is open
         if on_progress is not None:
             on_progress("", [])
-    except Exception:  # noqa: BLE001 - a garbled message must not break the save's caller
+    except Exception as exc:  # noqa: BLE001 - a garbled message must not break the save's caller
+        reraise_if_signalled(exc)
         report("metrics_error", "dcp_otel failed to apply metrics from the async save process", exc_info=True)
     return applied

@@ -31,6 +31,7 @@ from typing import Any
 
 from dcp_otel.attach.async_process import BOOTSTRAP_ATTR, DaemonBootstrap
 from dcp_otel.attach.checkpointer import CARRIER_KEY, PROCESS_ENTRY, WRITE_REQUEST, process_class
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.processes.daemon import CHECKPOINT_PROCESS, DaemonSession
 
 #: torch's own entry point, set when it is replaced in this process.
@@ -79,7 +80,8 @@ def without_bootstrap(rank_info: Any) -> Any:
         clean = copy.copy(rank_info)
         vars(clean).pop(BOOTSTRAP_ATTR, None)
         return clean
-    except Exception:  # noqa: BLE001 - an extra attribute is harmless; torch ignores it
+    except Exception as exc:  # noqa: BLE001 - an extra attribute is harmless; torch ignores it
+        reraise_if_signalled(exc)
         return rank_info
 
 

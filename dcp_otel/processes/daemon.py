@@ -48,6 +48,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.attach.async_process import BOOTSTRAP_ATTR, CARRIER_ATTR, DAEMON_ENTRY, DaemonBootstrap, daemon_class
 from dcp_otel.config import resolve_callable
 from dcp_otel.instrumentor import DCPInstrumentor
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.relay import MetricsRelay
 from dcp_otel.tracing.flushing import flush_spans
 
@@ -112,7 +113,8 @@ class DaemonSession:
             session = cls(bootstrap, provider, owned, name)
             session._install()
             return session
-        except Exception:  # noqa: BLE001 - the checkpoint goes on untraced
+        except Exception as exc:  # noqa: BLE001 - the checkpoint goes on untraced
+            reraise_if_signalled(exc)
             report("daemon_setup_error", "dcp_otel could not trace a checkpoint process", exc_info=True)
             return None
 
@@ -141,7 +143,8 @@ class DaemonSession:
         try:
             self._owner = daemon_class()
             wrapt.wrap_function_wrapper(self._owner, "_execute_save", self.execute_save)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("daemon_setup_error", "dcp_otel could not trace the async save process's saves", exc_info=True)
 
     def execute_save(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -172,7 +175,8 @@ class DaemonSession:
             self._relay.send()
             if self._bootstrap.flush_timeout_s > 0:
                 self._flusher.request()  # torch answers the rank now, whatever the exporter does
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("daemon_setup_error", "dcp_otel failed to end a request in a checkpoint process", exc_info=True)
 
     def _flush(self) -> None:
@@ -191,7 +195,8 @@ class DaemonSession:
             self._instrumentor.uninstrument()
             if self._owned and isinstance(self._provider, SDKTracerProvider):
                 self._provider.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("daemon_setup_error", "dcp_otel failed to shut down tracing in a checkpoint process", exc_info=True)
 
 
@@ -218,7 +223,8 @@ class BackgroundFlush:
             self._wanted.clear()
             try:
                 self._flush()
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
+                reraise_if_signalled(exc)
                 report("daemon_setup_error", "dcp_otel failed to flush a checkpoint process's spans", exc_info=True)
 
 
@@ -232,7 +238,8 @@ def _daemon_provider(bootstrap: DaemonBootstrap) -> tuple[trace.TracerProvider, 
             if isinstance(provider, trace.TracerProvider):
                 return provider, False
             report("daemon_setup_error", "%s returned %s, not a TracerProvider", bootstrap.process_setup, type(provider))
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("daemon_setup_error", "dcp_otel: %s failed in a checkpoint process", bootstrap.process_setup,
                    exc_info=True)  # fmt: skip
     current = trace.get_tracer_provider()
@@ -262,7 +269,8 @@ def _provider_from_environment(bootstrap: DaemonBootstrap) -> SDKTracerProvider:
         return provider
     try:
         exporters, _, _ = _import_exporters(names, [], [])
-    except Exception:  # noqa: BLE001 - e.g. an exporter package that is not installed
+    except Exception as exc:  # noqa: BLE001 - e.g. an exporter package that is not installed
+        reraise_if_signalled(exc)
         report("daemon_no_exporter", "this checkpoint process cannot load span exporter(s) %s", names, exc_info=True)
         return provider
     for exporter_class in exporters.values():

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.detail import DetailPolicy, named_straggler, summary_attributes
 from dcp_otel.tracing.outcome import at_risk, failure_origin, own_call
@@ -181,7 +182,8 @@ class SpanBuilder:
                 at_risk(op, calls, self.history.last_success_ns(semconv.SAVE_OPERATIONS))
             try:
                 self._build(op, calls, late=calls is not op.calls)
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
+                reraise_if_signalled(exc)
                 report("builder_error", "dcp_otel failed to build a checkpoint's spans", exc_info=True)
             if calls is op.calls:
                 # Each call names its operation and the operation lists its calls: a cycle, which only the
@@ -202,7 +204,8 @@ class SpanBuilder:
                 measure(op, calls, self._metrics, late=calls is not op.calls)
             else:
                 count_bytes(op, None)
-        except Exception:  # noqa: BLE001 - telemetry never raises, not even here
+        except Exception as exc:  # noqa: BLE001 - telemetry never raises, not even here
+            reraise_if_signalled(exc)
             report("metrics_error", "dcp_otel failed to record checkpoint metrics", exc_info=True)
 
     def _twin(self, tracer: trace.Tracer) -> Any:

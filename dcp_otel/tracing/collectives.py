@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.records import KIND_COLLECTIVE, Call, failure_of
 
 _getrandbits = random.getrandbits
@@ -85,7 +86,8 @@ class CollectiveCalls:
             stack.append(call)
             self._open[call.uuid] = call
             return call
-        except Exception:  # noqa: BLE001 - telemetry never raises into training
+        except Exception as exc:  # noqa: BLE001 - telemetry never raises into training
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
             return None
 
@@ -115,7 +117,8 @@ class CollectiveCalls:
                 self.builder.submit(op, [call])
             else:
                 op.calls.append(call)
-        except Exception:  # noqa: BLE001
+        except Exception as caught:  # noqa: BLE001
+            reraise_if_signalled(caught)
             report("recorder_error", "dcp_otel failed to record a DCP collective", exc_info=True)
 
     def on_arrivals(self, call: Call, marks: list[tuple[int, int]]) -> None:

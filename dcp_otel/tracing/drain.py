@@ -28,6 +28,7 @@ from typing import Any
 from opentelemetry.sdk.trace import SpanProcessor
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.builder import SpanBuilder
 
 #: How long a scrape waits for queued metrics: a stuck builder must not stall Prometheus.
@@ -62,7 +63,8 @@ class DrainOnFlush(SpanProcessor):
         try:
             with lock:  # first, so the exporters' own flush comes after the spans exist
                 multi._span_processors = (processor, *multi._span_processors)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("builder_error", "dcp_otel could not hook the tracer provider's flush", exc_info=True)
             return None
 

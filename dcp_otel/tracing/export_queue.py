@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 
 #: Where the SDK's batch processor logs: the shared processor of SDK >= 1.34,
 #: and the span processor's own module before it.
@@ -53,8 +54,8 @@ class _QueueFullFilter(logging.Filter):
                     "the OpenTelemetry SDK's span queue is full and drops spans: the exporter is slow, down or hung",
                 )
                 return False  # counted and logged (rate-limited) above, instead of one line per span
-        except Exception:  # noqa: BLE001 - a logging filter must not raise either
-            pass
+        except Exception as exc:  # noqa: BLE001 - a logging filter must not raise either
+            reraise_if_signalled(exc)
         return True
 
 

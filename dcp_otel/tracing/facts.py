@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.operations import OPERATION_KEY
 from dcp_otel.tracing.records import Call, KeyCall, Operation, failure_of, key_of
 from dcp_otel.tracing.staged import staged
@@ -74,7 +75,8 @@ class CallFacts:
             op = context_api.get_value(OPERATION_KEY)
             if isinstance(op, Operation) and op.staging is None:
                 op.staging = staged(stager, state_dict)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to read what an async save stages", exc_info=True)
 
     def on_storage_resolved(self, storage: object, reader: bool) -> None:
@@ -100,7 +102,8 @@ class CallFacts:
             stack = self._stack()
             if stack and stack[-1].op is op:
                 stack[-1].attributes = {**stack[-1].attributes, key: name}
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to record the storage class", exc_info=True)
 
     def on_wrapped_exception(self, exc: BaseException) -> None:
@@ -121,7 +124,8 @@ class CallFacts:
             stack.pop()
             top.failure = failure_of(top, exc, None)
             self._close(top, time.time_ns(), stack[-1] if stack else None)
-        except Exception:  # noqa: BLE001
+        except Exception as caught:  # noqa: BLE001
+            reraise_if_signalled(caught)
             report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)
 
     def on_gathered(self, obj: object, group: object | None = None) -> None:
@@ -144,5 +148,6 @@ class CallFacts:
                     op.group = group
                 if type(obj) in _GATHERED_TYPES:
                     op.gathered.append((call, obj))
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("metrics_error", "dcp_otel failed to count checkpoint bytes", exc_info=True)

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Final
 
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.redact import redact_text
 
 #: An exception event's message and stack trace are cut to these (an OTLP batch must stay below 4 MiB).
@@ -47,7 +48,8 @@ def global_rank_of(group: object | None) -> GlobalRank:
         if group is dist.group.WORLD:
             return _same_rank
         ranks = dist.get_process_group_ranks(group)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - a group torch does not know (any more): its own numbering
+    except Exception as exc:  # noqa: BLE001 - a group torch does not know (any more): its own numbering
+        reraise_if_signalled(exc)
         return _same_rank
     return lambda rank: ranks[rank] if 0 <= rank < len(ranks) else rank
 

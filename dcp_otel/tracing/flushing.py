@@ -30,6 +30,7 @@ from typing import Protocol
 from opentelemetry import trace
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.otel import OTelCheckpointMetrics
 from dcp_otel.tracing.tracker import SpanRecorder
 
@@ -66,6 +67,7 @@ class BoundedFlush:
             millis = max(0, int((self._deadline - time.monotonic()) * 1000))
             self._outcome.append(bool(self._force_flush(millis)))
         except Exception as exc:  # noqa: BLE001 - a broken exporter must not break the caller
+            reraise_if_signalled(exc)
             # One line: the metrics SDK raises when its readers time out, which is the deadline doing its job.
             text = str(exc).strip().splitlines()
             report("flush_error", "dcp_otel: the %s provider failed to flush: %s: %s", self._what, type(exc).__name__,
@@ -198,5 +200,5 @@ class ExitFlush:
 def _shutdown_quietly(shutdown: Callable[[], object]) -> None:
     try:
         shutdown()
-    except Exception:  # noqa: BLE001 - at exit, with a broken exporter: nothing to tell anyone
-        pass
+    except Exception as exc:  # noqa: BLE001 - at exit, with a broken exporter: nothing to tell anyone
+        reraise_if_signalled(exc)

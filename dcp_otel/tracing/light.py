@@ -30,6 +30,8 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from opentelemetry.trace.propagation import _SPAN_KEY  # the key trace.get_current_span reads
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+
 #: The key of the current span in a Context (read directly: ``ctx.get(SPAN_KEY)``).
 SPAN_KEY = _SPAN_KEY
 
@@ -47,7 +49,8 @@ def _span_context_builder() -> Callable[[int, int, TraceFlags], SpanContext]:
         flags = TraceFlags(TraceFlags.SAMPLED)
         built, expected = fast(0x1234, 0x5678, flags), public(0x1234, 0x5678, flags)
         same = tuple(built) == tuple(expected) and built.is_valid and built.span_id == 0x5678
-    except Exception:  # noqa: BLE001 - an API that changed shape: use the constructor
+    except Exception as exc:  # noqa: BLE001 - an API that changed shape: use the constructor
+        reraise_if_signalled(exc)
         same = False
     return fast if same else public
 
@@ -64,7 +67,8 @@ def _context_functions() -> tuple[Callable[[], Context], Callable[[Context], Any
         same = context_api.get_current() is probe
         var.reset(token)
         same = same and context_api.get_current() is not probe
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        reraise_if_signalled(exc)
         return public
     return (var.get, var.set, var.reset) if same else public
 

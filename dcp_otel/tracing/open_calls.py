@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.failures import Failure
 from dcp_otel.tracing.records import KIND_OPERATION, KIND_STAGING, KIND_UPLOAD, Call, Operation
 
@@ -58,7 +59,8 @@ class OpenCalls:
             for ident, stack in list(self._stacks.items()):
                 found.extend((call, ident) for call in tuple(stack) if call.span_id and call.op is not None)
             found.extend((call, None) for call in self.uploads.open_calls())
-        except Exception:  # noqa: BLE001 - a reader of telemetry state never raises
+        except Exception as exc:  # noqa: BLE001 - a reader of telemetry state never raises
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to read the open DCP calls", exc_info=True)
         return found
 
@@ -100,7 +102,8 @@ class OpenCalls:
             for op, calls in by_op.values():
                 self._end_interrupted(op, calls, cause, describe(op), stacks or {}, now)
                 ended.append(op)
-        except Exception:  # noqa: BLE001 - the process is ending: whatever can be kept is
+        except Exception as exc:  # noqa: BLE001 - the process is ending: whatever can be kept is
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to end the open DCP calls", exc_info=True)
         finally:
             self._interrupt_lock.release()

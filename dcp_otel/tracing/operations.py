@@ -28,6 +28,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import logger, report
 from dcp_otel.config import InstrumentOptions, traces_off
 from dcp_otel.events import DCPEvent, operation_fields
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.tracing.light import SPAN_KEY, with_span
 from dcp_otel.tracing.light import span_context as light_span_context
@@ -246,7 +247,8 @@ class OperationStarter:
             propagate.inject(headers)
             return {"headers": headers, "operation": op.name, "rank": op.rank_label,
                     "attributes": dict(op.step_attributes)}  # fmt: skip
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to carry a DCP operation to another process", exc_info=True)
             return None
 
@@ -277,7 +279,8 @@ class OperationStarter:
             op.adopted = True
             op.exemplar_span_id = parent.span_id
             return context_api.set_value(OPERATION_KEY, op, ctx)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("malformed_carrier", "dcp_otel could not continue a DCP operation from another process", exc_info=True)
             return None
 

@@ -37,6 +37,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFl
 
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 
 logger = logging.getLogger("dcp_otel")
 
@@ -143,7 +144,8 @@ def round_generation(explicit: str | None = None) -> str:
                         str(group.size())))  # fmt: skip
         try:
             generation = agree_on_generation(c10d._get_default_store(), key)
-        except Exception:  # noqa: BLE001 - no generation: the ids of two rounds may then coincide
+        except Exception as exc:  # noqa: BLE001 - no generation: the ids of two rounds may then coincide
+            reraise_if_signalled(exc)
             report("no_generation", "dcp_otel: could not agree on a worker generation through the process group's "
                    "store; two rounds of workers may share trace ids", exc_info=True)  # fmt: skip
             generation = ""
@@ -164,7 +166,8 @@ def _default_group() -> Any:
 
             _c10d = c10d
         return c10d._get_default_group() if c10d.is_initialized() else None
-    except Exception:  # noqa: BLE001 - not this torch
+    except Exception as exc:  # noqa: BLE001 - not this torch
+        reraise_if_signalled(exc)
         return None
 
 

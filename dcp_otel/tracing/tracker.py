@@ -37,6 +37,7 @@ from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import MAX_FUNC_NAME, DCPEvent
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.tracing.builder import SpanBuilder
 from dcp_otel.tracing.collectives import CollectiveCalls
@@ -181,7 +182,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 self._start(event)
             else:
                 self._finish(event.uuid, event.kind, event.time_ns, event.error, exc)
-        except Exception:  # noqa: BLE001 - telemetry never raises into training
+        except Exception as caught:  # noqa: BLE001 - telemetry never raises into training
+            reraise_if_signalled(caught)
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
 
     def on_record(self, msg: Any) -> bool:
@@ -232,7 +234,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 call.end_ns = time_ns
                 try:
                     light_detach(call.token)
-                except Exception:  # noqa: BLE001 - as context_api.detach: a token of another context
+                except Exception as exc:  # noqa: BLE001 - as context_api.detach: a token of another context
+                    reraise_if_signalled(exc)
                     report("recorder_error", "dcp_otel failed to detach a DCP call's context", exc_info=True)
                 call.token = None
                 if stack:
@@ -276,7 +279,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 op.add_part()
             stack.append(call)
             open_calls[uuid] = call
-        except Exception:  # noqa: BLE001 - telemetry never raises into training
+        except Exception as exc:  # noqa: BLE001 - telemetry never raises into training
+            reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
         return True
 
@@ -306,7 +310,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                     self._close(call, now, stack[-1] if stack else None)
                 else:
                     self._open.pop(call.uuid, None)
-        except Exception:  # noqa: BLE001
+        except Exception as caught:  # noqa: BLE001
+            reraise_if_signalled(caught)
             report("recorder_error", "dcp_otel failed to end an unfinished DCP call", exc_info=True)
 
     # --- the stack --------------------------------------------------------

@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.failures import Failure, GlobalRank, global_rank_of
 from dcp_otel.tracing.operations import OPERATION_KEY
 from dcp_otel.tracing.records import KIND_STAGING, KIND_UPLOAD, Call, Operation, new_span_id
@@ -56,21 +57,24 @@ def begin_async_upload(
         upload = Call("", "async_upload", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_UPLOAD)
         op.add_part()
         recorder.uploads.started(upload)
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        reraise_if_signalled(exc)
         report("recorder_error", "dcp_otel failed to trace an async upload", exc_info=True)
         return None
     metrics = recorder.metrics
     if metrics is not None:
         try:  # this runs inside torch's async_save: nothing may escape
             metrics.async_handed_off(op.rank_label)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
             report("metrics_error", "dcp_otel failed to count an async save in flight", exc_info=True)
 
     def finish(outcome: Future[Any] | BaseException) -> None:
         if metrics is not None:
             try:  # the upload's own thread (the future's done-callback), not the training thread
                 metrics.async_upload_done(op.rank_label, (time.time_ns() - now) / 1e9, op.exemplar)
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
+                reraise_if_signalled(exc)
                 report("metrics_error", "dcp_otel failed to record an async upload", exc_info=True)
         _end(recorder, upload, outcome)
 
@@ -91,7 +95,8 @@ def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseExceptio
             op.calls.append(call)
             if op.part_done(end_ns, call.failure.description if call.failure is not None else None):
                 recorder.builder.submit(op)
-    except Exception:  # noqa: BLE001 - a future's done-callback: nothing may escape
+    except Exception as exc:  # noqa: BLE001 - a future's done-callback: nothing may escape
+        reraise_if_signalled(exc)
         report("recorder_error", "dcp_otel failed to end an async upload span", exc_info=True)
     finally:
         recorder.uploads.done()
