@@ -187,8 +187,7 @@ class Stack:
 
     def _agent_target_done(self, ended: float) -> bool:
         assert self.scraper is not None
-        with urllib.request.urlopen(f"{self.scraper.url}/api/v1/targets?state=active", timeout=10) as response:  # noqa: S310
-            targets = json.load(response)["data"]["activeTargets"]
+        targets = self.scraper.api("targets", state="active")["activeTargets"]
         last = [t["lastScrape"] for t in targets if t["labels"].get("job") == AGENT_JOB]
         # RFC 3339 with nanoseconds; fromisoformat takes microseconds at most.
         return all(datetime.fromisoformat(re.sub(r"(\.\d{6})\d*", r"\1", t)).timestamp() > ended for t in last)

@@ -42,8 +42,9 @@ def taken_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback URL we built
+def scrape(url: str, headers: dict[str, str] | None = None) -> str:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback URL we built
         return response.read().decode()
 
 
@@ -234,9 +235,7 @@ def test_a_rank_killed_mid_upload_does_not_leave_the_in_flight_gauge_stuck(
 
 def scrape_openmetrics(url: str) -> str:
     """Scrape as Prometheus does: asking for OpenMetrics, the format that carries exemplars."""
-    request = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
-    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback URL we built
-        return response.read().decode()
+    return scrape(url, {"Accept": "application/openmetrics-text; version=1.0.0"})
 
 
 def test_an_endpoint_announces_itself_to_prometheus_file_discovery_until_it_closes(
@@ -360,9 +359,7 @@ def test_at_exit_a_process_waits_for_one_last_scrape_so_its_last_values_are_not_
 
 def scrape_with_deadline(url: str, timeout_s: str) -> str:
     """Scrape as Prometheus does, saying how long it waits for the response."""
-    request = urllib.request.Request(url, headers={"X-Prometheus-Scrape-Timeout-Seconds": timeout_s})
-    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback URL we built
-        return response.read().decode()
+    return scrape(url, {"X-Prometheus-Scrape-Timeout-Seconds": timeout_s})
 
 
 class _Said(logging.Handler):
