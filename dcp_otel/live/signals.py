@@ -289,7 +289,10 @@ class SignalGuard:
         """The watchdog read ``signum`` from the wakeup fd (0: a poke)."""
         if signum in self._woken:
             if signum == signal.SIGINT and self._state != _IDLE and self._parent_gone():
-                return  # the SIGINT of the parent's death (torch's spawn), not a second signal: the ending goes on
+                # The SIGINT of the parent's death (torch's spawn), not a second signal: the ending goes on.
+                report("parent_death_sigint", "dcp_otel: SIGINT after this process's parent died (its parent-death "
+                       "signal): not a second signal, the SIGTERM ending goes on")  # fmt: skip
+                return
             self._woken[signum] += 1
             if signum == signal.SIGINT and self._state == _IDLE:
                 self._flushes_asked += 1
