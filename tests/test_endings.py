@@ -8,6 +8,9 @@ flush bound however the exporter behaves.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -233,3 +236,34 @@ def test_sigterm_in_a_gloo_collective_after_asyncio_with_a_hanging_exporter_ends
                          "(_DistWrapper.all_reduce)" for s in ended), errors(instrumented.spans)
     # The process's own end, where the exporter let it through, says so too.
     assert all(s.status_message == "terminated by SIGTERM" for s in named(instrumented.spans, semconv.SPAN_PROCESS))
+
+
+def test_a_checkpoint_process_whose_parent_dies_during_its_sigterm_ending_still_writes_the_interrupted_write(
+    tmp_path: Path,
+) -> None:
+    """torch's ``spawn`` makes SIGINT its child's parent-death signal. A scheduler's SIGTERM reaches the rank
+    and its checkpoint process; the rank, dying first, sends that SIGINT into its child's ending. The ending
+    goes on (it used to take the SIGINT for a second signal, cut itself short and lose the hung write's span)
+    and the process dies by SIGTERM, as without dcp-otel. ``tests/workers/orphaned_ending.py`` kills the parent
+    from inside the ending's export, so the SIGINT comes exactly then."""
+    script = str(WORKERS / "orphaned_ending.py")
+    reaper = subprocess.Popen([sys.executable, script, "reaper", str(tmp_path)], env=rank_env(), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for(tmp_path / "blocked", reaper)  # the child is in write_data for good
+        os.kill(int((tmp_path / "child.pid").read_text()), signal.SIGTERM)
+        _, stderr = reaper.communicate(timeout=90)
+    finally:
+        if reaper.poll() is None:
+            for pid_file in ("child.pid", "parent.pid"):
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int((tmp_path / pid_file).read_text()), signal.SIGKILL)
+            reaper.kill()
+            reaper.wait()
+    assert reaper.returncode == 0, stderr[-3000:]
+    exits = json.loads((tmp_path / "exits.json").read_text())
+    assert os.WIFSIGNALED(exits["parent"]) and os.WTERMSIG(exits["parent"]) == signal.SIGKILL, exits
+    assert os.WIFSIGNALED(exits["child"]) and os.WTERMSIG(exits["child"]) == signal.SIGTERM, (exits, stderr[-3000:])
+    assert (tmp_path / "sigint_taken").read_text() == "True"  # the SIGINT came during the ending, and was its parent's
+    (write,) = named(read_spans([tmp_path / "spans.jsonl"]), "dcp.write_data")
+    assert write.error and write.status_message == "terminated by SIGTERM during write_data", write.status_message
