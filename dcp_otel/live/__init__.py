@@ -18,7 +18,7 @@ from outside the caller's thread:
   blocked in a collective, without ever deciding how the process ends;
 * :mod:`~dcp_otel.live.signal_exceptions`: what a signal handler raised (torchelastic's
   ``SignalException``) is the application's: every ``except Exception`` of dcp-otel
-  raises it again, on whatever thread of the caller's it runs;
+  raises it again (it runs inside those clauses, on the caller's main thread);
 * :mod:`~dcp_otel.live.wakeup`: the signal wakeup fd, held only while nobody
   else (asyncio, trio) wants it;
 * :mod:`~dcp_otel.live.watchdog`: the one background thread per process that
