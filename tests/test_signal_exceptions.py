@@ -34,7 +34,7 @@ class Preempted(Exception):
 
 
 @pytest.fixture
-def handler_of(request: pytest.FixtureRequest) -> Iterator[Callable[[int, Any], None]]:
+def handler_of() -> Iterator[Callable[[int, Any], None]]:
     """Install a handler for SIGUSR1 (SIGTERM for torch's); the previous one is put back after the test."""
     installed: list[tuple[int, Any]] = []
 
@@ -162,19 +162,16 @@ def test_a_handler_catching_its_own_error_does_not_take_it_for_a_signals(handler
     assert seen == [False]
 
 
-def test_a_handlers_function_called_on_another_thread_is_no_signal() -> None:
+def test_a_handlers_function_called_on_another_thread_is_no_signal(handler_of: Any) -> None:
+    handler_of(signal.SIGUSR1, raise_preempted)
     found: list[bool] = []
 
     def call_it() -> None:
         found.append(raised_by_signal_handler(caught_from(lambda: raise_preempted(0, None))))
 
-    previous = signal.signal(signal.SIGUSR1, raise_preempted)
-    try:
-        worker = threading.Thread(target=call_it)
-        worker.start()
-        worker.join()
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    worker = threading.Thread(target=call_it)
+    worker.start()
+    worker.join()
     assert found == [False]
 
 

@@ -27,28 +27,27 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 PR_SET_CHILD_SUBREAPER = 36
-NEVER = threading.Event()
 
 
 def reaper(out: Path) -> None:
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     parent = subprocess.Popen([sys.executable, __file__, "parent", str(out)])
-    roles, exits = {parent.pid: "parent"}, {}
+    statuses = {}
     while True:
         try:
             pid, status = os.wait()
         except ChildProcessError:  # no child left: the orphan, reparented here, is reaped too
             break
-        if (out / "child.pid").exists():
-            roles[int((out / "child.pid").read_text())] = "child"
-        exits[roles.get(pid, str(pid))] = status
-    (out / "exits.json").write_text(json.dumps(exits))
+        statuses[pid] = status
+    roles = {parent.pid: "parent", int((out / "child.pid").read_text()): "child"}
+    (out / "exits.json").write_text(json.dumps({roles.get(pid, str(pid)): status for pid, status in statuses.items()}))
 
 
 def parent(out: Path) -> None:
@@ -68,6 +67,7 @@ def child(out: Path) -> None:
 
     import dcp_otel
     from dcp_otel.otlp_file import OTLPJsonFileExporter
+    from tests.workers.endings import Gated  # write_data says it started, then blocks for good
 
     file = OTLPJsonFileExporter(out / "spans.jsonl")
 
@@ -75,29 +75,21 @@ def child(out: Path) -> None:
         def export(self, spans: Sequence[Any]) -> SpanExportResult:
             if any(s.name == "dcp.write_data" for s in spans):  # the ending's export: the interrupted write
                 os.kill(int((out / "parent.pid").read_text()), signal.SIGKILL)
-                taken, pause = threading.Event(), threading.Event()
-                for _ in range(300):  # until the watchdog has read the SIGINT the parent's death sent
-                    if dcp_otel.diagnostics().get("parent_death_sigint"):
-                        taken.set()
-                        break
+                pause, deadline = threading.Event(), time.monotonic() + 15
+                # Until the watchdog has read the SIGINT the parent's death sent (15 s at most).
+                while not (taken := bool(dcp_otel.diagnostics().get("parent_death_sigint"))) and time.monotonic() < deadline:
                     pause.wait(0.05)
-                (out / "sigint_taken").write_text(str(taken.is_set()))
+                (out / "sigint_taken").write_text(str(taken))
             return file.export(spans)
 
         def shutdown(self) -> None:
             file.shutdown()
 
-    class Blocked(dcp.FileSystemWriter):
-        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
-            (out / "blocked").write_text(str(os.getpid()))
-            NEVER.wait()
-            return super().write_data(plan, planner)
-
     (out / "parent.pid").write_text(str(os.getppid()))
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(OrphanedWhileExporting()))
     dcp_otel.instrument(tracer_provider=provider)
-    dcp.save({"w": torch.arange(16.0)}, storage_writer=Blocked(str(out / "ckpt")), no_dist=True)
+    dcp.save({"w": torch.arange(16.0)}, storage_writer=Gated(str(out / "ckpt"), started=out / "blocked"), no_dist=True)
 
 
 if __name__ == "__main__":
