@@ -188,3 +188,14 @@ def test_straggler_marks_prints_what_the_marks_add_to_the_coordinators_gather() 
     assert found is not None and _is_ratio_of_printed(found.group(2), found.group(1), found.group(3)), done.stdout
     size = re.search(r"bytes a mark adds per rank +(\d+) B \(of (\d+) B\)", done.stdout)
     assert size is not None and 30 < int(size.group(1)) < 100 < int(size.group(2)), done.stdout
+
+
+def test_signal_exceptions_prints_what_the_agent_loop_and_an_error_path_pay() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/signal_exceptions.py", "--quick"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    loop = re.search(r"agent loop \(4 metrics\): torch ([\d.]+) us, with OTelMetricHandler ([\d.]+) us \(x([\d.]+)\); "
+                     r"added [-\d.]+ us = [\d.]+% of a 0.1 s monitor interval", done.stdout)  # fmt: skip
+    assert loop is not None and _is_ratio_of_printed(loop.group(2), loop.group(1), loop.group(3)), done.stdout
+    error = re.search(r"without the check ([\d.]+) us, with reraise_if_signalled ([\d.]+) us \(x([\d.]+);", done.stdout)
+    assert error is not None and _is_ratio_of_printed(error.group(2), error.group(1), error.group(3)), done.stdout
