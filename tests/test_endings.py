@@ -238,6 +238,32 @@ def test_sigterm_in_a_gloo_collective_after_asyncio_with_a_hanging_exporter_ends
     assert all(s.status_message == "terminated by SIGTERM" for s in named(instrumented.spans, semconv.SPAN_PROCESS))
 
 
+def orphaned_ending(out: Path, plain: bool) -> dict[str, int]:
+    """Run ``tests/workers/orphaned_ending.py`` under its reaper; SIGTERM to the child once it is blocked (plain:
+    then SIGKILL to its parent, which the instrumented child's exporter does itself). The exit status by role."""
+    out.mkdir()
+    reaper = subprocess.Popen([sys.executable, str(WORKERS / "orphaned_ending.py"), "reaper", str(out)], cwd=REPO,
+                              env=rank_env(**({"ORPHAN_PLAIN": "1"} if plain else {})), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for(out / "blocked", reaper)  # the child is in write_data for good
+        os.kill(int((out / "child.pid").read_text()), signal.SIGTERM)
+        if plain:
+            os.kill(int((out / "parent.pid").read_text()), signal.SIGKILL)
+        _, stderr = reaper.communicate(timeout=90)
+    finally:
+        if reaper.poll() is None:
+            for pid_file in ("child.pid", "parent.pid"):
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int((out / pid_file).read_text()), signal.SIGKILL)
+            reaper.kill()
+            reaper.wait()
+    assert reaper.returncode == 0, stderr[-3000:]
+    exits: dict[str, int] = json.loads((out / "exits.json").read_text())
+    assert os.WIFSIGNALED(exits["parent"]) and os.WTERMSIG(exits["parent"]) == signal.SIGKILL, exits
+    return exits
+
+
 def test_a_checkpoint_process_whose_parent_dies_during_its_sigterm_ending_still_writes_the_interrupted_write(
     tmp_path: Path,
 ) -> None:
@@ -246,24 +272,10 @@ def test_a_checkpoint_process_whose_parent_dies_during_its_sigterm_ending_still_
     goes on (it used to take the SIGINT for a second signal, cut itself short and lose the hung write's span)
     and the process dies by SIGTERM, as without dcp-otel. ``tests/workers/orphaned_ending.py`` kills the parent
     from inside the ending's export, so the SIGINT comes exactly then."""
-    script = str(WORKERS / "orphaned_ending.py")
-    reaper = subprocess.Popen([sys.executable, script, "reaper", str(tmp_path)], env=rank_env(), cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        wait_for(tmp_path / "blocked", reaper)  # the child is in write_data for good
-        os.kill(int((tmp_path / "child.pid").read_text()), signal.SIGTERM)
-        _, stderr = reaper.communicate(timeout=90)
-    finally:
-        if reaper.poll() is None:
-            for pid_file in ("child.pid", "parent.pid"):
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int((tmp_path / pid_file).read_text()), signal.SIGKILL)
-            reaper.kill()
-            reaper.wait()
-    assert reaper.returncode == 0, stderr[-3000:]
-    exits = json.loads((tmp_path / "exits.json").read_text())
-    assert os.WIFSIGNALED(exits["parent"]) and os.WTERMSIG(exits["parent"]) == signal.SIGKILL, exits
-    assert os.WIFSIGNALED(exits["child"]) and os.WTERMSIG(exits["child"]) == signal.SIGTERM, (exits, stderr[-3000:])
-    assert (tmp_path / "sigint_taken").read_text() == "True"  # the SIGINT came during the ending, and was its parent's
-    (write,) = named(read_spans([tmp_path / "spans.jsonl"]), "dcp.write_data")
+    plain = orphaned_ending(tmp_path / "plain", plain=True)
+    traced = orphaned_ending(tmp_path / "traced", plain=False)
+    assert os.WIFSIGNALED(plain["child"]) and os.WTERMSIG(plain["child"]) == signal.SIGTERM, plain
+    assert traced["child"] == plain["child"], (plain, traced)
+    assert (tmp_path / "traced" / "sigint_taken").read_text() == "True"  # the SIGINT came in the ending: its parent's
+    (write,) = named(read_spans([tmp_path / "traced" / "spans.jsonl"]), "dcp.write_data")
     assert write.error and write.status_message == "terminated by SIGTERM during write_data", write.status_message

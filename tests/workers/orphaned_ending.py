@@ -15,7 +15,8 @@ function (what ``spawn``'s ``_wrap`` does), instruments dcp-otel, writes ``OUT/b
 blocks in ``write_data`` of a ``dcp.save``. Its spans go through a batch processor to
 ``OUT/spans.jsonl``, by an exporter that, once the SIGTERM ending exports, kills the parent
 with SIGKILL and waits (15 s at most) until dcp-otel says it took the SIGINT that followed for
-the parent's death, then writes them.
+the parent's death, then writes them. With ``$ORPHAN_PLAIN`` set, the same child without
+dcp-otel (the test then kills the parent itself, right after its SIGTERM to the child).
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ def child(out: Path) -> None:
             file.shutdown()
 
     (out / "parent.pid").write_text(str(os.getppid()))
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(OrphanedWhileExporting()))
-    dcp_otel.instrument(tracer_provider=provider)
+    if not os.environ.get("ORPHAN_PLAIN"):
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(OrphanedWhileExporting()))
+        dcp_otel.instrument(tracer_provider=provider)
     dcp.save({"w": torch.arange(16.0)}, storage_writer=Gated(str(out / "ckpt"), started=out / "blocked"), no_dist=True)
 
 
