@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: E402
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem  # noqa: E402
 
 from dcp_otel.config import InstrumentOptions  # noqa: E402
-from dcp_otel.tracing.builder import planned_read_bytes  # noqa: E402
+from dcp_otel.tracing.measure import planned_read_bytes  # noqa: E402
 from dcp_otel.tracing.records import Call, Operation  # noqa: E402
 from dcp_otel.tracing.tracker import SpanRecorder  # noqa: E402
 

@@ -106,13 +106,6 @@ class InstrumentOptions:
             (``$DCP_OTEL_STEP_PATTERN``, else): ``step-1000``, ``step_1000``, ``iter_0001000``,
             ``global_step1000``, ``checkpoint-500``, ``epoch=0-step=100.ckpt``, ``1000``. See
             :mod:`dcp_otel.tracing.training_step`.
-        signals: on SIGTERM (where the disposition is still the default: a
-            handler the application installs, before or after, stays in charge),
-            end every open DCP call as failed, build and flush its spans within
-            ``flush_timeout_s``, then let SIGTERM act as it would have. SIGINT is
-            never taken. ``False`` (``$DCP_OTEL_SIGNALS=off``): nothing is
-            installed, and the wakeup fd is left alone. See
-            :mod:`dcp_otel.live.signals`.
     """
 
     tracer_provider: TracerProvider | None = None
@@ -129,7 +122,6 @@ class InstrumentOptions:
     meter_provider: MeterProvider | None = None
     metrics: tuple[str, ...] = (semconv.SINK_PROMETHEUS,)
     stall_after_s: float | None = None
-    signals: bool = True
     step_pattern: str = DEFAULT_STEP_PATTERN
 
     def __post_init__(self) -> None:
@@ -161,8 +153,6 @@ class InstrumentOptions:
         ):
             raise ValueError(f"stall_after_s must be None (auto) or seconds from 0 (off) to {MAX_STALL_AFTER_S:g}, "
                              f"got {self.stall_after_s!r}")  # fmt: skip
-        if not isinstance(self.signals, bool):
-            raise ValueError(f"signals must be True or False, got {self.signals!r}")
         if not isinstance(self.step_pattern, str):
             raise ValueError(f"step_pattern must be a regular expression or 'off', got {self.step_pattern!r}")
         compiled(self.step_pattern)  # a bad pattern fails here, not at the first checkpoint
@@ -175,6 +165,7 @@ class InstrumentOptions:
             ValueError: an unknown option, or a keyword with a bad value.
         """
         names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = _without_retired(kwargs)
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown dcp_otel option(s) {unknown}; valid options are {sorted(names)}")
@@ -203,10 +194,6 @@ class InstrumentOptions:
         values["metrics"] = metric_sinks_from_env(values.get("metrics"), values.get("meter_provider"))
         if "stall_after_s" not in values:
             values["stall_after_s"] = stall_after_from_env()
-        if "signals" not in values:
-            # Not in torchrun itself or the helpers a rank spawns (which inherit its environment):
-            # the checkpoint processes ask for it explicitly (dcp_otel.processes.daemon).
-            values["signals"] = switch_from_env(semconv.ENV_SIGNALS, True) and is_rank_process()
         for name, env_name, low, high in _INT_ENV:
             if name == "metrics_port" and not is_rank_process():
                 # The checkpoint daemon, a DataLoader worker or torchrun itself
@@ -218,6 +205,25 @@ class InstrumentOptions:
                     values[name] = parsed
         return cls(**values)
 
+
+#: Options that no longer do anything: accepted, with one warning, so that a job setting them still starts.
+_RETIRED = {"signals": "dcp-otel installs no signal handler any more (a process ends as it would without it; "
+                       "what it had open is reported by a survivor from its record: see docs/reliability.md)"}
+
+
+def _without_retired(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    kept = dict(kwargs)
+    for name, why in _RETIRED.items():
+        if name in kept:
+            kept.pop(name)
+            logger.warning("dcp_otel: the option %s= is ignored: %s", name, why)
+    if os.environ.get(semconv.ENV_SIGNALS_RETIRED, "").strip() and not _warned_env:
+        _warned_env.append(True)
+        logger.warning("dcp_otel: %s is ignored: %s", semconv.ENV_SIGNALS_RETIRED, _RETIRED["signals"])
+    return kept
+
+
+_warned_env: list[bool] = []
 
 _INT_ENV = (
     ("metrics_port", semconv.ENV_METRICS_PORT, 0, 65535),
@@ -256,7 +262,6 @@ def is_rank_process() -> bool:
 #: The longest stall threshold accepted: a week.
 MAX_STALL_AFTER_S = 7 * 24 * 3600.0
 _OFF = frozenset({"off", "false", "0", "no"})
-_ON = frozenset({"on", "true", "1", "yes"})
 
 
 def stall_after_from_env() -> float | None:
@@ -278,17 +283,6 @@ def stall_after_from_env() -> float | None:
                        semconv.ENV_STALL_AFTER_S, raw, MAX_STALL_AFTER_S)  # fmt: skip
         return None
     return value
-
-
-def switch_from_env(env_name: str, default: bool) -> bool:
-    """An on/off environment variable (``on``/``off``, ``true``/``false``, ``1``/``0``); a bad value warns."""
-    raw = os.environ.get(env_name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in _ON or raw in _OFF:
-        return raw in _ON
-    logger.warning("ignoring %s=%r: expected on or off", env_name, raw)
-    return default
 
 
 def traces_off() -> bool:

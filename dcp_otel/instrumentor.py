@@ -2,6 +2,17 @@
 
 Registered under the ``opentelemetry_instrumentor`` entry point, so
 ``opentelemetry-instrument python train.py`` turns it on with no code change.
+``opentelemetry-instrument`` instruments every Python process it starts, most
+of which never checkpoint (a tokenizer, a ``pip`` run, the Collector's helper
+scripts): where torch is not imported yet, ``instrument()`` only checks its
+options and attaches once torch is imported. A process that never imports
+torch loads neither torch nor anything of dcp-otel's beyond this module and
+its options.
+
+dcp-otel installs no signal handler and never takes the signal wakeup fd: a
+process ends exactly as it would without it, whatever ends it. What a death
+must not lose is written ahead instead, into the process's record in the spool
+(:mod:`dcp_otel.spool`), and a process that outlives it reports it.
 
 Usage::
 
@@ -16,30 +27,31 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
-from prometheus_client import REGISTRY
 
 from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
 from dcp_otel.attach import releases
-from dcp_otel.attach.patches import Installed, install
 from dcp_otel.config import InstrumentOptions, differing_options
-from dcp_otel.live.ending import Ending
-from dcp_otel.live.life import ProcessLife
-from dcp_otel.live.progress import LiveState, StallPolicy
-from dcp_otel.live.signals import SignalGuard
-from dcp_otel.live.stalls import StallReporter
-from dcp_otel.live.watchdog import Watchdog
-from dcp_otel.metrics.exposition import MetricsEndpoint, start_metrics_server
-from dcp_otel.metrics.otel import OTelCheckpointMetrics
-from dcp_otel.metrics.prometheus import CheckpointMetrics, FanOut, LiveEntry, MetricsSink
-from dcp_otel.metrics.relay import MetricsRelay
-from dcp_otel.tracing.drain import DrainOnCollect
-from dcp_otel.tracing.export_queue import QueueFullWatch
-from dcp_otel.tracing.flushing import ExitFlush, flush_all
-from dcp_otel.tracing.tracker import SpanRecorder
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+
+if TYPE_CHECKING:
+    from dcp_otel.attach.patches import Installed
+    from dcp_otel.live.watchdog import Watchdog
+    from dcp_otel.metrics.exposition import MetricsEndpoint
+    from dcp_otel.metrics.otel import OTelCheckpointMetrics
+    from dcp_otel.metrics.prometheus import CheckpointMetrics, MetricsSink
+    from dcp_otel.metrics.relay import MetricsRelay
+    from dcp_otel.spool.process import ProcessSpool
+    from dcp_otel.tracing.drain import DrainOnCollect
+    from dcp_otel.tracing.export_queue import QueueFullWatch
+    from dcp_otel.tracing.flushing import ExitFlush
+    from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
 #: The instrumented dependency, as opentelemetry-instrumentation expects it (not a dependency of the package).
@@ -59,6 +71,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     """
 
     _recorder: SpanRecorder | None = None
+    _options: InstrumentOptions | None = None
+    _pending: object | None = None  # the attachment waiting for torch's import (a token, compared by identity)
     _installed: Installed | None = None
     _metrics: CheckpointMetrics | None = None
     _otel_metrics: OTelCheckpointMetrics | None = None
@@ -67,7 +81,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     _queue_watch: QueueFullWatch | None = None
     _drain: DrainOnCollect | None = None
     _watchdog: Watchdog | None = None
-    _signals: SignalGuard | None = None
+    _spool: ProcessSpool | None = None
+    _undo: list[Callable[[], None]] | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -78,10 +93,10 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         Already instrumented: nothing changes, and a warning names every option
         asked for that differs from the one in force.
         """
-        recorder = self._recorder
-        if self._is_instrumented_by_opentelemetry and recorder is not None:
+        options = self._options
+        if self._is_instrumented_by_opentelemetry and options is not None:
             asked = {k: v for k, v in kwargs.items() if k not in _BASE_KWARGS and not k.startswith("_")}
-            differing = differing_options(recorder.options, InstrumentOptions.from_kwargs(asked))
+            differing = differing_options(options, InstrumentOptions.from_kwargs(asked))
             if differing:
                 logger.warning(
                     "dcp_otel is already instrumented; this call changes nothing. In force: %s (asked: %s). "
@@ -96,7 +111,36 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         relay: MetricsRelay | None = kwargs.pop("_metrics_sink", None)
         process_name: str | None = kwargs.pop("_process_name", None)
         options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
-        import torch  # (BaseInstrumentor checked it is installed, and not older than releases.OLDEST)
+        self._options = options
+        if "torch" in sys.modules:
+            self._attach(options, relay, process_name)  # a bad metrics address raises here, leaving nothing behind
+            return
+        pending = self._pending = object()
+
+        def attach_when_torch_is_imported(_: object) -> None:
+            if self._pending is not pending:
+                return  # uninstrumented (or instrumented again) since
+            self._pending = None
+            try:
+                self._attach(options, relay, process_name)
+            except Exception as exc:  # noqa: BLE001 - inside the application's `import torch`: never raise there
+                reraise_if_signalled(exc)
+                report("setup_error", "dcp_otel could not instrument DCP once torch was imported", exc_info=True)
+
+        wrapt.register_post_import_hook(attach_when_torch_is_imported, "torch")
+
+    def _attach(self, options: InstrumentOptions, relay: MetricsRelay | None, process_name: str | None) -> None:
+        """Everything that touches torch: the recorder, its sinks, the patches, the watchdog and the spool."""
+        import torch
+        from prometheus_client import REGISTRY
+
+        from dcp_otel.attach.patches import install
+        from dcp_otel.metrics.exposition import start_metrics_server
+        from dcp_otel.metrics.otel import OTelCheckpointMetrics
+        from dcp_otel.metrics.prometheus import CheckpointMetrics, FanOut
+        from dcp_otel.tracing.drain import DrainOnCollect
+        from dcp_otel.tracing.export_queue import QueueFullWatch
+        from dcp_otel.tracing.tracker import SpanRecorder
 
         untested = releases.untested_release_warning(torch.__version__)
         if untested is not None:
@@ -132,19 +176,55 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             drain.builder = self._recorder.builder
         if otel is not None:
             otel.builder = self._recorder.builder
+        self._undo = []
+        self._open_spool(options, relay, process_name)
         # The async save daemon's metrics go to this rank's sinks (never back into a relay).
         self._installed = install(self._recorder, options, sink if relay is None else None)
         self._queue_watch = QueueFullWatch()
-        ending = self._watch(options, sink, metrics, otel, relay, process_name)
-        self._exit_flush = ExitFlush(self._recorder, options.flush_timeout_s, otel,
-                                     end_open=lambda: ending.end_open_calls(semconv.INTERRUPTED_AT_EXIT),
-                                     clock=ending.clock,
-                                     end_life=lambda deadline: ending.end_life(semconv.INTERRUPTED_AT_EXIT, deadline))  # fmt: skip
-        atexit.register(self._exit_flush)
+        self._watch(options, sink, metrics, otel, relay, process_name)
+
+    def _open_spool(self, options: InstrumentOptions, relay: MetricsRelay | None, process_name: str | None) -> None:
+        """The process's record, and (in a process that is no checkpoint helper) its survivor (:mod:`dcp_otel.spool`)."""
+        from dcp_otel.attach import worker_exits
+        from dcp_otel.spool.process import ProcessSpool, is_multiprocessing_child
+
+        assert self._recorder is not None and self._undo is not None
+        spool = self._spool = ProcessSpool.open(self._recorder, options.flush_timeout_s, process_name)
+        if spool is None or relay is not None:
+            return  # a checkpoint helper keeps its record; its rank and the rank's agent survive it
+        survivor = spool.survivor
+        if not is_multiprocessing_child():  # else (a rank of torch.multiprocessing.spawn) at its first operation
+            survivor.start()
+        for module, watch in ((worker_exits.ELASTIC_MODULE, worker_exits.watch_worker_exits),
+                              (worker_exits.SPAWN_MODULE, worker_exits.watch_spawned_ranks)):  # fmt: skip
+            self._watch_when_imported(module, watch, survivor)
+
+    def _watch_when_imported(self, module: str, watch: Callable[[Any], Callable[[], None]], survivor: Any) -> None:
+        undo = self._undo
+        assert undo is not None
+
+        def hook(_: object) -> None:
+            if self._undo is not undo:
+                return  # uninstrumented since
+            try:
+                undo.append(watch(survivor))
+            except Exception as exc:  # noqa: BLE001 - inside an import of the application's
+                reraise_if_signalled(exc)
+                report("survivor_error", "dcp_otel could not watch how the workers of %s end", module, exc_info=True)
+
+        wrapt.register_post_import_hook(hook, module)
 
     def _watch(self, options: InstrumentOptions, sink: MetricsSink | None, metrics: CheckpointMetrics | None,
-               otel: OTelCheckpointMetrics | None, relay: MetricsRelay | None, process_name: str | None) -> Ending:  # fmt: skip
-        """What is open now: the live progress metrics, the stall watchdog, the signal handlers."""
+               otel: OTelCheckpointMetrics | None, relay: MetricsRelay | None, process_name: str | None) -> None:  # fmt: skip
+        """What is open now (the live progress metrics, the stall watchdog), and the process's end."""
+        from dcp_otel.live.ending import Ending
+        from dcp_otel.live.life import ProcessLife
+        from dcp_otel.live.progress import LiveState, StallPolicy
+        from dcp_otel.live.stalls import StallReporter
+        from dcp_otel.live.watchdog import Watchdog
+        from dcp_otel.metrics.prometheus import LiveEntry
+        from dcp_otel.tracing.flushing import ExitFlush
+
         recorder, bridge = self._recorder, self._installed.bridge if self._installed is not None else None
         assert recorder is not None
         live = LiveState(recorder, StallPolicy(options.stall_after_s, recorder.builder.history),
@@ -153,12 +233,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             if side is not None:
                 side.live = live.entries
         timeout = float(options.flush_timeout_s)
-        ending = Ending(recorder, live, otel, timeout, relay.send if relay is not None else None,
+        ending = Ending(recorder, live, otel, relay.send if relay is not None else None,
                         ProcessLife(recorder) if relay is None else None)  # fmt: skip
-        if options.signals:
-            self._signals = SignalGuard(
-                ending, lambda: timeout > 0 and flush_all(recorder, otel, timeout, wait_for_uploads=False))
-            self._signals.install()
         publish: list[Callable[[list[LiveEntry]], None]] = []
         if metrics is not None and metrics.multiprocess:
             publish.append(metrics.publish_progress)
@@ -171,12 +247,26 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
             publish.append(relay_progress)
         reporter = StallReporter(recorder, sink, process_name, relay.send if relay is not None else None, timeout)
-        self._watchdog = Watchdog(live, reporter, signals=self._signals, publish=publish,
-                                  before=bridge.drain if bridge is not None and relay is None else None)  # fmt: skip
-        recorder.watch = self._watchdog.ensure_running
-        return ending
+        spool = self._spool
+        watchdog = self._watchdog = Watchdog(live, reporter, record=spool.record if spool is not None else None,
+                                             publish=publish,
+                                             before=bridge.drain if bridge is not None and relay is None else None)  # fmt: skip
+        survivor = spool.survivor if spool is not None and relay is None else None
+
+        def on_operation() -> None:  # (the tracker calls it as an operation starts: cheap once running)
+            watchdog.ensure_running()
+            if survivor is not None:
+                survivor.start()
+
+        recorder.watch = on_operation
+        self._exit_flush = ExitFlush(recorder, timeout, otel,
+                                     end_open=lambda: ending.end_open_calls(semconv.INTERRUPTED_AT_EXIT),
+                                     end_life=lambda deadline: ending.end_life(semconv.INTERRUPTED_AT_EXIT, deadline),
+                                     survivor=survivor, spool=spool)  # fmt: skip
+        atexit.register(self._exit_flush)
 
     def _uninstrument(self, **kwargs: Any) -> None:
+        self._pending = None  # an attachment still waiting for torch's import never happens
         if self._recorder is not None:
             # What finished before uninstrument() is built first, while everything that
             # watches and counts it (the queue-full filter, the metrics) is still in place.
@@ -185,10 +275,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             atexit.unregister(self._exit_flush)
         if self._watchdog is not None:
             self._watchdog.stop()
-        if self._signals is not None:
-            self._signals.remove()
-            if self._watchdog is None or not self._watchdog.running:  # (its thread reads the socket)
-                self._signals.close()
+        for undo in reversed(self._undo or []):
+            undo()
         for side in (self._metrics, self._otel_metrics):
             if side is not None:
                 side.live = None
@@ -198,6 +286,11 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             self._queue_watch.remove()
         if self._recorder is not None:
             self._recorder.close()
+        if self._spool is not None:
+            recorder = self._recorder
+            timeout = float(recorder.options.flush_timeout_s) if recorder is not None else 0.0
+            self._spool.close(clean=(recorder is None or not recorder.open_calls()) and self._spool.settled(timeout))
+            self._spool.detach()
         if self._endpoint is not None:
             self._endpoint.close()
         if self._metrics is not None:
@@ -208,6 +301,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             self._otel_metrics.close()
         self._installed = None
         self._recorder = None
+        self._options = None
         self._metrics = None
         self._otel_metrics = None
         self._endpoint = None
@@ -215,11 +309,12 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         self._queue_watch = None
         self._drain = None
         self._watchdog = None
-        self._signals = None
+        self._spool = None
+        self._undo = None
 
     @property
     def recorder(self) -> SpanRecorder | None:
-        """The active recorder (``None`` when not instrumented)."""
+        """The active recorder (``None`` when not instrumented, or before torch is imported)."""
         return self._recorder
 
     @property
@@ -238,9 +333,9 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         return self._watchdog
 
     @property
-    def signals(self) -> SignalGuard | None:
-        """The SIGTERM guard and wakeup fd reader (``None`` when signals are off or not instrumented)."""
-        return self._signals
+    def spool(self) -> ProcessSpool | None:
+        """The process's record and survivor (``None`` when the spool is off, or not instrumented)."""
+        return self._spool
 
     @property
     def metrics_endpoint(self) -> MetricsEndpoint | None:

@@ -41,6 +41,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.spool.reader import read_spool, record_directories
 
 _ID_FIELDS: Final = ("traceId", "spanId", "parentSpanId")
 STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
@@ -58,6 +59,9 @@ class OTLPJsonFileExporter(SpanExporter):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
+        if _ends_mid_line(self.path):  # a writer killed mid-line before us: our first line starts on a line of its own
+            self._file.write("\n")
+            self._file.flush()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
@@ -77,6 +81,15 @@ class OTLPJsonFileExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True  # every export is flushed as it is written
+
+
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with path.open("rb") as existing:
+            size = existing.seek(0, os.SEEK_END)
+            return size > 0 and existing.seek(size - 1) >= 0 and existing.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def to_otlp_json(request: ExportTraceServiceRequest) -> dict[str, Any]:
@@ -130,7 +143,7 @@ class FileSpan:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-def _value(value: AnyValue) -> Any:
+def _value(value: AnyValue) -> Any:  # (an OTLP protobuf AnyValue)
     kind = value.WhichOneof("value")
     if kind == "array_value":
         return [_value(v) for v in value.array_value.values]
@@ -303,37 +316,37 @@ def spans_of_json(document: object) -> Iterable[FileSpan]:
 
 
 def read_spans(paths: Iterable[str | os.PathLike[str]], damaged: list[str] | None = None) -> list[FileSpan]:
-    """Every span in the files (a folder means its ``*.json`` and ``*.jsonl`` files).
+    """Every span in the files (a folder: its ``*.json(l)`` files; a spool: its records, :func:`read_spool`).
 
-    ``damaged``: read on past what a killed writer leaves (a rank killed mid-checkpoint is the incident
-    the report is for): an empty file, a last line cut short; each is described in that list.
+    ``damaged``: read on past what a killed writer leaves (an empty file, a line cut short), described there.
 
     Raises:
-        SpanFileError: a file is missing, not OTLP JSON, or (without ``damaged``) empty or cut short;
-            the message names the file and line.
+        SpanFileError: a file is missing, not OTLP JSON, or (without ``damaged``) empty or cut short.
     """
     files: list[Path] = []
+    spans: list[FileSpan] = []
+    notes = damaged if damaged is not None else []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        if record_directories(str(path)):  # a spool: what processes wrote ahead before they died
+            spans.extend(spans_of(encode_spans(read_spool(str(path), notes))))
+        elif path.is_dir():
             files.extend(sorted(p for p in path.iterdir() if p.suffix in {".json", ".jsonl"}))
         else:
             files.append(path)
-    if not files:
-        raise SpanFileError("no trace files given (or the folder has no .json/.jsonl files)")
-    spans: list[FileSpan] = []
+    if not files and not spans:
+        raise SpanFileError("no trace files given (or the folder has no .json/.jsonl files, nor records of a spool)")
     for path in files:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise SpanFileError(f"{path}: cannot read it ({exc})") from None
-        documents = _documents(path, text, damaged)
-        for line, document in documents:
+        for line, document in _documents(path, text, damaged):
             try:
                 spans.extend(spans_of_json(document))
             except ValueError as exc:
                 raise SpanFileError(f"{path}:{line}: not an OTLP JSON trace request ({exc})") from None
-    return _as_delivered(spans, damaged if damaged is not None else [])
+    return _as_delivered(spans, notes)
 
 
 def _as_delivered(spans: list[FileSpan], notes: list[str]) -> list[FileSpan]:
@@ -359,11 +372,7 @@ def _as_delivered(spans: list[FileSpan], notes: list[str]) -> list[FileSpan]:
 
 
 def _finite(value: object) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(_finite(v) for v in value)
-    return True
+    return math.isfinite(value) if isinstance(value, float) else not isinstance(value, list) or all(map(_finite, value))
 
 
 def _cut_cycles(spans: list[FileSpan]) -> int:
@@ -385,6 +394,18 @@ def _cut_cycles(spans: list[FileSpan]) -> int:
             current = by_id.get((current.trace_id, current.parent_id)) if current.parent_id else None
         done.update(on_path)
     return cut
+
+
+def _glued(line: str) -> object | None:
+    """The document after a cut prefix on ``line``: a restarted writer's first line, appended to a cut one."""
+    start = line.find('{"resourceSpans"', 1)
+    while start > 0:
+        try:
+            found: object = json.loads(line[start:])
+            return found
+        except (json.JSONDecodeError, RecursionError):
+            start = line.find('{"resourceSpans"', start + 1)
+    return None
 
 
 def _documents(path: Path, text: str, damaged: list[str] | None = None) -> list[tuple[int, object]]:
@@ -409,14 +430,19 @@ def _documents(path: Path, text: str, damaged: list[str] | None = None) -> list[
         except RecursionError:
             raise SpanFileError(f"{path}:{number}: not an OTLP JSON trace request (JSON nested too deep)") from None
         except json.JSONDecodeError as exc:
+            glued = _glued(line)
+            if glued is not None and damaged is not None:  # a killed writer's cut line, a restarted one's document after
+                documents.append((number, glued))
+                damaged.append(f"{path}:{number}: a line cut short, the next writer's line glued onto it (a process "
+                               "ended mid-write, then another appended: a restart); read the part after the cut")
+                continue
             last = number == len(text.splitlines())
             if last and damaged is not None and not text.endswith("\n"):  # its writer ended mid-line
-                damaged.append(f"{path}:{number}: the last line is cut short (its writer ended mid-write); "
-                               "read up to it")  # fmt: skip
+                damaged.append(f"{path}:{number}: the last line is cut short (its writer ended mid-write); read up to it")
                 break
             if not last and damaged is not None and documents:  # a killed writer's cut line, a restarted one's after
                 damaged.append(f"{path}:{number}: the line is cut short and more follows (a process ended mid-write, "
-                               "then another appended to the file: a restart); read past it")  # fmt: skip
+                               "then another appended to the file: a restart); read past it")
                 continue
             cut = " (the file looks cut short)" if last else ""
             raise SpanFileError(f"{path}:{number}: not JSON{cut}: {exc.msg}") from None

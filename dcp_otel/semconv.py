@@ -185,8 +185,8 @@ ENV_SPAN_BUDGET: Final = "DCP_OTEL_SPAN_BUDGET"  # step spans one checkpoint may
 ENV_MAX_QUEUED_OPERATIONS: Final = "DCP_OTEL_MAX_QUEUED_OPERATIONS"  # finished operations waiting to be built
 #: Seconds without progress after which an open DCP call is reported stalled; "auto" (default): from its history.
 ENV_STALL_AFTER_S: Final = "DCP_OTEL_STALL_AFTER_S"
-#: "off" leaves SIGTERM and the signal wakeup fd alone (default "on": spans survive termination).
-ENV_SIGNALS: Final = "DCP_OTEL_SIGNALS"
+ENV_SPOOL_DIR: Final = "DCP_OTEL_SPOOL_DIR"  # where each process's record is kept ("off": nowhere; spool.layout)
+ENV_SIGNALS_RETIRED: Final = "DCP_OTEL_SIGNALS"  # read only to say that it is ignored (no signal handler any more)
 ENV_GENERATION: Final = "DCP_OTEL_GENERATION"  # what every rank of a rendezvous round shares (from dcp-otel-run)
 #: Store key under which the ranks of a round (or dcp-otel-run's agents) agree on their generation.
 STORE_GENERATION_KEY: Final = "dcp_otel/generation"

@@ -75,8 +75,6 @@ class DaemonBootstrap:
     resource: dict[str, Any] = field(default_factory=dict)
     relay: Connection | None = None
     stall_after_s: float | None = None
-    #: End open calls on SIGTERM in the daemon too (its rank ends it with SIGTERM).
-    signals: bool = True
 
 
 class ProcessBridge:
@@ -117,7 +115,6 @@ class ProcessBridge:
             resource=dict(getattr(resource, "attributes", None) or {}),
             relay=writer,
             stall_after_s=options.stall_after_s,
-            signals=options.signals,
         )
 
     # --- wrappers (wrapt signature) -----------------------------------------

@@ -21,6 +21,11 @@ one last scrape before it exits, so they reach Prometheus. Agent phases become
 spans when an OpenTelemetry SDK is configured in the launcher, e.g.
 ``opentelemetry-instrument dcp-otel-run ...``.
 
+The agent outlives its workers: a worker that dies with a checkpoint open (the
+OOM killer's SIGKILL, NCCL's abort, a segfault, SIGTERM) is reported from the
+record it left in the spool, with its exit status, to the OTLP endpoint of the
+``OTEL_*`` variables (:func:`report_dead_workers`).
+
 Each round of workers (a restart, or a new rendezvous round after a membership
 change, which torchelastic does not count as a restart) gets its own
 ``$DCP_OTEL_GENERATION``, agreed by the agents of the round through the round's
@@ -129,6 +134,28 @@ def label_with_the_run(endpoint: MetricsEndpoint) -> Callable[..., Any]:
     return relabel
 
 
+def report_dead_workers() -> Callable[[], None] | None:
+    """Be the survivor of this agent's workers (:mod:`dcp_otel.spool`): a worker that dies with a checkpoint open
+    (SIGKILL, a segfault, SIGTERM) is reported from its record, saying how it died, to the global tracer provider
+    or the OTLP endpoint of ``OTEL_*``. ``opentelemetry-instrument dcp-otel-run`` has one already (its
+    instrumentor's). Returns what waits, at exit, until the deaths seen are sent."""
+    from dcp_otel.attach.worker_exits import watch_worker_exits
+    from dcp_otel.instrumentor import DCPInstrumentor
+    from dcp_otel.spool.process import agent_survivor
+
+    if DCPInstrumentor().spool is not None:
+        return None
+    survivor = agent_survivor()
+    if survivor is None:
+        return None
+    watch_worker_exits(survivor)
+    survivor.start()
+    def settle() -> None:
+        survivor.wait_idle(10.0)
+
+    return settle
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with ``argv`` (default: this process's arguments)."""
     from torch.distributed.elastic.agent.server import local_elastic_agent
@@ -140,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     wrapt.wrap_function_wrapper(local_elastic_agent, "LocalElasticAgent._start_workers", publish_generation)
     enable_resource_detector()
     endpoint = observe_agent()
+    settle = report_dead_workers()
     if endpoint is not None:
         from torch.distributed import run as torchrun
 
@@ -147,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(args)  # type: ignore[no-untyped-call]
     finally:
+        if settle is not None:
+            settle()  # the workers that died are reported before the agent goes
         if endpoint is not None:
             endpoint.finish()  # the run results are recorded last: let Prometheus take them
 

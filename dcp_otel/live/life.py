@@ -4,9 +4,9 @@ A training process that dies between checkpoints (an exception in its
 training step, SIGTERM from torchrun because a peer died) leaves no DCP span
 of its end: its last one is its last checkpoint, and "how much work did the
 restart redo?" needs the moment it died. So, once the process has made its
-first DCP call, its ending (``atexit``, or the SIGTERM handling of
-:mod:`~dcp_otel.live.signals`) emits one span from ``instrument()`` to that
-moment, with:
+first DCP call, its exit (``atexit``) emits one span from ``instrument()`` to that
+moment (a process killed by a signal runs no ``atexit``: a survivor emits the
+same span from its record, :mod:`dcp_otel.spool.reader`), with:
 
 - who it was: ``dcp.rank``, ``dcp.world_size``, ``dcp.run_id``, ``dcp.generation``, ``process.pid``;
 - how it ended (``dcp.process.ended_by``): ``exit``, ``exception`` (the uncaught exception Python printed,
@@ -17,13 +17,12 @@ moment, with:
   the report counts the steps a restart redid.
 
 It costs nothing while the process runs: one store per operation (who it is)
-and one span at the end, inside the ending's deadline. A process killed by
-SIGKILL emits none; the report then takes its last DCP span's end.
+and one span at the end, inside the exit flush's deadline.
 
 Usage::
 
     life = ProcessLife(recorder)
-    life.end("SIGTERM")     # once: later calls (atexit after the signal) do nothing
+    life.end("exit")        # once: later calls do nothing
 """
 
 from __future__ import annotations

@@ -24,10 +24,11 @@ import _signal  # the C module signal wraps: its getsignal gives SIG_DFL as a pl
 import functools
 import signal
 import threading
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any, Final
 
 _SIGNALS: Final = tuple(sorted(signal.valid_signals()))  # 200 us to build: once
+_VALID: Final = frozenset(_SIGNALS)
 
 
 def reraise_if_signalled(exc: BaseException) -> None:
@@ -40,20 +41,60 @@ def raised_by_signal_handler(exc: BaseException) -> bool:
     """Whether ``exc`` came out of a Python signal handler that ran inside the ``try`` that caught it.
 
     The handler's frame is pushed on top of the frame it interrupted, so it is
-    in the traceback between the catching frame (left out: a handler may catch
-    its own errors) and where ``exc`` was raised.
+    in the traceback between the catching frame (left out as a handler: a
+    handler may catch its own errors) and where ``exc`` was raised. It is told
+    two ways, either one enough:
+
+    * by what the interpreter called it with: ``(signum, frame)``, where
+      ``frame`` is the very frame below it in the traceback (its caller). No
+      other call gets its caller's frame right after a signal number: this
+      holds for a one-shot handler (one that restores the previous disposition
+      before it raises, and is no longer installed when the ``except`` looks),
+      for a handler wrapped by a decorator (``*args``), a method, a
+      ``functools.partial``;
+    * by its code: that of a handler installed now (one that dropped its
+      arguments before raising).
+
+    A handler written in C (a compiled extension's) has no Python frame: what
+    it raises is not told from an error of ours.
     """
     if threading.current_thread() is not threading.main_thread():
         return False  # Python runs signal handlers on the main thread only
-    traceback = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-    if traceback is None:
+    below = exc.__traceback__
+    traceback = below.tb_next if below is not None else None
+    if below is None or traceback is None:
         return False
-    handlers = _handler_codes()
+    handlers: set[CodeType] | None = None
     while traceback is not None:
-        if traceback.tb_frame.f_code in handlers:
+        frame = traceback.tb_frame
+        if frame.f_back is below.tb_frame and _called_with_its_caller(frame):
             return True
-        traceback = traceback.tb_next
+        if handlers is None:
+            handlers = _handler_codes()
+        if frame.f_code in handlers:
+            return True
+        below, traceback = traceback, traceback.tb_next
     return False
+
+
+def _called_with_its_caller(frame: FrameType) -> bool:
+    """Whether ``frame``'s arguments hold a signal number followed by ``frame``'s caller: a handler's call."""
+    caller = frame.f_back
+    code = frame.f_code
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & _VARARGS)]
+    local = frame.f_locals
+    values: list[Any] = []
+    for name in names:
+        value = local.get(name)
+        values.extend(value) if isinstance(value, tuple) else values.append(value)
+    return any(value is caller and _is_signal(values[i - 1]) for i, value in enumerate(values) if i)
+
+
+def _is_signal(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value in _VALID
+
+
+_VARARGS: Final = 0x04  # inspect.CO_VARARGS
 
 
 def _handler_codes() -> set[CodeType]:

@@ -48,6 +48,8 @@ from dcp_otel.tracing.tracker import SpanRecorder
 logger = logging.getLogger("dcp_otel")
 #: Stall spans waiting for the export thread, past which more are skipped (and counted).
 _QUEUED = 16
+#: The stacks of stalled calls a process's record keeps (the latest ones).
+_KEPT_STACKS = 8
 
 
 class StallReporter:
@@ -63,6 +65,7 @@ class StallReporter:
         self._queue: queue.Queue[tuple[Progress, float, int, ThreadStack | None, int]] = queue.Queue(_QUEUED)
         self._exporter: threading.Thread | None = None
         self.reported = 0
+        self._stacks: dict[int, str] = {}  # span id -> the stack last read inside it (the process's record keeps them)
         _forksafe.register(self)
 
     def _after_fork_in_child(self) -> None:
@@ -75,6 +78,12 @@ class StallReporter:
         try:
             now_ns = now_ns if now_ns is not None else time.time_ns()
             stack = thread_stack(p.thread_id) if p.thread_id is not None else None
+            record = self._recorder.record
+            if stack is not None and record is not None:  # a survivor ends this call with it, should the process die
+                self._stacks[p.call.span_id] = stack.text
+                while len(self._stacks) > _KEPT_STACKS:
+                    self._stacks.pop(next(iter(self._stacks)))
+                record.stacks(self._stacks)
             self._log(p, threshold_s, number, stack, now_ns)
             board().record(operation=p.op.name, step=p.step, rank=p.op.rank_label, seconds=p.age_s(now_ns),
                            threshold_s=threshold_s, stack=stack.text if stack is not None else None,

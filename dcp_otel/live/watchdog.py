@@ -11,11 +11,10 @@ and:
   multiprocess-mode gauges, and, in a checkpoint process, the rank it relays to;
 * applies what a checkpoint process relayed to this rank (``before``).
 
-Between ticks it sleeps in ``select`` on the signal guard's wakeup fd, so a
-SIGTERM reaches it at once even while the main thread is blocked in C
-(:class:`~dcp_otel.live.signals.SignalGuard`). Nothing it does waits for an
-exporter (stall spans and the ending are exported on threads of their own), so
-it always reads the next signal at once.
+Each tick it also writes a heartbeat (and the training step the loop said)
+into the process's record (:mod:`dcp_otel.spool.record`): a survivor that
+finds the process gone knows it was alive until then. Nothing it
+does waits for an exporter (stall spans are exported on a thread of their own).
 
 It never takes part in a collective, never touches a torch object, and never
 runs on the caller's thread: a DCP call costs the same with it as without it
@@ -23,7 +22,7 @@ runs on the caller's thread: a DCP call costs the same with it as without it
 
 Usage::
 
-    watchdog = Watchdog(live, reporter, signals=guard)
+    watchdog = Watchdog(live, reporter, record=record)
     recorder.watch = watchdog.ensure_running    # the tracker calls it when an operation starts
     ...
     watchdog.stop()
@@ -32,8 +31,6 @@ Usage::
 from __future__ import annotations
 
 import os
-import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,9 +39,10 @@ from typing import Final
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.progress import LiveState, Progress
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
-from dcp_otel.live.signals import SignalGuard
 from dcp_otel.live.stalls import StallReporter
 from dcp_otel.metrics.prometheus import LiveEntry
+from dcp_otel.spool.record import ProcessRecord
+from dcp_otel.tracing.training_step import explicit_step
 
 #: The longest and shortest ticks.
 MAX_TICK_S: Final = 1.0
@@ -59,14 +57,14 @@ class Watchdog:
         live: LiveState,
         reporter: StallReporter | None,
         *,
-        signals: SignalGuard | None = None,
+        record: ProcessRecord | None = None,
         publish: Sequence[Callable[[list[LiveEntry]], None]] = (),
         before: Callable[[], object] | None = None,
         tick_s: float | None = None,
     ) -> None:
         self.live = live
         self.reporter = reporter
-        self._signals = signals
+        self._record = record
         self._publish = tuple(publish)
         self._before = before
         fixed = live.policy.stall_after_s
@@ -76,7 +74,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._stopped = False
-        self._own_wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._wake = threading.Event()
         # (id(op), id(call), since_ns) -> (reports made, the age at which the next one is due)
         self._stalls: dict[tuple[int, int, int], tuple[int, float]] = {}
         self._published: list[LiveEntry] | None = None
@@ -92,6 +90,7 @@ class Watchdog:
             if self._pid == os.getpid() or self._stopped:
                 return
             self._stalls, self._published = {}, None  # (a forked child: nothing of the parent's)
+            self._wake = threading.Event()
             self._thread = threading.Thread(target=self._run, name="dcp-otel-watchdog", daemon=True)
             self._thread.start()
             self._pid = os.getpid()
@@ -103,76 +102,19 @@ class Watchdog:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (on uninstrument); never raises."""
         self._stopped = True
-        self._poke()
+        self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread() and self._pid == os.getpid():
             thread.join(timeout_s)
-        if self._own_wakeup is not None and (thread is None or not thread.is_alive()):
-            for end in self._own_wakeup:
-                end.close()
-
-    def _wakeup(self) -> socket.socket:
-        if self._signals is not None:
-            return self._signals.wakeup
-        if self._own_wakeup is None or self._own_wakeup[0].fileno() < 0:
-            pair = socket.socketpair()
-            for end in pair:
-                end.setblocking(False)
-            self._own_wakeup = pair
-        return self._own_wakeup[0]
-
-    def _poke(self) -> None:
-        if self._signals is not None:
-            self._signals.poke()
-        elif self._own_wakeup is not None:
-            try:
-                self._own_wakeup[1].send(b"\0")
-            except OSError:
-                pass
 
     def _run(self) -> None:
-        wakeup = self._wakeup()
-        signals = self._signals
-        if signals is not None:
-            signals.reader_alive = True
-        next_tick = time.monotonic()
-        wake_for_signals: float | None = None
-        try:
-            while not self._stopped:
-                try:
-                    until = next_tick if wake_for_signals is None else min(next_tick, wake_for_signals)
-                    ready, _, _ = select.select([wakeup], [], [], max(0.0, until - time.monotonic()))
-                    if ready:
-                        self._read_signals(wakeup)
-                    if signals is not None:
-                        # Never blocks: the ending and flushes run on threads of their own, so the next
-                        # signal is read at once whatever an exporter does.
-                        wake_for_signals = signals.service()
-                    if self._stopped:
-                        return
-                    if time.monotonic() >= next_tick:
-                        self.check()
-                        next_tick = time.monotonic() + self.tick_s
-                except Exception as exc:  # noqa: BLE001 - the watchdog never dies of a telemetry problem
-                    reraise_if_signalled(exc)
-                    report("watchdog_error", "dcp_otel's watchdog failed a tick", exc_info=True)
-                    next_tick = time.monotonic() + self.tick_s
-        finally:
-            if signals is not None:
-                signals.reader_alive = False
-
-    def _read_signals(self, wakeup: socket.socket) -> None:
-        try:
-            data = wakeup.recv(64)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:  # closed under us (a fork, an uninstrument): wait for the next tick
-            time.sleep(self.tick_s)
-            return
-        if self._signals is not None:
-            for signum in data:
-                if signum:
-                    self._signals.on_byte(signum)
+        while not self._stopped:
+            try:
+                self.check()
+            except Exception as exc:  # noqa: BLE001 - the watchdog never dies of a telemetry problem
+                reraise_if_signalled(exc)
+                report("watchdog_error", "dcp_otel's watchdog failed a tick", exc_info=True)
+            self._wake.wait(self.tick_s)
 
     # --- a tick -----------------------------------------------------------------------
     def check(self, now_ns: int | None = None) -> None:
@@ -188,8 +130,11 @@ class Watchdog:
                     for publish in self._publish:
                         publish(entries)
                     self._published = entries
+            now_ns = now_ns if now_ns is not None else time.time_ns()
+            if self._record is not None:
+                self._record.heartbeat(now_ns, explicit_step())
             if self.reporter is not None and self.live.policy.enabled:
-                self._check_stalls(progress, now_ns if now_ns is not None else time.time_ns())
+                self._check_stalls(progress, now_ns)
         finally:
             self.cpu_ns += time.thread_time_ns() - started
             self.ticks += 1

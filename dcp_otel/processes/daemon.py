@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import Any
 
 import wrapt
@@ -43,13 +42,13 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider as SDKTracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.attach.async_process import BOOTSTRAP_ATTR, CARRIER_ATTR, DAEMON_ENTRY, DaemonBootstrap, daemon_class
 from dcp_otel.config import resolve_callable
 from dcp_otel.instrumentor import DCPInstrumentor
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.relay import MetricsRelay
+from dcp_otel.spool.delivery import environment_exporters, exporter_names
 from dcp_otel.tracing.flushing import flush_spans
 
 #: torch's own daemon entry point, set when it is replaced in this process.
@@ -57,7 +56,6 @@ TORCH_ENTRY: Callable[..., None] | None = None
 #: What the processes are called in stall reports and the progress their ranks show.
 ASYNC_SAVE_PROCESS = "async save process"
 CHECKPOINT_PROCESS = "checkpoint process"
-_OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
 
 def daemon_main(pg_init_info: Any, parent_conn: Any) -> None:
@@ -132,8 +130,6 @@ class DaemonSession:
             detail=b.detail,
             span_budget=b.span_budget,
             stall_after_s=b.stall_after_s,
-            # Its rank ends it with SIGTERM (torchrun's too reaches the whole process group).
-            signals=b.signals,
             _metrics_sink=self._relay,
             _process_name=self._name,
         )
@@ -250,16 +246,10 @@ def _daemon_provider(bootstrap: DaemonBootstrap) -> tuple[trace.TracerProvider, 
 
 def _provider_from_environment(bootstrap: DaemonBootstrap) -> SDKTracerProvider:
     """An SDK provider from the ``OTEL_*`` variables, with the rank's resource."""
-    # The SDK's own environment rules (exporter names, OTLP protocol); what
-    # opentelemetry-instrument's configurator uses too.
-    from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names, _import_exporters
-
-    names = _get_exporter_names("traces")
-    if not names and semconv.ENV_OTEL_TRACES_EXPORTER not in os.environ and any(os.environ.get(v) for v in _OTLP_ENDPOINT_VARS):
-        names = [_default_otlp_exporter(_get_exporter_entry_point)]
     attributes = dict(bootstrap.resource) or dict(Resource.create().attributes)
     attributes["process.pid"] = os.getpid()
     provider = SDKTracerProvider(resource=Resource(attributes))
+    names = exporter_names()
     if not names:
         report(
             "daemon_no_exporter",
@@ -268,23 +258,11 @@ def _provider_from_environment(bootstrap: DaemonBootstrap) -> SDKTracerProvider:
         )
         return provider
     try:
-        exporters, _, _ = _import_exporters(names, [], [])
+        exporters = environment_exporters(names)
     except Exception as exc:  # noqa: BLE001 - e.g. an exporter package that is not installed
         reraise_if_signalled(exc)
         report("daemon_no_exporter", "this checkpoint process cannot load span exporter(s) %s", names, exc_info=True)
         return provider
-    for exporter_class in exporters.values():
-        provider.add_span_processor(BatchSpanProcessor(exporter_class()))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
-
-
-def _default_otlp_exporter(entry_point_for: Callable[[str, Any], str]) -> str:
-    """OTLP with no exporter named: the protocol asked for, else the OTLP exporter installed.
-
-    Only an OTLP endpoint is set. The SDK would pick gRPC, the spec's default is
-    HTTP; what the rank can actually use is whichever of them is installed.
-    """
-    if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL"):
-        return entry_point_for("otlp", "traces")
-    installed = {ep.name for ep in entry_points(group="opentelemetry_traces_exporter")}
-    return "otlp_proto_http" if "otlp_proto_http" in installed or "otlp_proto_grpc" not in installed else "otlp_proto_grpc"

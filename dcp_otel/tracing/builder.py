@@ -28,36 +28,35 @@ Usage::
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode
-from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.attach.unlogged_calls import CheckpointFile, ConsolidatedOutput
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import MetricsSink
+from dcp_otel.spool.encoding import encode
+from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.detail import DetailPolicy, named_straggler, summary_attributes
-from dcp_otel.tracing.outcome import at_risk, failure_origin, own_call
+from dcp_otel.tracing.measure import count_bytes, measure
+from dcp_otel.tracing.outcome import at_risk
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
     KIND_OPERATION,
-    KIND_STAGING,
     KIND_STEP,
     MAX_STATUS_TEXT,
     Call,
     DurationHistory,
     Operation,
 )
-from dcp_otel.tracing.staged import device_type
 from dcp_otel.tracing.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
 
 #: The attributes a summary-only operation span keeps of its operation's.
@@ -78,6 +77,10 @@ class SpanBuilder:
         self._tracers: dict[int, Any] = {}  # id(tracer) -> (tracer, its chosen-ids twin or None)
         #: Each operation's recent successful durations: what the stall watchdog's thresholds start from.
         self.history = DurationHistory()
+        #: The process's record (its operations written ahead) and where built spans wait for an exporter's
+        #: confirmation (dcp_otel.spool): set by the instrumentor, None where nothing is written ahead.
+        self.record: ProcessRecord | None = None
+        self.keep: Callable[[list[list[Any]]], None] | None = None
         self._reset()
         _forksafe.register(self)
 
@@ -100,6 +103,8 @@ class SpanBuilder:
     def submit(self, op: Operation, calls: list[Call] | None = None) -> None:
         """Queue ``op`` (or ``calls`` of it that ended after it was built); drop and count when full."""
         item = (op, op.calls if calls is None else calls)
+        if calls is None and self.record is not None:
+            self.record.op_done(op)  # complete: nothing of it is left open for a survivor to end
         with self._cond:
             # After close() too: an async upload that ends after uninstrument() is still built,
             # by a thread that stops again once the queue is empty.
@@ -176,8 +181,10 @@ class SpanBuilder:
                 self._cond.notify_all()
             if calls is op.calls and op.failed is None and op.end_ns:
                 first = op.start_ns or min((c.start_ns for c in calls), default=op.end_ns)
-                self.history.add(op.name, (op.end_ns - first) / 1e9, op.end_ns,
-                                 str(op.attributes.get(semconv.ATTR_CHECKPOINT_ID, "")))
+                checkpoint_id = str(op.attributes.get(semconv.ATTR_CHECKPOINT_ID, ""))
+                self.history.add(op.name, (op.end_ns - first) / 1e9, op.end_ns, checkpoint_id)
+                if self.record is not None and op.name in semconv.SAVE_OPERATIONS:
+                    self.record.recovery(op.end_ns, checkpoint_id)
             elif calls is op.calls and op.failed is not None:
                 at_risk(op, calls, self.history.last_success_ns(semconv.SAVE_OPERATIONS))
             try:
@@ -232,7 +239,8 @@ class SpanBuilder:
                 call.arrivals = None
                 if straggler:
                     call.extra = {**(call.extra or {}), **straggler}
-        emit = _Emitter(op, self._twin(op.tracer))
+        keep = self.keep
+        emit = _Emitter(op, self._twin(op.tracer), [] if keep is not None else None)
         if op.root_span_id and not late:
             emit.root(straggler)
         for call in calls:
@@ -243,6 +251,8 @@ class SpanBuilder:
             # waits a whole switch interval (5 ms) for it, and the SDK's batch worker takes
             # its batches as they come, as when spans ended one by one during the checkpoint.
             _yield()
+        if keep is not None and emit.ended:
+            keep(emit.ended)  # until an exporter confirms them: a death now would lose them with the SDK's queue
 
 
 #: The calls only a detailed rank exports: its steps, and DCP's collectives between them.
@@ -252,9 +262,10 @@ _DETAIL_KINDS = frozenset({KIND_STEP, KIND_COLLECTIVE})
 class _Emitter:
     """Emits one operation's spans through its tracer, with the ids chosen on the hot path."""
 
-    def __init__(self, op: Operation, twin: Any) -> None:
+    def __init__(self, op: Operation, twin: Any, ended: list[list[Any]] | None = None) -> None:
         self.op = op
         self.twin = twin
+        self.ended = ended  # the spans emitted, encoded as they end, where they are kept until exported
         # Without chosen ids (a tracer that is not the SDK's): parents by the spans we emitted.
         self.emitted: dict[int, SpanContext] = {}
 
@@ -282,6 +293,8 @@ class _Emitter:
         if op.failed:
             span.set_status(Status(StatusCode.ERROR, op.failed[:MAX_STATUS_TEXT]))
         span.end(end_time=op.end_ns)
+        if self.ended is not None and isinstance(span, ReadableSpan):
+            self.ended.append(encode(span))
 
     def span(self, call: Call, summary: dict[str, object] | None) -> None:
         op = self.op
@@ -322,128 +335,5 @@ class _Emitter:
             span.add_event("exception", failure.event, timestamp=call.end_ns)
             span.set_status(Status(StatusCode.ERROR, failure.description[:MAX_STATUS_TEXT]))
         span.end(end_time=call.end_ns)
-
-
-# --- metrics ----------------------------------------------------------------------
-def measure(op: Operation, calls: list[Call], metrics: MetricsSink, late: bool = False) -> None:
-    """Record the metrics of a finished operation (the step and operation histograms, bytes)."""
-    exemplar, rank = op.exemplar, op.rank_label
-    if not late:
-        count_bytes(op, metrics)
-        count_staging(op, metrics)
-    for call in calls:
-        if call.kind != KIND_STEP or not call.span_id:
-            continue
-        duration_s = call.duration_s
-        metrics.step_done(op.name, call.func_name, rank, duration_s, exemplar)
-        if call.func_name in semconv.STAGING_STEPS:
-            metrics.async_phase_done(semconv.PHASE_STAGING, rank, duration_s, exemplar)
-    if not late and any(call.kind == KIND_OPERATION for call in calls):
-        metrics.operation_done(op.name, rank, op.failed is None, (op.end_ns - op.start_ns) / 1e9, op.wait_s,
-                               op.end_ns / 1e9, exemplar)  # fmt: skip
-    if not late:
-        # The training thread's own call (an async save's until it returned; not its background save, nor the
-        # async save process's, whose relayed counts the rank drops).
-        own = own_call(op, calls)
-        if own is not None and own.end_ns:
-            metrics.training_blocked(op.name, rank, own.duration_s)
-    if not late and op.failed is not None:
-        origin = failure_origin(calls)
-        if origin is not None:
-            metrics.failure_started(op.name, rank, origin)
-
-
-def count_staging(op: Operation, metrics: MetricsSink | None) -> None:
-    """What the async save staged, on its staging spans (the rate over the one covering the copy) and counted."""
-    facts = op.staging
-    if facts is None:
-        return
-    calls = [c for c in op.calls if c.kind == KIND_STAGING or (c.kind == KIND_STEP and c.func_name in semconv.STAGING_STEPS)]
-    attributes: dict[str, Any] = {
-        semconv.ATTR_STAGING_BYTES: facts.nbytes,
-        semconv.ATTR_STAGING_DEVICE: facts.devices,
-        semconv.ATTR_STAGING_PINNED: facts.pinned,
-        semconv.ATTR_STAGING_SHARED: facts.shared,
-    }
-    # The staging future's span covers the copy where staging is asynchronous (the step then only submits it).
-    copy = next((c for c in calls if c.kind == KIND_STAGING), calls[0] if calls else None)
-    for call in calls:
-        extra = {**(call.extra or {}), **attributes}
-        if call is copy and call.duration_s > 0:
-            extra[semconv.ATTR_STAGING_RATE] = facts.nbytes / call.duration_s
-        call.extra = extra
-    if metrics is not None and facts.devices:
-        metrics.bytes_staged(device_type(facts.devices), op.rank_label, facts.nbytes)
-
-
-def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:
-    """Sum what DCP gathered (write results, local read plans) onto the counters and the spans.
-
-    The bytes go on the call that gathered them (the operation span, or the
-    background ``save`` of an async save) and, with the throughput, on this
-    rank's operation span, which every detail mode exports.
-    """
-    op_call = next((call for call in op.calls if call.kind == KIND_OPERATION), None)
-    # In the steps that move the bytes, less their own child calls (the checkpointer's barrier).
-    io_s = sum(c.duration_s - c.children_ns / 1e9 for c in op.calls
-               if c.kind == KIND_STEP and c.func_name in semconv.IO_STEPS)  # fmt: skip
-    for call, obj in op.gathered:
-        if isinstance(obj, ConsolidatedOutput):  # on its own span only: it rewrites what write_data wrote
-            call.extra = {**(call.extra or {}), semconv.ATTR_WRITTEN_BYTES: obj.size_in_bytes()}
-            continue
-        counted = _counted_bytes(obj, op.storage)
-        if counted is None:
-            continue
-        key, amount = counted
-        if metrics is not None:
-            if key == semconv.ATTR_WRITTEN_BYTES:
-                metrics.bytes_written(op.rank_label, amount)
-            else:
-                metrics.bytes_read(op.rank_label, amount)
-        for target in (call, op_call):
-            if target is not None:
-                target.extra = {**(target.extra or {}), key: amount}
-        if op_call is not None and io_s > 0:
-            op_call.extra = {**(op_call.extra or {}), semconv.ATTR_THROUGHPUT: amount / io_s}
-
-
-def _counted_bytes(obj: object, storage: object | None) -> tuple[str, int] | None:
-    """The bytes ``obj`` says were written or read, under the span attribute that counts them."""
-    if isinstance(obj, CheckpointFile):
-        return (semconv.ATTR_WRITTEN_BYTES if obj.written else semconv.ATTR_READ_BYTES), obj.size_in_bytes()
-    written = written_bytes(obj)
-    if written is not None:
-        return semconv.ATTR_WRITTEN_BYTES, written
-    read = planned_read_bytes(obj, storage)
-    return (semconv.ATTR_READ_BYTES, read) if read is not None else None
-
-
-def written_bytes(obj: object) -> int | None:
-    """Total ``size_in_bytes`` if ``obj`` is DCP's list of ``WriteResult``, else ``None``."""
-    if not isinstance(obj, list) or not obj or not all(isinstance(item, WriteResult) for item in obj):
-        return None
-    return int(sum(item.size_in_bytes for item in obj))
-
-
-def planned_read_bytes(obj: object, storage: object | None) -> int | None:
-    """Bytes a local ``LoadPlan`` will read, from the reader's ``storage_data``.
-
-    A file-system reader's entries have the ``length`` of each stored item, which
-    it reads whole. A safetensors reader's (``HuggingFaceStorageReader``) have a
-    dtype instead, and it reads just the slice each item asks for: its elements
-    times the dtype's size.
-    """
-    storage_data = getattr(storage, "storage_data", None)
-    if not isinstance(obj, LoadPlan) or not isinstance(storage_data, dict):
-        return None
-    total = 0
-    for item in obj.items:
-        info = storage_data.get(item.storage_index)
-        length = getattr(info, "length", None)
-        if isinstance(length, int):
-            total += length
-            continue
-        itemsize = getattr(getattr(info, "dtype", None), "itemsize", None)
-        if isinstance(itemsize, int):
-            total += math.prod(item.lengths) * itemsize
-    return total
+        if self.ended is not None and isinstance(span, ReadableSpan):
+            self.ended.append(encode(span))

@@ -25,7 +25,11 @@ from typing import TYPE_CHECKING
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.spool.layout import KIND_CODES
+from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.records import KIND_COLLECTIVE, Call, failure_of
+
+_COLLECTIVE_CODE = KIND_CODES[KIND_COLLECTIVE]
 
 _getrandbits = random.getrandbits
 
@@ -40,6 +44,7 @@ class CollectiveCalls:
         _local: threading.local
         _open: dict[str, Call]
         builder: SpanBuilder
+        record: ProcessRecord | None
 
     def collective_scope(self, pattern: str, step: object) -> object:
         """``_DistWrapper.<pattern>(step, ...)`` begins: the collectives it makes belong to torch's ``step``.
@@ -85,6 +90,12 @@ class CollectiveCalls:
                 call.extra = extra
             stack.append(call)
             self._open[call.uuid] = call
+            record = self.record
+            if record is not None and op.rec_serial:  # the name says whom it serves: "gather_object\0all_reduce\0write"
+                scope = extra or {}
+                record.started(stack, call, parent.span_id, _COLLECTIVE_CODE,  # type: ignore[arg-type]
+                               f"{method}\0{scope.get(semconv.ATTR_COLLECTIVE_PATTERN, '')}\0"
+                               f"{scope.get(semconv.ATTR_COLLECTIVE_STEP, '')}")  # fmt: skip
             return call
         except Exception as exc:  # noqa: BLE001 - telemetry never raises into training
             reraise_if_signalled(exc)
@@ -109,6 +120,8 @@ class CollectiveCalls:
             # The recorder's _close for a call that owns no part of its operation, has no token, and whose
             # time stays its parent's waiting: keep the two in step.
             call.end_ns = time.time_ns()
+            if call.rec >= 0 and self.record is not None:
+                self.record.ended(call, call.end_ns)
             self._open.pop(call.uuid, None)
             if op is None:
                 return

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
@@ -34,13 +34,9 @@ from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.otel import OTelCheckpointMetrics
 from dcp_otel.tracing.tracker import SpanRecorder
 
-
-class Clock(Protocol):
-    """The process's one ending deadline (:class:`dcp_otel.live.ending.EndingClock`, which imports this module)."""
-
-    def start(self) -> float: ...
-
-    def cut(self) -> None: ...
+if TYPE_CHECKING:
+    from dcp_otel.spool.process import ProcessSpool
+    from dcp_otel.spool.survivor import Survivor
 
 
 class BoundedFlush:
@@ -50,10 +46,11 @@ class BoundedFlush:
     the interpreter alive either.
     """
 
-    def __init__(self, provider: object, what: str, deadline: float) -> None:
+    def __init__(self, provider: object, what: str, deadline: float, quiet: bool = False) -> None:
         self.provider = provider
         self._what = what
         self._deadline = deadline
+        self._quiet = quiet  # a flush that only learns whether spans went out: its timeout is no problem to report
         self._outcome: list[bool] = []
         self._force_flush = getattr(provider, "force_flush", None)
         self._thread: threading.Thread | None = None
@@ -84,7 +81,8 @@ class BoundedFlush:
             return True
         self._thread.join(max(0.0, self._deadline - time.monotonic()))
         if self._thread.is_alive():
-            report("flush_timeout", "dcp_otel: the %s exporter did not finish flushing in time", self._what)
+            if not self._quiet:
+                report("flush_timeout", "dcp_otel: the %s exporter did not finish flushing in time", self._what)
             return None
         return self._outcome[0]
 
@@ -146,31 +144,35 @@ class ExitFlush:
 
     Calls still open at exit (after waiting, within half the timeout, for the
     async uploads to end) are ended by ``end_open`` ("interrupted at exit")
-    before the flush. ``clock`` (an :class:`~dcp_otel.live.ending.EndingClock`,
-    shared with the SIGTERM handling) makes it one wait per process: a SIGTERM
-    that arrives during the exit flush keeps its deadline, and a Ctrl-C
+    before the flush. Where this process is a survivor (``survivor``: an agent
+    whose workers just died), what it took to report is sent first. A Ctrl-C
     (``KeyboardInterrupt``) during it ends the wait at once, quietly, where
     Python would print it as an exception ignored in an ``atexit`` callback.
+    Once flushed, the process's record in the spool (``spool``) is removed, or,
+    if something could not be sent, left for a survivor.
     """
 
     def __init__(self, recorder: SpanRecorder, timeout_s: float, otel_metrics: OTelCheckpointMetrics | None = None,
-                 end_open: Callable[[], object] | None = None, clock: Clock | None = None,
-                 end_life: Callable[[float], object] | None = None) -> None:  # fmt: skip
+                 end_open: Callable[[], object] | None = None, end_life: Callable[[float], object] | None = None,
+                 survivor: Survivor | None = None, spool: ProcessSpool | None = None) -> None:  # fmt: skip
         self._recorder = recorder
         self._end_life = end_life  # (deadline): the process's dcp.process span
         self._timeout_s = timeout_s
         self._otel_metrics = otel_metrics
         self._end_open = end_open
-        self._clock = clock
+        self._survivor = survivor
+        self._spool = spool
         self._pid = os.getpid()
 
     def __call__(self) -> None:
         # A forked child inherits atexit hooks, but the spans are the parent's.
         if os.getpid() != self._pid or self._timeout_s <= 0:
             return
-        deadline = self._clock.start() if self._clock is not None else time.monotonic() + self._timeout_s
+        deadline = time.monotonic() + self._timeout_s
         failed: list[object]
         try:
+            if self._survivor is not None:
+                self._survivor.wait_idle(max(0.0, deadline - time.monotonic()) / 2)
             if self._end_open is not None and self._recorder.open_calls():
                 self._recorder.uploads.wait(max(0.0, min(self._timeout_s / 2, deadline - time.monotonic())))
                 if self._recorder.open_calls():
@@ -178,12 +180,12 @@ class ExitFlush:
             if self._end_life is not None:
                 self._end_life(deadline)
             _, failed = _flush(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()))
-        except KeyboardInterrupt:  # Ctrl-C again: the wait ends now, never restarted
-            if self._clock is not None:
-                self._clock.cut()
+        except KeyboardInterrupt:  # Ctrl-C again: the wait ends now
             failed = [self._recorder.provider()]
             if self._otel_metrics is not None:
                 failed.append(self._otel_metrics.provider())
+        if self._spool is not None:
+            self._spool.close(clean=not failed, exiting=True)
         for provider in failed:
             # This exporter is stuck or failing. The SDK's own exit hook would now shut the provider down and
             # wait for that exporter again (30 s per batch processor or metric reader, plus the

@@ -1,7 +1,8 @@
 """The calls open now, read from any thread, and ended as failed when the process ends.
 
-A mixin of :class:`~dcp_otel.tracing.tracker.SpanRecorder`, used from outside
-the caller's thread: the stall watchdog and metrics collections read
+A mixin of :class:`~dcp_otel.tracing.tracker.SpanRecorder`. On the caller's thread,
+:meth:`OpenCalls.close_unfinished` ends the calls a thread left open when the code that ran
+them returned or raised without torch saying so. From outside the caller's thread: the stall watchdog and metrics collections read
 :meth:`OpenCalls.open_calls`; a signal handler, the watchdog or ``atexit`` call
 :meth:`OpenCalls.interrupt_open` while the calls' own threads may be blocked
 for good (see :mod:`dcp_otel.live.ending`).
@@ -23,7 +24,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.failures import Failure
-from dcp_otel.tracing.records import KIND_OPERATION, KIND_STAGING, KIND_UPLOAD, Call, Operation
+from dcp_otel.tracing.records import KIND_OPERATION, KIND_STAGING, KIND_UPLOAD, Call, Operation, failure_of
 
 if TYPE_CHECKING:
     from dcp_otel.tracing.builder import SpanBuilder
@@ -46,6 +47,41 @@ class OpenCalls:
         _interrupt_lock: threading.RLock
         uploads: InFlight
         builder: SpanBuilder
+        closed: bool
+
+        def _stack(self) -> list[Call]: ...
+
+        def _close(self, call: Call, end_ns: int, parent: Call | None) -> None: ...
+
+    def close_unfinished(self, depth: int, exc: BaseException | None) -> None:
+        """End, as failed, the calls this thread left open above ``depth``.
+
+        For a DCP call that raised without torch logging an end or an exception
+        (``create_checkpoint_daemon_process`` when the checkpoint daemon cannot
+        start): called when the code that ran it returns or raises. After
+        ``uninstrument()`` (an async upload still running then), torch's ends no
+        longer reach the recorder: a call that returned normally ends with its
+        end unknown (``dcp.end_unknown``), never as a failure.
+        """
+        try:
+            stack = self._stack()
+            if len(stack) <= depth:
+                return
+            now = time.time_ns()
+            while len(stack) > depth:
+                call = stack.pop()
+                if call.span_id:
+                    if exc is None and self.closed:
+                        call.extra = {**(call.extra or {}), semconv.ATTR_END_UNKNOWN: True}
+                    else:
+                        call.failure = failure_of(call, exc, None if exc is not None else "did not return")
+                    call.inferred = True
+                    self._close(call, now, stack[-1] if stack else None)
+                else:
+                    self._open.pop(call.uuid, None)
+        except Exception as caught:  # noqa: BLE001
+            reraise_if_signalled(caught)
+            report("recorder_error", "dcp_otel failed to end an unfinished DCP call", exc_info=True)
 
     def open_calls(self) -> list[tuple[Call, int | None]]:
         """Every call open in this process right now, with the id of the thread inside it.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 import warnings
 from typing import Any, NamedTuple
 
@@ -217,8 +218,11 @@ class OperationStarter:
                     if add_link is not None:
                         add_link(SpanContext(ids.trace_id, op.span_id, False, flags),
                                  {semconv.ATTR_LINK_KIND: semconv.LINK_CHECKPOINT})  # fmt: skip
+        record = self._recorder.record
         if is_coordinator and chosen_ids:  # the builder emits the root with these ids
             op.root_span_id = ids.root_span_id
+            if record is not None:
+                record.op_begin(op, event.time_ns, ids.root_span_id)
             return op, with_span(ctx, NonRecordingSpan(light_span_context(ids.trace_id, ids.root_span_id, flags)))
         # A proxy or no-op tracer (no SDK configured) records nothing: nothing to warn about.
         if is_coordinator and not _is_noop(tracer):
@@ -228,7 +232,10 @@ class OperationStarter:
                 "but its root span is missing",
                 type(tracer).__name__,
             )
-        return op, remote_root_context(tracer, ids, ctx, flags)
+        parent_ctx = remote_root_context(tracer, ids, ctx, flags)
+        if record is not None:
+            record.op_begin(op, event.time_ns, trace.get_current_span(parent_ctx).get_span_context().span_id)
+        return op, parent_ctx
 
     # --- across a process boundary (async save in a daemon process) -------
     def export(self) -> dict[str, Any] | None:
@@ -278,6 +285,9 @@ class OperationStarter:
             op = Operation(name, int(rank), tracer, attributes, parent.trace_id, parent.trace_flags, attributes)
             op.adopted = True
             op.exemplar_span_id = parent.span_id
+            record = self._recorder.record
+            if record is not None:
+                record.op_begin(op, time.time_ns(), parent.span_id)
             return context_api.set_value(OPERATION_KEY, op, ctx)
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)

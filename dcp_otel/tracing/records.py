@@ -102,7 +102,7 @@ class Call:
     """
 
     __slots__ = ("uuid", "func_name", "start_ns", "end_ns", "span_id", "parent", "op", "attributes", "token",
-                 "children_ns", "__dict__")  # fmt: skip
+                 "children_ns", "rec", "__dict__")  # fmt: skip
 
     kind: str = KIND_STEP
     keys: KeyStats | None = None
@@ -135,6 +135,7 @@ class Call:
         self.attributes = attributes  # shared, never mutated (replaced when they change)
         self.token: object | None = None
         self.children_ns = 0  # time in its own child calls; the rest of an operation is collective wait
+        self.rec = -1  # where its process's record holds it (dcp_otel.spool.record), if it does
         if kind != KIND_STEP:
             self.kind = kind
 
@@ -182,11 +183,33 @@ class KeyCall(Call):
     attributes: dict[str, Any] = {}  # noqa: RUF012 - never mutated (a call's are replaced, never changed)
     token = None
     children_ns = 0
+    rec = -1
 
     def __init__(self, uuid: str, func_name: str, start_ns: int) -> None:
         self.uuid = uuid
         self.func_name = func_name
         self.start_ns = start_ns
+
+
+class ThreadStack(list):  # type: ignore[type-arg]
+    """A thread's open calls, innermost last, and where its process's record keeps them (``base``, -1: nowhere).
+
+    A list (its ``append`` and ``pop`` are the list's own, in C): two attributes more, read once per call.
+    """
+
+    __slots__ = ("base", "calls")
+
+    def __init__(self, base: int) -> None:
+        super().__init__()
+        self.base = base
+        self.calls = 0  # calls written into the record: the next one goes to its ring's entry calls % RING
+
+
+def span_id_of(parent: object) -> int:
+    """The span id of the span current when a call starts (0: none)."""
+    if isinstance(parent, trace.Span):
+        return parent.get_span_context().span_id
+    return 0
 
 
 class Staged(NamedTuple):
@@ -212,7 +235,7 @@ class Operation:
         "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
         "wait_s", "lock", "storage", "exemplar_span_id", "_exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
-        "group", "collective_error", "staging", "released_ns",
+        "group", "collective_error", "staging", "released_ns", "rec_serial", "rec_slot",
     )  # fmt: skip
 
     def __init__(
@@ -261,6 +284,8 @@ class Operation:
         self.collective_error = 0  # id() of the exception one of its collectives raised, while it propagates
         self.released_ns = 0  # when its last collective so far returned on this rank (0: none yet)
         self.staging: Staged | None = None  # what an async save's stager copied (dcp_otel.tracing.facts)
+        self.rec_serial = 0  # its number and slot in its process's record (dcp_otel.spool.record); 0: not there
+        self.rec_slot = -1
         self.lock = threading.Lock()
 
     @property

@@ -39,6 +39,8 @@ from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import MAX_FUNC_NAME, DCPEvent
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import MetricsSink
+from dcp_otel.spool.layout import ENTRY, ENTRY_SHIFT, I64, KIND_CODES, NAME_MAX, OFF_ENTRY_END, RING_MASK
+from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.builder import SpanBuilder
 from dcp_otel.tracing.collectives import CollectiveCalls
 from dcp_otel.tracing.detail import DetailPolicy
@@ -55,12 +57,15 @@ from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_cla
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
     KIND_OPERATION,
+    KIND_STEP,
     Call,
     KeyCall,
     KeyStats,
     Operation,
+    ThreadStack,
     failure_of,
     new_span_id,
+    span_id_of,
 )
 from dcp_otel.tracing.trace_ids import SequenceTables
 from dcp_otel.tracing.uploads import InFlight
@@ -74,7 +79,10 @@ _WAIT_STEPS = semconv.WAIT_STEPS
 #: Registered thread stacks past which those of ended threads are dropped.
 _PRUNE_STACKS_AT = 64
 _detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
-
+_pack_entry = ENTRY.pack_into
+_pack_end = I64.pack_into
+_STEP_CODE = KIND_CODES[KIND_STEP]
+_OPERATION_CODE = KIND_CODES[KIND_OPERATION]
 
 
 class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
@@ -102,6 +110,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         self._seq = SequenceTables()
         self.uploads = InFlight()
         self._hooks = ProviderHooks(self.builder, float(options.flush_timeout_s or 10))
+        #: Where open calls are written ahead, for a survivor should this process die (None: nowhere).
+        self.record: ProcessRecord | None = None
         #: Called when an operation starts (or is continued here): starts the stall watchdog.
         self.watch: Callable[[], None] | None = None
         #: Reads the starting call's own arguments (``no_dist``, ``process_group``), where this torch allows.
@@ -159,7 +169,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
     def _stack(self) -> list[Call]:
         stack: list[Call] | None = getattr(self._local, "stack", None)
         if stack is None:
-            stack = self._local.stack = []
+            record = self.record
+            stack = self._local.stack = ThreadStack(record.thread_base() if record is not None else -1)
             ident = threading.get_ident()
             self._stacks[ident] = stack
             if len(self._stacks) > _PRUNE_STACKS_AT:  # threads come and go (one executor per async save)
@@ -232,6 +243,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                     return True
                 self._open.pop(uuid, None)
                 call.end_ns = time_ns
+                if call.rec >= 0:
+                    _pack_end(self.record.mm, call.rec + OFF_ENTRY_END, time_ns)  # type: ignore[union-attr]
                 try:
                     light_detach(call.token)
                 except Exception as exc:  # noqa: BLE001 - as context_api.detach: a token of another context
@@ -279,40 +292,17 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 op.add_part()
             stack.append(call)
             open_calls[uuid] = call
+            base = stack.base
+            if base >= 0 and op.rec_serial:  # written ahead: what a survivor says should the process die now
+                name = func_name.encode()[:NAME_MAX]
+                call.rec = rec = base + ((stack.calls & RING_MASK) << ENTRY_SHIFT)
+                stack.calls += 1
+                _pack_entry(self.record.mm, rec, span_id, stack[-2].span_id if len(stack) > 1 else span_id_of(call.parent),  # type: ignore[union-attr]
+                            time_ns, 0, op.rec_serial, op.rec_slot, _STEP_CODE, len(name), name)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - telemetry never raises into training
             reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
         return True
-
-    def close_unfinished(self, depth: int, exc: BaseException | None) -> None:
-        """End, as failed, the calls this thread left open above ``depth``.
-
-        For a DCP call that raised without torch logging an end or an exception
-        (``create_checkpoint_daemon_process`` when the checkpoint daemon cannot
-        start): called when the code that ran it returns or raises. After
-        ``uninstrument()`` (an async upload still running then), torch's ends no
-        longer reach the recorder: a call that returned normally ends with its
-        end unknown (``dcp.end_unknown``), never as a failure.
-        """
-        try:
-            stack = self._stack()
-            if len(stack) <= depth:
-                return
-            now = time.time_ns()
-            while len(stack) > depth:
-                call = stack.pop()
-                if call.span_id:
-                    if exc is None and self.closed:
-                        call.extra = {**(call.extra or {}), semconv.ATTR_END_UNKNOWN: True}
-                    else:
-                        call.failure = failure_of(call, exc, None if exc is not None else "did not return")
-                    call.inferred = True
-                    self._close(call, now, stack[-1] if stack else None)
-                else:
-                    self._open.pop(call.uuid, None)
-        except Exception as caught:  # noqa: BLE001
-            reraise_if_signalled(caught)
-            report("recorder_error", "dcp_otel failed to end an unfinished DCP call", exc_info=True)
 
     # --- the stack --------------------------------------------------------
     def _over_limit(self, uuid: str) -> bool:
@@ -345,6 +335,10 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
             op.add_part()
         stack.append(call)
         self._open[uuid] = call
+        record = self.record
+        if record is not None and op.rec_serial:
+            record.started(stack, call, span_id_of(call.parent), _OPERATION_CODE if begins else _STEP_CODE,  # type: ignore[arg-type]
+                           func_name)  # fmt: skip
         return call
 
     def _start(self, event: DCPEvent, ctx: context_api.Context | None = None) -> None:
@@ -417,6 +411,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         if not call.span_id:  # a per-key call: summarized by on_key_event, no span
             return
         call.end_ns = end_ns
+        if call.rec >= 0 and self.record is not None:
+            self.record.ended(call, end_ns)
         if call.token is not None:
             _detach(call.token)  # type: ignore[arg-type]
             call.token = None

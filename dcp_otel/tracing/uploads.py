@@ -49,14 +49,19 @@ def begin_async_upload(
         parent = trace.get_current_span(ctx).get_span_context()
         parent_or_none = parent if parent.is_valid else None
         now = time.time_ns()
+        record = recorder.record
         if isinstance(staging, Future):
             staged = Call("", "async_staging", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_STAGING)
             op.add_part()
             recorder.uploads.started(staged)
+            if record is not None:
+                record.background(op, True, staged.span_id, now)
             staging.add_done_callback(lambda fut: _end(recorder, staged, fut))
         upload = Call("", "async_upload", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_UPLOAD)
         op.add_part()
         recorder.uploads.started(upload)
+        if record is not None:
+            record.background(op, False, upload.span_id, now)
     except Exception as exc:  # noqa: BLE001
         reraise_if_signalled(exc)
         report("recorder_error", "dcp_otel failed to trace an async upload", exc_info=True)
@@ -92,6 +97,8 @@ def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseExceptio
                                        global_rank_of(op.group) if op is not None else None)  # fmt: skip
         call.end_ns = end_ns = time.time_ns()
         if op is not None:
+            if recorder.record is not None:
+                recorder.record.background(op, call.kind == KIND_STAGING, call.span_id, call.start_ns, end_ns)
             op.calls.append(call)
             if op.part_done(end_ns, call.failure.description if call.failure is not None else None):
                 recorder.builder.submit(op)

@@ -1,0 +1,144 @@
+"""Where a survivor sends a dead process's spans: its own tracer provider, else the OTLP endpoint of ``OTEL_*``.
+
+Spans rebuilt from a record carry the dead process's resource (its host, rank,
+service), so they are handed to the span processors of a provider directly
+(``on_end``: batch and simple processors export whatever ``ReadableSpan`` they
+get), never started again through a tracer, which would give them the
+survivor's resource. A process with an SDK provider (``opentelemetry-instrument``,
+or one set in code: the next generation of a restarted job) sends them through
+it, with every exporter the user configured. A process without one
+(``dcp-otel-run`` on its own) builds the exporters the ``OTEL_*`` variables name,
+by the SDK's own rules, as the async save process does.
+
+Usage::
+
+    send = Delivery(lambda: trace.get_tracer_provider(), timeout_s=10)
+    send(spans)            # True: every exporter took them in time
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Final
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from dcp_otel import semconv
+from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.tracing.flushing import BoundedFlush
+
+_OTLP_ENDPOINT_VARS: Final = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+def exporter_names() -> list[str]:
+    """The span exporters the ``OTEL_*`` variables name (the SDK's rules); OTLP where only an endpoint is set."""
+    from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names
+
+    names = _get_exporter_names("traces")
+    if not names and semconv.ENV_OTEL_TRACES_EXPORTER not in os.environ and any(os.environ.get(v) for v in _OTLP_ENDPOINT_VARS):
+        names = [_default_otlp_exporter(_get_exporter_entry_point)]
+    return names
+
+
+def _default_otlp_exporter(entry_point_for: Callable[[str, Any], str]) -> str:
+    """OTLP with no exporter named: the protocol asked for, else the OTLP exporter installed.
+
+    Only an OTLP endpoint is set. The SDK would pick gRPC, the spec's default is
+    HTTP; what the process can actually use is whichever of them is installed.
+    """
+    if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL"):
+        return entry_point_for("otlp", "traces")
+    installed = {ep.name for ep in entry_points(group="opentelemetry_traces_exporter")}
+    return "otlp_proto_http" if "otlp_proto_http" in installed or "otlp_proto_grpc" not in installed else "otlp_proto_grpc"
+
+
+def environment_exporters(names: list[str] | None = None) -> list[SpanExporter]:
+    """New instances of the exporters ``names`` (default: :func:`exporter_names`); raises if one cannot load."""
+    from opentelemetry.sdk._configuration import _import_exporters
+
+    names = exporter_names() if names is None else names
+    if not names:
+        return []
+    exporters, _, _ = _import_exporters(names, [], [])
+    return [exporter_class() for exporter_class in exporters.values()]
+
+
+def span_processor(provider: object) -> Any:
+    """The SDK provider's span processors (one multi-processor), if it has any; else ``None``."""
+    processor = getattr(provider, "_active_span_processor", None)
+    if processor is None or not getattr(processor, "_span_processors", ()):
+        return None
+    return processor
+
+
+class Delivery:
+    """Sends rebuilt spans (see the module); bounded by ``timeout_s``, never raises."""
+
+    def __init__(self, provider: Callable[[], object], timeout_s: float) -> None:
+        self._provider = provider
+        self._timeout_s = timeout_s or 10.0
+        self._exporters: list[SpanExporter] | None = None  # from the environment, made when first needed
+
+    def can_deliver(self) -> bool:
+        """Whether there is anywhere to send spans (a provider with processors, or exporters the environment names)."""
+        return span_processor(self._provider()) is not None or bool(self._environment())
+
+    def _environment(self) -> list[SpanExporter]:
+        if self._exporters is None:
+            try:
+                self._exporters = environment_exporters()
+            except Exception as exc:  # noqa: BLE001 - an exporter package that is not installed
+                reraise_if_signalled(exc)
+                report("survivor_no_exporter", "dcp_otel cannot load the span exporter(s) %s to report a dead "
+                       "process", exporter_names(), exc_info=True)  # fmt: skip
+                self._exporters = []
+        return self._exporters
+
+    def __call__(self, spans: Sequence[ReadableSpan]) -> bool:
+        """Send ``spans``; ``True`` once every exporter took them within the timeout."""
+        if not spans:
+            return True
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            provider = self._provider()
+            processor = span_processor(provider)
+            if processor is not None:
+                for span in spans:
+                    processor.on_end(span)
+                return BoundedFlush(provider, "span", deadline).wait() is True
+            exporters = self._environment()
+            if not exporters:
+                return False
+            return all(_export_bounded(exporter, spans, deadline) for exporter in exporters)
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
+            report("survivor_error", "dcp_otel could not send a dead process's spans", exc_info=True)
+            return False
+
+
+def _export_bounded(exporter: SpanExporter, spans: Sequence[ReadableSpan], deadline: float) -> bool:
+    outcome: list[bool] = []
+
+    def run() -> None:
+        try:
+            outcome.append(exporter.export(spans) == SpanExportResult.SUCCESS)
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
+            report("survivor_error", "a span exporter failed to send a dead process's spans", exc_info=True)
+            outcome.append(False)
+
+    thread = threading.Thread(target=run, name="dcp-otel-survivor-export", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    return bool(outcome and outcome[0])
+
+
+def global_provider() -> object:
+    return trace.get_tracer_provider()

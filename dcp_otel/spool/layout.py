@@ -1,0 +1,194 @@
+"""The shape of a process's record: where it lives, how its directory is named, and its bytes.
+
+One directory per instrumented process under the spool directory, named
+``<host>.<pid>.<start>`` (``start``: the process's start time in clock ticks
+since boot, from ``/proc/<pid>/stat``, so a reused pid never passes for the
+dead process). It holds:
+
+* ``record``: a file of :data:`RECORD_SIZE` bytes, mapped into the process
+  (``mmap``, ``MAP_SHARED``): what the process writes there is in the page
+  cache at once and survives any death of the process, SIGKILL included;
+* ``spans.jsonl``: the spans the builder made that no exporter has confirmed
+  yet, a line per operation (:mod:`dcp_otel.spool.spans`);
+* once a survivor has taken it, ``death.json``: how it died, when, who reported it.
+
+A survivor renames the directory to claim it (``.claimed.<pid>.<start>``,
+atomic: one survivor wins) and again once it has reported it (``.reported``).
+
+The record's bytes::
+
+    [0, 4096)        header: magic, times, the recovery point, the training step, the identity (JSON)
+    [4096, 69632)    32 operation slots of 2 KiB: ids, state, the async upload and staging, attributes (JSON)
+    [69632, 200704)  32 threads x 32 entries of 128 B: each thread's last 32 calls, a ring (open: no end yet)
+    [200704, 233472) stall stacks (JSON, with a CRC)
+
+Usage::
+
+    name = directory_name(host, pid, start)      # "node-3.4242.81234"
+    parse_name("node-3.4242.81234.reported")     # -> ("node-3", 4242, 81234, "reported")
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import struct
+from typing import Final, NamedTuple
+
+from dcp_otel import semconv
+
+MAGIC: Final = b"DCPOTEL1"
+VERSION: Final = 1
+
+# --- the header -------------------------------------------------------------------------
+HEADER_SIZE: Final = 4096
+#: magic, version, created_ns, heartbeat_ns, recovery_end_ns, training_step (-1: none), exported_through,
+#: process span id, flags, exited_ns
+HEADER: Final = struct.Struct("<8sQqqqqQQQq")
+OFF_HEARTBEAT: Final = 24
+OFF_RECOVERY: Final = 32
+OFF_STEP: Final = 40
+OFF_EXPORTED: Final = 48
+OFF_FLAGS: Final = 64
+OFF_EXITED: Final = 72
+OFF_RECOVERY_ID: Final = 128  # 128 bytes of the last durable checkpoint id (UTF-8, NUL padded)
+RECOVERY_ID_SIZE: Final = 128
+OFF_IDENTITY: Final = 256  # u32 length, then the identity JSON
+IDENTITY_MAX: Final = HEADER_SIZE - OFF_IDENTITY - 4
+FLAG_EXITED: Final = 1  # the process reached its exit flush: what is open was ended by the process itself
+I64 = struct.Struct("<q")
+U64 = struct.Struct("<Q")
+U32 = struct.Struct("<I")
+
+# --- operations ---------------------------------------------------------------------------
+OPS_OFFSET: Final = HEADER_SIZE
+OP_SLOTS: Final = 32
+OP_SIZE: Final = 2048
+#: serial (0: never used), state, upload span id, upload start, upload end, staging span id, staging start,
+#: staging end, JSON length
+OP_HEAD: Final = struct.Struct("<QQQqqQqqI")
+OP_STATE_OPEN, OP_STATE_DONE = 1, 2
+OFF_OP_STATE: Final = 8
+OFF_OP_UPLOAD: Final = 16  # span id, start, end
+OFF_OP_STAGING: Final = 40
+OFF_OP_JSON: Final = OP_HEAD.size
+OP_JSON_MAX: Final = OP_SIZE - OFF_OP_JSON
+UPLOAD: Final = struct.Struct("<Qqq")
+
+# --- calls on threads ---------------------------------------------------------------------
+THREADS_OFFSET: Final = OPS_OFFSET + OP_SLOTS * OP_SIZE
+THREAD_SLOTS: Final = 32
+#: Each thread's calls go round a ring of this many entries: a call open at a death is among the thread's
+#: latest (its callers opened before it: the operation's own span comes from its operation slot).
+RING: Final = 32
+RING_MASK: Final = RING - 1
+ENTRY_SHIFT: Final = 7  # 128-byte entries: the n-th call of a thread is at base + ((n & RING_MASK) << ENTRY_SHIFT)
+ENTRY_SIZE: Final = 1 << ENTRY_SHIFT
+THREAD_SIZE: Final = RING * ENTRY_SIZE
+#: span id, parent span id, start, end (0: open), the operation's serial, its slot, kind, name length, name
+ENTRY: Final = struct.Struct("<QQqqQhBB78s")
+OFF_ENTRY_END: Final = 24
+NAME_MAX: Final = 78
+#: The kinds of call an entry holds (records.KIND_* as one byte).
+KIND_CODES: Final = {"operation": 1, "step": 2, "collective": 3}
+KINDS: Final = {code: kind for kind, code in KIND_CODES.items()}
+
+# --- stall stacks -------------------------------------------------------------------------
+STACKS_OFFSET: Final = THREADS_OFFSET + THREAD_SLOTS * THREAD_SIZE
+STACKS_SIZE: Final = 32 * 1024
+STACK_HEAD: Final = struct.Struct("<II")  # length, CRC-32 of the JSON that follows
+RECORD_SIZE: Final = STACKS_OFFSET + STACKS_SIZE
+
+# --- files and names ----------------------------------------------------------------------
+RECORD_FILE: Final = "record"
+SPANS_FILE: Final = "spans.jsonl"
+DEATH_FILE: Final = "death.json"
+CLAIMED: Final = "claimed"
+REPORTED: Final = "reported"
+_NAME = re.compile(r"^(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)(?:\.(?P<state>claimed\.\d+\.\d+|reported))?$")
+
+
+class RecordName(NamedTuple):
+    host: str
+    pid: int
+    start: int
+    state: str  # "" (the process's own), "claimed.<pid>.<start>", "reported"
+
+    @property
+    def base(self) -> str:
+        return directory_name(self.host, self.pid, self.start)
+
+
+def directory_name(host: str, pid: int, start: int) -> str:
+    return f"{host}.{pid}.{start}"
+
+
+def parse_name(name: str) -> RecordName | None:
+    found = _NAME.match(name)
+    if found is None:
+        return None
+    return RecordName(found["host"], int(found["pid"]), int(found["start"]), found["state"] or "")
+
+
+def host_name() -> str:
+    """This host's name, as record directories say it (no dots or slashes of its own: they separate fields)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
+
+
+def _stat(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` from the third on (state first); empty when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return []
+    # The command name (field 2) may hold spaces and parentheses: count fields after its last ')'.
+    return text[text.rfind(b")") + 2 :].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot; ``None`` when there is no such process."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        return None
+
+
+def alive(pid: int, start: int) -> bool:
+    """Whether the process that wrote a record still runs (a zombie has ended: only its status is left)."""
+    fields = _stat(pid)
+    try:
+        return fields[0] != b"Z" and int(fields[19]) == start
+    except (IndexError, ValueError):
+        return False
+
+
+#: Where records are kept when ``DCP_OTEL_SPOOL_DIR`` is unset: a RAM file system when it is big enough
+#: (nothing there ever waits for a disk), else the temporary directory.
+_RAM_DIR: Final = "/dev/shm"
+_RAM_MIN_BYTES: Final = 1 << 30
+OFF_VALUES: Final = frozenset({"off", "none", "false", "0", "no"})
+
+
+def default_spool_dir() -> str:
+    """``/dev/shm/dcp-otel-<uid>`` where ``/dev/shm`` holds at least 1 GiB, else ``$TMPDIR/dcp-otel-<uid>``."""
+    user = f"dcp-otel-{os.getuid()}" if hasattr(os, "getuid") else "dcp-otel"
+    try:
+        found = os.statvfs(_RAM_DIR)
+        if found.f_blocks * found.f_frsize >= _RAM_MIN_BYTES and os.access(_RAM_DIR, os.W_OK):
+            return os.path.join(_RAM_DIR, user)
+    except OSError:
+        pass
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), user)
+
+
+def spool_dir_from_env() -> str | None:
+    """``$DCP_OTEL_SPOOL_DIR``, else the default; ``None`` when it says ``off``."""
+    value = os.environ.get(semconv.ENV_SPOOL_DIR, "").strip()
+    if value.lower() in OFF_VALUES:
+        return None
+    return value or default_spool_dir()

@@ -1,0 +1,119 @@
+"""One instrumented process's part in the spool: its record, the spans it keeps, and its survivor.
+
+:class:`ProcessSpool` puts the pieces of :mod:`dcp_otel.spool` together for a
+recorder: the record its hot path writes ahead into, the built spans kept
+until an exporter confirms them, and the survivor that reports the deaths this
+process outlives, sending through the recorder's tracer provider (else the
+exporters ``OTEL_*`` names). :func:`agent_survivor` is the survivor alone, for
+a launcher that instruments no checkpoint of its own (``dcp-otel-run``).
+
+Usage::
+
+    spool = ProcessSpool.open(recorder, options, process_name=None)   # None: DCP_OTEL_SPOOL_DIR=off, or unusable
+    spool.survivor.start()
+    ...
+    spool.close(clean=True)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import trace
+
+from dcp_otel._selftelemetry import report
+from dcp_otel.spool.delivery import Delivery
+from dcp_otel.spool.layout import spool_dir_from_env
+from dcp_otel.spool.record import ProcessRecord, open_spool_dir
+from dcp_otel.spool.spans import SpanSpool
+from dcp_otel.spool.survivor import Survivor
+from dcp_otel.tracing.trace_ids import resolve_run_id
+from dcp_otel.tracing.tracker import SpanRecorder
+
+#: The longest the end of an instrumentation waits for the survivor's and the confirming thread's current work.
+_STOP_S = 5.0
+
+
+def job_key() -> str | None:
+    """The run id a launcher gave this process (``DCP_OTEL_RUN_ID``, torchrun's, SLURM's): the same on every rank
+    and every restart of the job; ``None`` where none is set (then only a parent or an agent reports a death)."""
+    explicit = os.environ.get("DCP_OTEL_RUN_ID", "").strip() or None
+    identity = resolve_run_id(explicit, world_size=2)
+    return identity.run_id if identity.source not in ("fallback", "random") else None
+
+
+def is_multiprocessing_child() -> bool:
+    """Started by ``multiprocessing`` (``spawn``/``forkserver``): a DataLoader worker, a checkpoint helper, or a rank
+    of ``torch.multiprocessing.spawn``; it is a survivor only once it makes a DCP call of its own."""
+    return "--multiprocessing-fork" in getattr(sys, "orig_argv", sys.argv)
+
+
+class ProcessSpool:
+    """The spool of one recorder (see the module)."""
+
+    def __init__(self, spool_dir: str, recorder: SpanRecorder, flush_timeout_s: float, where: str | None) -> None:
+        self.spool_dir = spool_dir
+        self._recorder = recorder
+        self._where = where
+        self.record = ProcessRecord(spool_dir, self._identity)
+        timeout = float(flush_timeout_s or 10)
+        self.keep = SpanSpool(self.record, recorder.provider, recorder.drain, timeout)
+        self.survivor = Survivor(spool_dir, Delivery(recorder.provider, timeout), job_key(),
+                                 own=lambda: self.record.directory)  # fmt: skip
+        recorder.record = recorder.builder.record = self.record
+        recorder.builder.keep = self.keep.add
+
+    @classmethod
+    def open(cls, recorder: SpanRecorder, flush_timeout_s: float, where: str | None) -> ProcessSpool | None:
+        """The spool of ``DCP_OTEL_SPOOL_DIR`` (or the default); ``None``, said once, where it is off or unusable."""
+        spool_dir = spool_dir_from_env()
+        if spool_dir is None:
+            return None
+        try:
+            open_spool_dir(spool_dir)
+        except OSError as exc:
+            report("spool_error", "dcp_otel keeps no record of this process in %s: %s; a death of this process is "
+                   "reported by nobody (set DCP_OTEL_SPOOL_DIR to a directory of your own)", spool_dir, exc)  # fmt: skip
+            return None
+        return cls(spool_dir, recorder, flush_timeout_s, where)
+
+    def _identity(self) -> dict[str, Any]:
+        provider = self._recorder.provider()
+        resource = getattr(provider, "resource", None)
+        attributes = dict(getattr(resource, "attributes", {}) or {})
+        return {"job": job_key(), "where": self._where, "resource": attributes}
+
+    def close(self, clean: bool, exiting: bool = False) -> None:
+        """At a normal end: the record goes if ``clean`` (nothing left open, every span sent), else it stays,
+        marked exited, for a survivor to send what is left. ``exiting``: at interpreter exit, whose deadline the
+        exit flush keeps: the threads are told to stop, not waited for (they are daemons)."""
+        self.survivor.stop(0 if exiting else _STOP_S)
+        self.keep.stop(0 if exiting else _STOP_S)
+        self.record.close(clean=clean)
+
+    def settled(self, timeout_s: float) -> bool:
+        """Whether every span kept so far is confirmed sent (flushing once more to find out, within ``timeout_s``)."""
+        return not self.keep.unconfirmed or self.keep.confirm(timeout_s)
+
+    def detach(self) -> None:
+        recorder = self._recorder
+        recorder.record = recorder.builder.record = None
+        recorder.builder.keep = None
+
+
+def agent_survivor(flush_timeout_s: float = 10.0) -> Survivor | None:
+    """A survivor with no recorder of its own (``dcp-otel-run``): it sends through the global tracer provider
+    where one is configured, else to what ``OTEL_*`` names; ``None`` where the spool is off or unusable."""
+    spool_dir = spool_dir_from_env()
+    if spool_dir is None:
+        return None
+    try:
+        open_spool_dir(spool_dir)
+    except OSError as exc:
+        report("spool_error", "dcp-otel-run reports no dead worker from %s: %s", spool_dir, exc)
+        return None
+    provider: Callable[[], object] = trace.get_tracer_provider
+    return Survivor(spool_dir, Delivery(provider, flush_timeout_s), job_key())

@@ -1,0 +1,342 @@
+"""The write-ahead record of one process: what a survivor needs, written before anything can go wrong.
+
+A process can die at any instant (SIGKILL from the OOM killer, ``abort()`` from
+NCCL's watchdog, a segfault in a storage plugin, SIGTERM's default action) and
+run nothing as it dies. So the hot path writes what is open *as it opens*, into
+a file mapped into the process (:mod:`dcp_otel.spool.layout`): a store into
+memory the kernel keeps after the process is gone, never a system call, never
+a wait for a disk. Per DCP call that is one ``struct.pack_into`` as it starts
+(its ids, parent, start, operation, name, in its thread's ring of calls) and one
+as it ends (the end time); per operation, its trace ids and attributes as JSON
+once as it starts. The stall watchdog adds a heartbeat and the stacks it read;
+the builder adds the last durable checkpoint and the spans it made
+(:mod:`dcp_otel.spool.spans`).
+
+The file is made at the process's first operation; until then the same stores
+go to a buffer that is copied into it, so a thread registered before is
+recorded too. A forked child gets a buffer of its own again (it never writes
+into its parent's file) and its own file at its own first operation. At a
+normal exit, with nothing open and every span exported, the directory is
+removed: what stays in the spool is what a death left.
+
+Usage::
+
+    record = ProcessRecord("/dev/shm/dcp-otel-1000", identity)
+    stack = ThreadStack(record.thread_base())   # once per thread (base -1: no slot left)
+    record.ensure()                          # at an operation's start: the file exists from now on
+    record.op_begin(op, start_ns, parent_span_id)   # the operation's ids and attributes
+    record.started(stack, call, parent_span_id, KIND_CODES["step"], "write_data")
+    record.ended(call, end_ns)
+    record.op_done(op)
+    record.close(clean=True)                 # at exit
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import shutil
+import stat
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dcp_otel import _forksafe
+from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.spool import layout
+from dcp_otel.spool.layout import (
+    ENTRY,
+    ENTRY_SHIFT,
+    HEADER,
+    I64,
+    NAME_MAX,
+    OP_HEAD,
+    OP_SIZE,
+    OP_SLOTS,
+    OPS_OFFSET,
+    RECORD_SIZE,
+    RING_MASK,
+    THREAD_SIZE,
+    THREAD_SLOTS,
+    THREADS_OFFSET,
+    U32,
+    U64,
+    UPLOAD,
+)
+
+if TYPE_CHECKING:
+    from dcp_otel.tracing.records import Call, Operation, ThreadStack
+
+logger = logging.getLogger("dcp_otel")
+_pack_entry = ENTRY.pack_into
+_pack_i64 = I64.pack_into
+_END = layout.OFF_ENTRY_END
+
+
+def open_spool_dir(path: str) -> str:
+    """Make ``path`` (mode 0700) if it is missing; raise ``PermissionError`` if it is not this user's alone.
+
+    Records say which checkpoints a job wrote and where it was when it died: another user must not read
+    them, nor plant records this user's survivors would export.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    found = os.stat(path)
+    if not stat.S_ISDIR(found.st_mode):
+        raise PermissionError(f"{path} is not a directory")
+    if hasattr(os, "getuid") and found.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user (uid {found.st_uid})")
+    if found.st_mode & 0o077:
+        raise PermissionError(f"{path} is open to other users (mode {stat.S_IMODE(found.st_mode):o}); chmod 700 it")
+    return path
+
+
+class ProcessRecord:
+    """One process's record in the spool (see the module); its writes never raise and never block."""
+
+    def __init__(self, spool_dir: str, identity: Callable[[], Mapping[str, Any]]) -> None:
+        self.spool_dir = spool_dir
+        self._identity = identity
+        self._lock = threading.Lock()  # slot allocation: per thread and per operation, never per step
+        self.process_span_id = int.from_bytes(os.urandom(8), "little") or 1
+        self.created_ns = time.time_ns()
+        self._reset()
+        _forksafe.register(self)
+
+    def _reset(self) -> None:
+        #: Where the stores go: the mapped file once it exists, a buffer of the same layout before.
+        self.mm: bytearray | mmap.mmap = bytearray(RECORD_SIZE)
+        self.directory: str | None = None
+        self._pid = 0
+        self._failed = False
+        self._threads: dict[int, int] = {}  # thread id -> its slot
+        self._free_ops = list(range(OP_SLOTS - 1, -1, -1))
+        self._serial = 0
+        self._open_ops = 0
+        self._lock = threading.Lock()
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child writes nothing into its parent's file: a buffer again, its own file at its first operation."""
+        mm = self.mm
+        self._reset()
+        if isinstance(mm, mmap.mmap):
+            try:
+                mm.close()
+            except (BufferError, OSError):
+                pass
+        self.process_span_id = int.from_bytes(os.urandom(8), "little") or 1
+        self.created_ns = time.time_ns()
+
+    # --- the file ------------------------------------------------------------------------------
+    def ensure(self) -> bool:
+        """Make the file if this process has none yet (at each operation's start: cheap once made)."""
+        if self._pid == os.getpid():
+            return True
+        if self._failed:
+            return False
+        with self._lock:
+            if self._pid == os.getpid():
+                return True
+            try:
+                self._create()
+                return True
+            except Exception as exc:  # noqa: BLE001 - no record: the process goes on, what a death leaves is less
+                reraise_if_signalled(exc)
+                self._failed = True
+                report("spool_error", "dcp_otel cannot keep a record of this process in %s: %s (what a death of "
+                       "this process leaves is not reported)", self.spool_dir, exc)  # fmt: skip
+                return False
+
+    def _create(self) -> None:
+        pid = os.getpid()
+        start = layout.start_ticks(pid) or 0
+        directory = os.path.join(open_spool_dir(self.spool_dir), layout.directory_name(layout.host_name(), pid, start))
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(directory, layout.RECORD_FILE), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, RECORD_SIZE)
+            mm = mmap.mmap(fd, RECORD_SIZE)
+        finally:
+            os.close(fd)
+        mm[:] = bytes(self.mm)  # what was recorded before the file existed (threads registered, calls open)
+        identity = {**self._identity(), "pid": pid, "ppid": os.getppid(), "host": layout.host_name(), "start": start}
+        HEADER.pack_into(mm, 0, layout.MAGIC, layout.VERSION, self.created_ns, 0, 0, -1, 0, self.process_span_id, 0, 0)
+        self._write_json(mm, layout.OFF_IDENTITY, identity, layout.IDENTITY_MAX)
+        self.mm, self.directory, self._pid = mm, directory, pid
+
+    @staticmethod
+    def _write_json(mm: bytearray | mmap.mmap, offset: int, value: object, limit: int) -> bool:
+        data = json.dumps(value, separators=(",", ":"), default=str).encode()
+        if len(data) > limit:
+            return False
+        mm[offset + 4 : offset + 4 + len(data)] = data
+        U32.pack_into(mm, offset, len(data))  # the length last: a reader never takes a half-written document
+        return True
+
+    def close(self, clean: bool) -> None:
+        """The process is ending normally: remove the record if ``clean`` (nothing open, every span exported),
+        else mark it exited so that a survivor exports what is left. Never raises."""
+        directory = self.directory
+        if directory is None or self._pid != os.getpid():
+            return
+        try:
+            if clean:
+                self.directory = None
+                self.mm = bytearray(RECORD_SIZE)
+                self._pid = 0
+                shutil.rmtree(directory, ignore_errors=True)
+            else:
+                _pack_i64(self.mm, layout.OFF_EXITED, time.time_ns())
+                U64.pack_into(self.mm, layout.OFF_FLAGS, layout.FLAG_EXITED)
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
+            report("spool_error", "dcp_otel could not close this process's record", exc_info=True)
+
+    # --- threads and calls (the hot path) -------------------------------------------------------
+    def thread_base(self) -> int:
+        """The offset of the calling thread's entries (once per thread); -1 when every slot is taken."""
+        ident = threading.get_ident()
+        with self._lock:
+            slot = self._threads.get(ident)
+            if slot is None:
+                taken = set(self._threads.values())
+                if len(taken) >= THREAD_SLOTS:  # threads come and go (one executor per async save): free the dead
+                    living = {thread.ident for thread in threading.enumerate()}
+                    self._threads = {i: s for i, s in self._threads.items() if i in living}
+                    taken = set(self._threads.values())
+                slot = next((s for s in range(THREAD_SLOTS) if s not in taken), None)
+                if slot is None:
+                    report("spool_threads_full", "dcp_otel records the DCP calls of %d threads at most: the calls of "
+                           "this thread are not written ahead", THREAD_SLOTS)  # fmt: skip
+                    return -1
+                self._threads[ident] = slot
+            base = THREADS_OFFSET + slot * THREAD_SIZE
+            self.mm[base : base + THREAD_SIZE] = bytes(THREAD_SIZE)  # nothing of a thread that had it before
+            return base
+
+    def started(self, stack: ThreadStack, call: Call, parent_span_id: int, kind: int, name: str) -> None:
+        """``call`` (its operation recorded) starts on the thread of ``stack``: the next entry of its ring."""
+        base = stack.base
+        if base < 0:
+            return
+        op = call.op
+        encoded = name.encode()[:NAME_MAX]
+        offset = base + ((stack.calls & RING_MASK) << ENTRY_SHIFT)
+        stack.calls += 1
+        _pack_entry(self.mm, offset, call.span_id, parent_span_id, call.start_ns, 0, op.rec_serial, op.rec_slot,  # type: ignore[union-attr]
+                    kind, len(encoded), encoded)  # fmt: skip
+        call.rec = offset
+
+    def ended(self, call: Call, end_ns: int) -> None:
+        offset = call.rec
+        if offset >= 0:
+            _pack_i64(self.mm, offset + _END, end_ns)
+
+    # --- operations ----------------------------------------------------------------------------
+    def op_begin(self, op: Operation, start_ns: int, parent_span_id: int) -> None:
+        """``op`` starts (on the caller's thread, once per operation): its ids and attributes, as JSON."""
+        try:
+            if not self.ensure():
+                return
+            with self._lock:
+                if not self._free_ops:
+                    report("spool_operations_full", "dcp_otel records %d open operations at most: this one is "
+                           "not written ahead", OP_SLOTS)  # fmt: skip
+                    return
+                slot = self._free_ops.pop()
+                self._serial += 1
+                serial = self._serial
+                self._open_ops += 1
+            offset = OPS_OFFSET + slot * OP_SIZE
+            doc: dict[str, Any] = {"trace": op.trace_id, "span": op.span_id, "root": op.root_span_id,
+                                   "parent": parent_span_id, "name": op.name, "start": start_ns,
+                                   "flags": int(op.flags), "adopted": op.adopted, "attributes": op.attributes,
+                                   "step_attributes": op.step_attributes}  # fmt: skip
+            mm = self.mm
+            length = self._write_json_at(mm, offset, doc)
+            if length < 0:  # attributes too long for a slot (a very long checkpoint id): the ids at least
+                doc["attributes"] = doc["step_attributes"] = {}
+                length = self._write_json_at(mm, offset, doc)
+            # The serial last: a reader takes a slot whose serial is set as whole.
+            OP_HEAD.pack_into(mm, offset, 0, layout.OP_STATE_OPEN, 0, 0, 0, 0, 0, 0, max(0, length))
+            U64.pack_into(mm, offset, serial)
+            op.rec_serial, op.rec_slot = serial, slot
+        except Exception as exc:  # noqa: BLE001 - the hot path: counted, never raised
+            reraise_if_signalled(exc)
+            report("spool_error", "dcp_otel could not write an operation ahead", exc_info=True)
+
+    @staticmethod
+    def _write_json_at(mm: bytearray | mmap.mmap, offset: int, doc: Mapping[str, Any]) -> int:
+        """Write ``doc`` into the operation slot at ``offset``; its length, or -1 when it does not fit."""
+        data = json.dumps(doc, separators=(",", ":"), default=str).encode()
+        if len(data) > layout.OP_JSON_MAX:
+            return -1
+        start = offset + layout.OFF_OP_JSON
+        mm[start : start + len(data)] = data
+        return len(data)
+
+    def op_done(self, op: Operation) -> None:
+        """``op`` is complete (handed to the builder): its slot is free again."""
+        slot = op.rec_slot
+        if slot < 0 or op.rec_serial == 0:
+            return
+        op.rec_slot = -1
+        offset = OPS_OFFSET + slot * OP_SIZE
+        try:
+            if U64.unpack_from(self.mm, offset)[0] == op.rec_serial:
+                U64.pack_into(self.mm, offset + layout.OFF_OP_STATE, layout.OP_STATE_DONE)
+            with self._lock:
+                self._free_ops.append(slot)
+                self._open_ops -= 1
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
+            report("spool_error", "dcp_otel could not mark an operation done in its record", exc_info=True)
+
+    def background(self, op: Operation, staging: bool, span_id: int, start_ns: int, end_ns: int = 0) -> None:
+        """An async save's upload (or staging) that no thread is inside, started or (``end_ns``) ended."""
+        slot = op.rec_slot
+        if slot < 0:
+            return
+        offset = OPS_OFFSET + slot * OP_SIZE + (layout.OFF_OP_STAGING if staging else layout.OFF_OP_UPLOAD)
+        UPLOAD.pack_into(self.mm, offset, span_id, start_ns, end_ns)
+
+    @property
+    def open_operations(self) -> int:
+        return self._open_ops
+
+    # --- what the watchdog and the builder add ------------------------------------------------
+    def heartbeat(self, now_ns: int, step: int | None) -> None:
+        """The process was alive at ``now_ns`` (the watchdog's tick)."""
+        if self.directory is not None:
+            _pack_i64(self.mm, layout.OFF_HEARTBEAT, now_ns)
+            _pack_i64(self.mm, layout.OFF_STEP, -1 if step is None else step)
+
+    def step(self, step: int | None) -> None:
+        if self.directory is not None:
+            _pack_i64(self.mm, layout.OFF_STEP, -1 if step is None else step)
+
+    def recovery(self, end_ns: int, checkpoint_id: str) -> None:
+        """The last durable save (the builder, once it succeeded): the id first, its time last."""
+        if self.directory is None:
+            return
+        encoded = checkpoint_id.encode()[: layout.RECOVERY_ID_SIZE]
+        self.mm[layout.OFF_RECOVERY_ID : layout.OFF_RECOVERY_ID + layout.RECOVERY_ID_SIZE] = encoded.ljust(
+            layout.RECOVERY_ID_SIZE, b"\0")  # fmt: skip
+        _pack_i64(self.mm, layout.OFF_RECOVERY, end_ns)
+
+    def stacks(self, by_span: Mapping[int, str]) -> None:
+        """The Python stacks the watchdog read for open calls (span id -> text), as the last stall report saw them."""
+        if self.directory is None:
+            return
+        data = json.dumps({str(k): v[-8000:] for k, v in by_span.items()}, separators=(",", ":")).encode()
+        limit = layout.STACKS_SIZE - layout.STACK_HEAD.size
+        if len(data) > limit:
+            data = json.dumps({str(k): v[-1500:] for k, v in list(by_span.items())[:12]}).encode()[:limit]
+        start = layout.STACKS_OFFSET + layout.STACK_HEAD.size
+        layout.STACK_HEAD.pack_into(self.mm, layout.STACKS_OFFSET, 0, 0)
+        self.mm[start : start + len(data)] = data
+        layout.STACK_HEAD.pack_into(self.mm, layout.STACKS_OFFSET, len(data), zlib.crc32(data))

@@ -1,0 +1,295 @@
+"""The survivor: a process that outlives another reports its death from the record it left.
+
+Every instrumented process that can outlive others runs one (a thread,
+``dcp-otel-survivor``, waking every second): torchelastic's agent under
+``opentelemetry-instrument`` and ``dcp-otel-run`` (they see each worker's exit
+status), the ranks (their peers'), the next generation of ranks after a
+restart (the previous one's), and the parent of ``torch.multiprocessing.spawn``
+ranks. Each wake it lists the spool directory and, for each record whose
+process is gone (its pid no longer runs with the start time the record names),
+decides whether the death is its to report:
+
+* the exit status was handed to it (:meth:`Survivor.expect`: the agent, the
+  moment torchelastic closed its workers), or the dead process was its own
+  child: at once;
+* the dead process was of its own job (the same run id, from
+  ``DCP_OTEL_RUN_ID``, torchrun's or SLURM's): after a grace of
+  :data:`GRACE_S`, which leaves the agent, who knows how it died, to go first.
+
+It then claims the record (a rename: one survivor wins), rebuilds the spans
+the process would have sent (:mod:`dcp_otel.spool.reader`), sends them
+(:mod:`dcp_otel.spool.delivery`), writes ``death.json`` and marks the record
+reported. A survivor that cannot send anywhere claims nothing; one that dies
+while sending leaves a claim another takes over. Reported records stay for
+``dcp-otel report <spool dir>`` for :data:`KEEP_S`.
+
+Usage::
+
+    survivor = Survivor(spool_dir, Delivery(provider, 10), own=record)
+    survivor.start()                           # the thread
+    survivor.expect({4242: -9}, time.time_ns())  # the agent: how its workers ended
+    survivor.wait_idle(5)                      # at exit: what it took is sent
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from opentelemetry.sdk.trace import ReadableSpan
+
+from dcp_otel import _forksafe
+from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.spool import layout
+from dcp_otel.spool.reader import Death, RecordError, read_record
+
+#: How long a survivor that was not told how a process died leaves its record to the one that was.
+GRACE_S: Final = 2.0
+#: How often the spool is looked at.
+INTERVAL_S: Final = 1.0
+#: How long reported records are kept for ``dcp-otel report``, and at most how many.
+KEEP_S: Final = 7 * 24 * 3600.0
+KEEP_MAX: Final = 256
+#: A process whose death nobody saw died at most this long after the last sign of life its record holds
+#: (the watchdog's heartbeat, every second while an operation is open).
+_HEARTBEAT_NS: Final = 1_000_000_000
+#: How long an exit status handed over is kept for a record not seen yet.
+_EXPECTED_S: Final = 60.0
+
+
+def exit_status_of_child(pid: int) -> int | None:
+    """A child's exit status as ``Popen.returncode`` says it, read without reaping it (``None``: not a child,
+    already reaped, or still running)."""
+    try:
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError, AttributeError):
+        return None
+    if found is None:
+        return None
+    if found.si_code == os.CLD_EXITED:
+        return found.si_status
+    return -found.si_status
+
+
+class Survivor:
+    """Reports the deaths its process outlives (see the module)."""
+
+    def __init__(self, spool_dir: str, deliver: Callable[[Sequence[ReadableSpan]], bool], job: str | None,
+                 own: Callable[[], str | None] = lambda: None, interval_s: float = INTERVAL_S,
+                 grace_s: float = GRACE_S) -> None:  # fmt: skip
+        self.spool_dir = spool_dir
+        self._deliver = deliver
+        self._can_deliver: Callable[[], bool] = getattr(deliver, "can_deliver", lambda: True)
+        self.job = job
+        self._own = own  # the directory of this process's own record, never reported by itself
+        self._interval_s = interval_s
+        self._grace_s = grace_s
+        self._reset()
+        _forksafe.register(self)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Condition()
+        self._busy = False
+        self._scans = 0  # looks at the spool completed
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._expected: dict[int, tuple[int | None, int]] = {}  # pid -> (status, when it was seen)
+        self._seen_dead: dict[str, float] = {}  # record name -> when this survivor first saw its process gone
+        self.reported = 0
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker) is nobody's survivor."""
+        self._reset()
+        self._stopped = True
+
+    # --- life -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self._stopped or (self._thread is not None and self._thread.is_alive()):
+                return
+            self._thread = threading.Thread(target=self._run, name="dcp-otel-survivor", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def expect(self, statuses: dict[int, int | None], end_ns: int, job: str | None = None) -> None:
+        """These processes (this process's workers) ended with these statuses: report them now. ``job``: their run
+        id, where this survivor has none of its own (an agent): their helpers' records are then its to report."""
+        with self._lock:
+            if job and not self.job:
+                self.job = job
+            for pid, status in statuses.items():
+                self._expected[pid] = (status, end_ns)
+            stale = end_ns - int(_EXPECTED_S * 1e9)
+            self._expected = {pid: seen for pid, seen in self._expected.items() if seen[1] >= stale}
+        self._wake.set()  # (the thread, where it runs, looks now)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until no death this survivor was told of is left to report (at exit); ``False`` past the timeout.
+
+        The process is leaving, and no survivor may come after it: the deaths of its job it has seen are
+        reported now, without the grace left to the agent.
+        """
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return True
+        deadline = time.monotonic() + timeout_s
+        self._grace_s = 0.0
+        with self._idle:
+            looked = self._scans + self._busy  # (a look under way began before this: the one after it counts)
+        self._wake.set()
+        with self._idle:
+            return self._idle.wait_for(lambda: self._scans > looked and not self._busy and not self._pending_expected(),
+                                       max(0.0, deadline - time.monotonic()))  # fmt: skip
+
+    def _pending_expected(self) -> bool:
+        """Whether a process this survivor was told of has a record it has yet to try to report."""
+        if not self._expected or not self._can_deliver():
+            return False
+        names = {parsed.pid for parsed in map(layout.parse_name, self._names()) if parsed and not parsed.state}
+        return any(pid in names for pid in self._expected)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._idle:
+                self._busy = True
+            try:
+                self.scan()
+            except Exception as exc:  # noqa: BLE001 - the survivor never dies of a bad record
+                reraise_if_signalled(exc)
+                report("survivor_error", "dcp_otel's survivor failed to look at the spool", exc_info=True)
+            finally:
+                with self._idle:
+                    self._busy = False
+                    self._scans += 1
+                    self._idle.notify_all()
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+
+    # --- one look -------------------------------------------------------------------------------
+    def _names(self) -> list[str]:
+        try:
+            return os.listdir(self.spool_dir)
+        except OSError:
+            return []
+
+    def scan(self, now_ns: int | None = None) -> int:
+        """Report every death that is this survivor's to report now; the number reported."""
+        now_ns = now_ns or time.time_ns()
+        host, me, own = layout.host_name(), os.getpid(), self._own()
+        done = 0
+        reported: list[tuple[float, str]] = []
+        for name in self._names():
+            parsed = layout.parse_name(name)
+            if parsed is None or parsed.host != host:
+                continue  # not a record, or another host's (a spool shared over the network): not ours to judge
+            path = os.path.join(self.spool_dir, name)
+            if parsed.state == layout.REPORTED:
+                reported.append((_mtime(path), path))
+                continue
+            if own is not None and os.path.basename(own) == name:
+                continue
+            if parsed.state.startswith(layout.CLAIMED):
+                _, claimer, start = parsed.state.split(".")
+                if layout.alive(int(claimer), int(start)):
+                    continue  # its claimer is at it
+            elif layout.alive(parsed.pid, parsed.start):
+                continue
+            death = self._death_if_ours(parsed, path, me, now_ns)
+            if death is not None and self._report(parsed, path, death):
+                done += 1
+        self._prune(reported)
+        return done
+
+    def _death_if_ours(self, parsed: layout.RecordName, path: str, me: int, now_ns: int) -> Death | None:
+        with self._lock:
+            expected = self._expected.get(parsed.pid)
+        if expected is not None:
+            return Death.of_status(expected[0], expected[1])
+        try:
+            record = read_record(path)
+        except RecordError:
+            return None
+        if not record.has_evidence():
+            shutil.rmtree(path, ignore_errors=True)  # died without a DCP call: nothing to say
+            return None
+        identity = record.identity
+        child = identity.get("ppid") == me  # our own child (a worker of this agent, a spawned rank)
+        if child:
+            status = exit_status_of_child(parsed.pid)  # (read without reaping it: its owner still will)
+            if status is not None:
+                return Death.of_status(status, now_ns)
+        elif not self.job or identity.get("job") != self.job:
+            return None
+        # Not told how it died (yet): whoever reaped it (torchelastic's agent, spawn's join) may still say, unless
+        # it died long enough ago (the next generation finds the previous one's).
+        first = self._seen_dead.setdefault(parsed.base, time.monotonic())
+        if time.monotonic() - first < self._grace_s and now_ns - record.last_seen_ns < self._grace_s * 1e9:
+            return None
+        return Death.of_status(None, min(now_ns, record.last_seen_ns + _HEARTBEAT_NS))
+
+    def _report(self, parsed: layout.RecordName, path: str, death: Death) -> bool:
+        if not self._can_deliver():
+            return False  # another survivor may; the spool keeps it for the report meanwhile
+        start = layout.start_ticks(os.getpid()) or 0
+        claimed = os.path.join(self.spool_dir, f"{parsed.base}.{layout.CLAIMED}.{os.getpid()}.{start}")
+        try:
+            os.rename(path, claimed)
+        except OSError:
+            return False  # another survivor took it
+        try:
+            record = read_record(claimed)
+            if not record.has_evidence():  # died without a DCP call: nothing to say
+                shutil.rmtree(claimed, ignore_errors=True)
+                self._expected.pop(parsed.pid, None)
+                return False
+            spans = record.spans(death)
+            sent = self._deliver(spans)
+            with open(os.path.join(claimed, layout.DEATH_FILE), "w", encoding="utf-8") as out:
+                json.dump({"cause": death.cause, "exit_code": death.exit_code, "end_ns": death.end_ns,
+                           "reported_by": os.getpid(), "sent": sent, "spans": len(spans)}, out)  # fmt: skip
+            if not sent:
+                os.rename(claimed, path)  # again at its next look (or by another survivor)
+                report("survivor_not_sent", "dcp_otel could not send the spans of process %d, which died; its "
+                       "record stays in %s for another try and for dcp-otel report", parsed.pid, self.spool_dir)  # fmt: skip
+                return False
+            os.rename(claimed, os.path.join(self.spool_dir, f"{parsed.base}.{layout.REPORTED}"))
+            self._expected.pop(parsed.pid, None)
+            self.reported += 1
+            self._seen_dead.pop(parsed.base, None)
+            return True
+        except RecordError:
+            shutil.rmtree(claimed, ignore_errors=True)
+            self._expected.pop(parsed.pid, None)
+            return False
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
+            report("survivor_error", "dcp_otel could not report the death of process %d", parsed.pid, exc_info=True)
+            return False
+
+    def _prune(self, reported: list[tuple[float, str]]) -> None:
+        now = time.time()
+        reported.sort()
+        for index, (mtime, path) in enumerate(reported):
+            if now - mtime > KEEP_S or index < len(reported) - KEEP_MAX:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
