@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 import dcp_otel
-from dcp_otel import _selftelemetry
+from dcp_otel import _selftelemetry, semconv
 from tests.browser import start
 from tests.spans_io import SpanRecord, from_readable
 
@@ -34,6 +35,18 @@ class Traced:
 
     def recorder(self):  # type: ignore[no-untyped-def]
         return dcp_otel.DCPInstrumentor().recorder
+
+
+# Module-scoped fixtures start jobs before any test's own spool is set: never into the machine's default spool.
+os.environ[semconv.ENV_SPOOL_DIR] = tempfile.mkdtemp(prefix="dcp-otel-test-spool-")
+
+
+@pytest.fixture(autouse=True)
+def _own_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test's processes keep their records in a spool of the test's own (the children inherit it): a record a
+    test's killed process leaves is never taken by another test's survivor, nor by the machine's default spool."""
+    monkeypatch.setenv(semconv.ENV_SPOOL_DIR, str(tmp_path_factory.mktemp("spool")))
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -39,9 +39,11 @@ class LifeJob:
     spans: list[FileSpan]
 
     def processes(self, generation: str) -> dict[int, FileSpan]:
-        """Each rank's dcp.process span of generation ``0`` or ``1`` (torchelastic's restart count)."""
-        spans = read_spans([p for p in (self.out / "traces").glob(f"gen-{generation}-rank-*.jsonl")])
-        return {int(s.attributes[semconv.ATTR_RANK]): s for s in spans if s.name == semconv.SPAN_PROCESS}
+        """Each rank's dcp.process span of generation ``0`` or ``1`` (torchelastic's restart count): sent by the process
+        as it exited, or, for a process torchrun killed, by a survivor (the next generation) from its record."""
+        pids = {int(p.read_text()) for p in self.out.glob(f"pid-{generation}-*")}
+        return {int(s.attributes[semconv.ATTR_RANK]): s for s in self.spans
+                if s.name == semconv.SPAN_PROCESS and s.attributes.get("process.pid") in pids}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +90,9 @@ def test_the_first_generations_ends_carry_how_they_ended_and_the_work_at_risk(jo
     failing = ended[FAILING_RANK]
     assert failing.attributes[semconv.ATTR_ENDED_BY] == semconv.ENDED_BY_EXCEPTION and failing.error
     assert failing.status_message == f"RuntimeError: rank {FAILING_RANK} failed at step {FAIL_AT}"
-    # Rank 0 failed in the step's all_reduce when its peer went, or torchrun stopped it first.
-    assert ended[0].attributes[semconv.ATTR_ENDED_BY] in (semconv.ENDED_BY_EXCEPTION, "SIGTERM")
+    # Rank 0 failed in the step's all_reduce when its peer went, or torchrun stopped it first: then the next
+    # generation reported it from its record (plain torchrun: no agent of dcp-otel's said how it died).
+    assert ended[0].attributes[semconv.ATTR_ENDED_BY] in (semconv.ENDED_BY_EXCEPTION, "SIGTERM", "unknown")
     for span in ended.values():
         assert str(span.attributes[semconv.ATTR_RECOVERY_POINT_ID]).endswith(f"/step-{RESTORED}")
         # At least the steps after the save: their compute alone took STEP_S each.

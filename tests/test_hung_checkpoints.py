@@ -36,6 +36,7 @@ from dcp_otel.otlp_file import FileSpan, SpanFileError, read_spans
 from tests.ports import free_port_range
 from tests.prometheus import PrometheusServer
 from tests.ranks import REPO, WORKERS, rank_env
+from tests.survive import survive
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 DCP_OTEL_RUN = [sys.executable, "-m", "dcp_otel.elastic.launcher", "--standalone", "--nproc-per-node", "2"]
@@ -53,7 +54,8 @@ class HungJob:
     log: str
     exits: dict[int, int]  # each worker's return code (-15: killed by SIGTERM)
     seen: Any = None  # what ``while_hung`` returned
-    spans: list[FileSpan] = field(default_factory=list)
+    spans: list[FileSpan] = field(default_factory=list)  # the span files', and what the survivor sent
+    evidence: list[FileSpan] = field(default_factory=list)  # what the survivor sent from the records
 
     def file_spans(self, name: str) -> list[FileSpan]:
         return read_spans([self.out / "traces" / name])
@@ -96,7 +98,8 @@ def run_hung(tmp: Path, mode: str, *, plain: bool, ready: Callable[[Path], Any],
     is given), stop torchrun with SIGTERM, and collect how it ended."""
     out = tmp / ("plain" if plain else "traced")
     out.mkdir(parents=True)
-    child_env = rank_env(HANG_OUT=str(out), **{semconv.ENV_STALL_AFTER_S: STALL_AFTER_S}, **(env or {}))
+    child_env = rank_env(HANG_OUT=str(out), **{semconv.ENV_STALL_AFTER_S: STALL_AFTER_S,
+                                               semconv.ENV_SPOOL_DIR: str(out / "spool")}, **(env or {}))  # fmt: skip
     command = [*launcher, str(WORKERS / "exit_status.py"), str(WORKERS / "hang_rank.py"), "--mode", mode,
                *(["--plain"] if plain else []), *(extra or [])]  # fmt: skip
     log = out / "torchrun.log"
@@ -124,7 +127,11 @@ def run_hung(tmp: Path, mode: str, *, plain: bool, ready: Callable[[Path], Any],
                 pass
     exits = {int(p.name.split("-")[1]): int(p.read_text()) for p in out.glob("exit-*")}
     spans = read_spans([out / "traces"]) if (out / "traces").exists() else []
-    return HungJob(out, code, log.read_text(errors="replace"), exits, seen, spans)
+    # The job was stopped as a whole by SIGTERM: the test, as the agent that saw its processes end, has what they
+    # had open reported from their records (plain torchrun, between the agent and each worker exit_status.py: no
+    # agent of dcp-otel's knew their pids).
+    evidence = survive(out / "spool", {}, default=-signal.SIGTERM) if not plain else []
+    return HungJob(out, code, log.read_text(errors="replace"), exits, seen, spans + evidence, evidence)
 
 
 def _alive(pgid: int) -> bool:
@@ -297,24 +304,24 @@ def test_the_stall_spans_name_the_blocked_frame_and_the_collective_the_other_ran
     assert by_id[other.parent_id].name == "dcp.save" and other.trace_id == first.trace_id
 
 
-def test_after_sigterm_every_ranks_file_holds_the_interrupted_save_and_the_blocked_write(
+def test_after_sigterm_every_ranks_record_holds_the_interrupted_save_and_the_blocked_write(
     save_jobs: tuple[HungJob, HungJob],
 ) -> None:
     traced = save_jobs[0]
     for rank in (HUNG, WAITING):
-        rank_spans = traced.file_spans(f"rank-{rank}.jsonl")
-        save = interrupted(rank_spans, "dcp.save", rank)
+        save = interrupted(traced.evidence, "dcp.save", rank)
         assert save.error and save.attributes[semconv.ATTR_INTERRUPTED] == "SIGTERM"
         assert save.status_message.startswith("terminated by SIGTERM")
-        # The first, finished save is there too: the batch processor's queue was flushed before the end.
-        assert len([s for s in rank_spans if s.name == "dcp.save"]) == 2
+        # The first, finished save is there too (its spans went out as it ended).
+        saves = [s for s in traced.spans if s.name == "dcp.save" and s.attributes.get(semconv.ATTR_RANK) == rank]
+        assert len(saves) == 2
         # The work at risk when it was terminated: since that first save ended.
-        (first,) = [s for s in rank_spans if s.name == "dcp.save" and s.span_id != save.span_id]
+        (first,) = [s for s in saves if s.span_id != save.span_id]
         assert save.attributes[semconv.ATTR_RECOVERY_POINT_AGE] == pytest.approx((save.end_ns - first.end_ns) / 1e9,
                                                                                  abs=2e-3)  # fmt: skip
     write = interrupted(traced.spans, "dcp.write_data", HUNG)
     assert write.status_message == "terminated by SIGTERM during write_data"
-    assert "NEVER.wait()" in (write.stacktrace or "")  # where its thread was
+    assert "NEVER.wait()" in (write.stacktrace or "")  # where its thread was (the watchdog's last stall report)
     waiting = interrupted(traced.spans, "dcp.save", WAITING)
     assert waiting.status_message == "terminated by SIGTERM while waiting in gather_object (_DistWrapper.all_reduce)"
     # The collective it was in is a span of its own, ended as the process ended: the write's gather.
@@ -333,7 +340,7 @@ def test_the_report_puts_the_unfinished_checkpoint_first_naming_the_rank_and_the
     save_jobs: tuple[HungJob, HungJob],
 ) -> None:
     page = save_jobs[0].out / "report.html"
-    text = report(save_jobs[0].out / "traces", "--html", str(page))
+    text = report(save_jobs[0].out / "traces", save_jobs[0].out / "spool", "--html", str(page))
     lines = text.splitlines()
     assert lines[0] == "2 checkpoint operations (2 save) on 2 ranks: 1 unfinished, none failed"
     assert re.fullmatch(r"UNFINISHED  save \S+/second \(operation 2 of 2\): rank 1 never finished write_data "
@@ -385,16 +392,19 @@ def test_a_hung_async_save_process_is_seen_through_its_rank_in_multiprocess_mode
     assert hung.attributes[semconv.ATTR_STALL_WHERE] == "async save process"
     waiting = stall(traced.out / "traces" / f"process-{WAITING}.jsonl", "save")
     assert waiting is not None and waiting.attributes[semconv.ATTR_STALL_COLLECTIVE] == "gather_object"
-    # After SIGTERM: the rank's upload, and the process's own save and write, each ended as interrupted.
-    upload = interrupted(traced.file_spans(f"rank-{HUNG}.jsonl"), semconv.SPAN_ASYNC_UPLOAD, HUNG)
-    assert upload.status_message == "terminated by SIGTERM during write_data in the async save process"
-    process = traced.file_spans(f"process-{HUNG}.jsonl")
-    assert interrupted(process, "dcp.write_data", HUNG).status_message == "terminated by SIGTERM during write_data"
-    assert interrupted(process, "dcp.save", HUNG).error
-    assert interrupted(traced.file_spans(f"process-{WAITING}.jsonl"), "dcp.save", WAITING).status_message == (
-        "terminated by SIGTERM during save, waiting in gather_object (_DistWrapper.all_reduce)")
+    # After SIGTERM: the rank's upload, and the process's own save and write, each ended as interrupted, from the
+    # records of the rank and of its async save process.
+    upload = interrupted(traced.evidence, semconv.SPAN_ASYNC_UPLOAD, HUNG)
+    assert upload.status_message == "terminated by SIGTERM during its async upload"
+    where = "in the async save process"
+    write = interrupted(traced.evidence, "dcp.write_data", HUNG)
+    assert write.status_message == f"terminated by SIGTERM during write_data {where}"
+    assert write.trace_id == upload.trace_id and "NEVER.wait()" in (write.stacktrace or "")
+    assert [s.status_message for s in traced.evidence if s.name == "dcp.save" and s.error
+            and s.attributes.get(semconv.ATTR_RANK) == WAITING] == [
+        f"terminated by SIGTERM during save {where}, waiting in gather_object (_DistWrapper.all_reduce)"]  # fmt: skip
     assert_ends_as_without_dcp_otel(traced, plain)
-    text = report(traced.out / "traces")
+    text = report(traced.out / "traces", traced.out / "spool")
     assert "rank 1 never finished write_data in the async save process" in text.splitlines()[1]
 
 
@@ -426,13 +436,13 @@ def test_a_hung_experimental_checkpoint_process_is_reported_and_ends_as_without_
     barrier = stall(traced.out / "traces" / f"process-{WAITING}.jsonl", semconv.CHECKPOINTER_BARRIER)
     assert barrier is not None and barrier.attributes[semconv.ATTR_STALL_COLLECTIVE] == "barrier"
     assert barrier.attributes[semconv.ATTR_STALL_WHERE] == "checkpoint process"
-    write = interrupted(traced.file_spans(f"process-{HUNG}.jsonl"), f"dcp.{semconv.CHECKPOINTER_WRITE}", HUNG)
-    assert write.status_message == f"terminated by SIGTERM during {semconv.CHECKPOINTER_WRITE}"
+    write = interrupted(traced.evidence, f"dcp.{semconv.CHECKPOINTER_WRITE}", HUNG)
+    assert write.status_message == f"terminated by SIGTERM during {semconv.CHECKPOINTER_WRITE} in the checkpoint process"
     assert "NEVER.wait()" in (write.stacktrace or "")
-    upload = interrupted(traced.file_spans(f"rank-{HUNG}.jsonl"), semconv.SPAN_ASYNC_UPLOAD, HUNG)
-    assert upload.status_message == f"terminated by SIGTERM during {semconv.CHECKPOINTER_WRITE} in the checkpoint process"
+    upload = interrupted(traced.evidence, semconv.SPAN_ASYNC_UPLOAD, HUNG)
+    assert upload.status_message.startswith("terminated by SIGTERM during") and upload.trace_id == write.trace_id
     assert_ends_as_without_dcp_otel(traced, plain)
-    lines = report(traced.out / "traces").splitlines()
+    lines = report(traced.out / "traces", traced.out / "spool").splitlines()
     assert lines[1].startswith(f"UNFINISHED  {operation} ")
     assert f"rank 1 never finished {semconv.CHECKPOINTER_WRITE} in the checkpoint process" in lines[1]
     assert "rank 0 waited for it in barrier" in lines[1]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -232,24 +231,6 @@ def run_script(tmp: Path, mode: str, *, send: signal.Signals | None = None, plai
     return done, result, spans
 
 
-def test_sigterm_during_a_save_keeps_every_span_and_the_process_ends_as_sigterm_ends_it(tmp_path: Path) -> None:
-    """Three finished saves wait in the batch processor (5 s schedule) and a fourth is blocked: SIGTERM."""
-    plain, _, _ = run_script(tmp_path, "term", send=signal.SIGTERM, plain=True)
-    traced, _, spans = run_script(tmp_path, "term", send=signal.SIGTERM)
-    assert plain.returncode == traced.returncode == -signal.SIGTERM, traced.stderr[-3000:]
-    saves = named(spans, "dcp.save")
-    assert len(saves) == 4 and sum(not s.error for s in saves) == 3  # the finished ones: none lost
-    (hung,) = [s for s in saves if s.error]
-    assert hung.status_message == "terminated by SIGTERM during write_data"
-    assert hung.attributes[semconv.ATTR_INTERRUPTED] == "SIGTERM"
-    (write,) = [s for s in named(spans, "dcp.write_data") if s.error]
-    assert write.attributes[semconv.ATTR_END_INFERRED] is True
-    # The stack of the thread inside the call, where the signal found it (not dcp-otel's own frames).
-    assert write.stacktrace is not None and "in write_data\n    NEVER.wait()" in write.stacktrace
-    assert "/dcp_otel/" not in write.stacktrace
-    assert hung.exception == "Interrupted: terminated by SIGTERM during write_data"
-
-
 def test_sigint_interrupts_the_save_and_the_next_save_is_a_checkpoint_of_its_own(tmp_path: Path) -> None:
     _, plain, _ = run_script(tmp_path, "int", send=signal.SIGINT, plain=True)
     done, result, spans = run_script(tmp_path, "int", send=signal.SIGINT)
@@ -276,14 +257,7 @@ def test_an_applications_own_sigterm_handler_stays_in_charge(tmp_path: Path) -> 
     done, result, _ = run_script(tmp_path, "user", send=signal.SIGTERM)
     assert done.returncode == 0, done.stderr[-3000:]
     assert result["user_handler_saw"] == [signal.SIGTERM]
-    assert result["handlers_changed"] == []  # SIGTERM's is the application's: left alone; SIGINT is never taken
-
-
-def test_signals_are_taken_only_when_on(tmp_path: Path) -> None:
-    _, on, _ = run_script(tmp_path / "on", "off")
-    assert on["handlers_changed"] == ["SIGTERM"] and on["wakeup_fd_taken"] is True  # SIGINT: Python's own
-    _, off, _ = run_script(tmp_path / "off", "off", env={semconv.ENV_SIGNALS: "off"})
-    assert off["handlers_changed"] == [] and off["wakeup_fd_taken"] is False
+    assert result["handlers_changed"] == [] and result["wakeup_fd_taken"] is False  # dcp-otel takes neither
 
 
 def test_calls_still_open_at_exit_end_as_interrupted_at_exit(tmp_path: Path) -> None:
@@ -292,31 +266,6 @@ def test_calls_still_open_at_exit_end_as_interrupted_at_exit(tmp_path: Path) -> 
     (save,) = named(spans, "dcp.save")
     assert save.status_message == "interrupted at exit during write_data"
     assert save.attributes[semconv.ATTR_INTERRUPTED] == semconv.INTERRUPTED_AT_EXIT
-
-
-def test_uninstrument_gives_the_signals_and_the_wakeup_fd_back(provider: tuple) -> None:
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    dcp_otel.instrument(tracer_provider=provider[0], registry=CollectorRegistry())
-    try:
-        guard = dcp_otel.DCPInstrumentor().signals
-        assert guard is not None and guard.installed == [signal.SIGTERM]
-    finally:
-        dcp_otel.uninstrument()
-    assert {sig: signal.getsignal(sig) for sig in before} == before
-    assert signal.set_wakeup_fd(-1) == -1  # nobody's: as before
-
-
-def test_a_forked_child_handles_signals_as_without_dcp_otel(provider: tuple) -> None:
-    dcp_otel.instrument(tracer_provider=provider[0], registry=CollectorRegistry())
-    try:
-        pid = os.fork()
-        if pid == 0:  # the child: its parent's handlers and wakeup fd are not its own
-            ok = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
-            os._exit(0 if ok else 1)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        dcp_otel.uninstrument()
 
 
 # --- the report -------------------------------------------------------------------------------------

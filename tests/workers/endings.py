@@ -17,18 +17,35 @@ SCENARIO:
                   after ``uninstrument()``; then Ctrl-C is caught, and SIGTERM kills (-15).
   ``async_ctrl_c`` Ctrl-C caught while an async save uploads; the upload finishes and loads back.
   ``idle``        saves (their spans queued for an exporter that never returns), then waits for the
-                  test's signals (repeated SIGINT or SIGTERM: the test times the end).
-  ``lock_held``   SIGTERM arrives while the main thread holds an operation's lock (instrumented: sent
-                  from inside ``Operation.add_part``; plain: at the same point of the script).
+                  test's signals (repeated SIGINT: the test times the end).
   ``gloo``        one of two gloo ranks (RANK from the environment): rank 1 hangs in ``write_data``,
                   rank 0 waits for it in DCP's collective; both first ran an event loop that took
                   and gave back the wakeup fd; spans go through a ``SimpleSpanProcessor`` to the file,
                   then to an exporter that hangs for good; the test sends SIGTERM to rank 0.
+  ``term``        three saves (their spans queued for a collector that never answers), then a fourth
+                  that blocks in ``write_data``: the test sends SIGTERM.
+  ``hung_init``   rank 0 of 2 waits in ``init_process_group`` for a peer that never comes (before any
+                  checkpoint): the test sends SIGTERM.
+  ``faulthandler`` ``faulthandler.register(SIGTERM)`` dumps every stack when the scheduler stops a hung
+                  job, and the process goes on: the test sends SIGTERM; the script saves once more.
+  ``threads``     a thread appends a timestamped line every 50 ms while the main thread saves (spans to
+                  a collector that takes 3 s per export): the test sends SIGTERM, then counts the lines
+                  written after it.
+  ``async_upload`` an ``async_save`` uploading to slow storage (1.5 s), a collector that takes 3 s per
+                  export: the test sends SIGTERM during the upload (the checkpoint stays incomplete).
+  ``uvloop``      uvloop imported before ``instrument()``; a coroutine blocked in a call that never
+                  returns: the test sends SIGTERM.
+  ``alarm``       a one-shot SIGALRM handler (restores the previous disposition, raises TimeoutError)
+                  armed around ``get_model_state_dict`` 240 times at varying delays: how many alarms
+                  fired, reached the loop, and what dcp-otel counted as its own problems (OUT/alarms.json).
+  ``spawn``       ``torch.multiprocessing.spawn`` starts 2 gloo ranks (as Lightning's ``ddp_spawn``); rank
+                  1 hangs in ``write_data``: the test sends SIGTERM to it (its pid in ``OUT/rank1.pid``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -67,6 +84,20 @@ class Hanging(SpanExporter):
         pass
 
 
+class Slow(SpanExporter):
+    """A collector that takes ``seconds`` to answer each export."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def export(self, spans: Any) -> SpanExportResult:
+        NEVER.wait(self.seconds)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
 class Gated(dcp.FileSystemWriter):
     """``write_data`` waits for ``gate`` (``None``: for good), saying it started in ``started``."""
 
@@ -91,12 +122,16 @@ def main() -> None:
     warnings.simplefilter("ignore")
     files = out / "files"
     files.mkdir(parents=True, exist_ok=True)
+    if scenario == "uvloop":
+        import uvloop  # noqa: F401 - before instrument(): it keeps its own reference to signal.set_wakeup_fd
     provider = TracerProvider()
     if scenario == "gloo":
         provider.add_span_processor(SimpleSpanProcessor(OTLPJsonFileExporter(out / "spans.jsonl")))
         provider.add_span_processor(SimpleSpanProcessor(Hanging()))
-    elif scenario == "idle":
+    elif scenario in ("idle", "term"):
         provider.add_span_processor(BatchSpanProcessor(Hanging()))
+    elif scenario in ("threads", "async_upload"):
+        provider.add_span_processor(BatchSpanProcessor(Slow(3.0)))
     else:
         provider.add_span_processor(BatchSpanProcessor(OTLPJsonFileExporter(out / "spans.jsonl")))
     if scenario == "gloo":
@@ -264,29 +299,6 @@ def idle(out: Path, files: Path, instrumented: Any) -> None:
         time.sleep(0.05)
 
 
-def lock_held(out: Path, files: Path, instrumented: Any) -> None:
-    if instrumented is not None:
-        from dcp_otel.tracing import records
-
-        sent: list[int] = []
-
-        def add_part(self: Any) -> None:  # Operation.add_part, with SIGTERM arriving while it holds the lock
-            with self.lock:
-                self.pending += 1
-                if not sent:
-                    sent.append(signal.SIGTERM)
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    for _ in range(1000):  # the handler runs here, between two bytecodes, the lock held
-                        pass
-
-        records.Operation.add_part = add_part  # type: ignore[method-assign]
-    say("async save")
-    if instrumented is None:
-        os.kill(os.getpid(), signal.SIGTERM)  # the same point: as the save begins
-    dcp.async_save(STATE, storage_writer=Gated(str(files / "async")))
-    say("not reached")
-
-
 def gloo_before(out: Path) -> None:
     async def with_signal_handler() -> None:  # takes the wakeup fd; closing the loop sets it to -1
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: None)
@@ -304,6 +316,148 @@ def gloo(out: Path, files: Path, instrumented: Any) -> None:
     say("not reached")
 
 
+def term(out: Path, files: Path, instrumented: Any) -> None:
+    for step in range(3):
+        dcp.save(STATE, checkpoint_id=str(files / f"step-{step}"))
+    say("saved 3")
+    dcp.save(STATE, storage_writer=Gated(str(files / "hung"), None, out / "ready"))
+    say("not reached")
+
+
+def hung_init(out: Path, files: Path, instrumented: Any) -> None:
+    (out / "ready").write_text(str(os.getpid()))
+    say("waiting for the peer")
+    dist.init_process_group("gloo", rank=0, world_size=2, timeout=timedelta(seconds=60))  # it never comes
+    say("not reached")
+
+
+def faulthandler_sigterm(out: Path, files: Path, instrumented: Any) -> None:
+    import faulthandler
+
+    dump = (out / "stacks.txt").open("w")
+    faulthandler.register(signal.SIGTERM, file=dump, all_threads=True)  # installed with sigaction, not signal()
+    dcp.save(STATE, checkpoint_id=str(files / "before"))
+    (out / "ready").write_text(str(os.getpid()))
+    while not (out / "stacks.txt").stat().st_size:  # until the scheduler's SIGTERM made it dump the stacks
+        time.sleep(0.01)
+    say("stacks dumped; going on")
+    dcp.save(STATE, checkpoint_id=str(files / "after"))
+    say("saved after")
+
+
+def threads(out: Path, files: Path, instrumented: Any) -> None:
+    lines = (files / "ticks.txt").open("w", buffering=1)
+
+    def tick() -> None:
+        while True:
+            lines.write(f"{time.time()}\n")
+            time.sleep(0.05)
+
+    threading.Thread(target=tick, daemon=True).start()
+    for step in range(3):
+        dcp.save(STATE, checkpoint_id=str(files / f"step-{step}"))
+    (out / "ready").write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+
+
+class SlowStorage(dcp.FileSystemWriter):
+    """Storage that takes 1.5 s to take the data (an object store on a bad day)."""
+
+    def __init__(self, path: str, started: Path) -> None:
+        super().__init__(path)
+        self.started = started
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        self.started.write_text(str(os.getpid()))
+        NEVER.wait(1.5)
+        return super().write_data(plan, planner)
+
+
+def async_upload(out: Path, files: Path, instrumented: Any) -> None:
+    dcp.save(STATE, checkpoint_id=str(files / "step0"))
+    future = dcp.async_save(STATE, storage_writer=SlowStorage(str(files / "step1"), out / "ready"))
+    say("uploading")
+    future.result()
+    say("step1 complete")
+    while True:  # (the scheduler's SIGTERM came during the upload: never here)
+        time.sleep(0.05)
+
+
+def uvloop_run(out: Path, files: Path, instrumented: Any) -> None:
+    import uvloop
+
+    async def train() -> None:
+        dcp.save(STATE, checkpoint_id=str(files / "before"))
+        (out / "ready").write_text(str(os.getpid()))
+        await asyncio.get_running_loop().run_in_executor(None, NEVER.wait)  # a call that never returns
+
+    uvloop.run(train())
+    say("not reached")
+
+
+def alarm(out: Path, files: Path, instrumented: Any) -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    fired = lost = timeouts = 0
+
+    def one_shot(signum: int, frame: Any) -> None:
+        nonlocal fired
+        fired += 1
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # a one-shot timeout: restores the previous disposition
+        raise TimeoutError("state dict took too long")
+
+    for attempt in range(240):
+        before, caught = fired, False
+        signal.signal(signal.SIGALRM, one_shot)
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0.00005 + 0.00003 * (attempt % 40))
+                get_model_state_dict(model)
+                for _ in range(200):  # where a late alarm lands
+                    pass
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except TimeoutError:
+            caught = True
+            timeouts += 1
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        if fired > before and not caught:  # it fired, and its TimeoutError never reached the loop
+            lost += 1
+    say("alarm loop done")  # (how many landed where depends on timing: the counts go to a file, not to stdout)
+    swallowed = {k: v for k, v in instrumented.diagnostics().items() if k != "open_spans"} if instrumented else {}
+    (out / "alarms.json").write_text(json.dumps({"fired": fired, "reached": timeouts, "lost": lost,
+                                                 "dcp_otel_problems": swallowed}))  # fmt: skip
+
+
+def spawned_rank(rank: int, files: Path, out: Path, port: int, plain: bool) -> None:
+    warnings.simplefilter("ignore")
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    if not plain:  # each rank instruments itself, as a Lightning ddp_spawn user's training function does
+        import dcp_otel
+
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(OTLPJsonFileExporter(out / f"rank-{rank}.jsonl")))
+        dcp_otel.instrument(tracer_provider=provider)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dcp.save(STATE, checkpoint_id=str(files / "step-1"))
+    if rank == 1:
+        (out / "rank1.pid").write_text(str(os.getpid()))
+    writer = Gated(str(files / "step-2"), None, out / "ready") if rank == 1 else dcp.FileSystemWriter(str(files / "step-2"))
+    dcp.save(STATE, storage_writer=writer)
+
+
+def spawn(out: Path, files: Path, instrumented: Any) -> None:
+    import torch.multiprocessing as mp
+
+    port = int(os.environ["SPAWN_PORT"])
+    try:
+        mp.spawn(spawned_rank, args=(files, out, port, instrumented is None), nprocs=2)
+    except mp.ProcessExitedException as exc:
+        say(f"spawn: rank {exc.error_index} ended with {exc.exit_code}")
+
+
 SCENARIOS = {
     "lightning": lightning,
     "chain": chain,
@@ -312,8 +466,15 @@ SCENARIOS = {
     "scoped": scoped,
     "async_ctrl_c": async_ctrl_c,
     "idle": idle,
-    "lock_held": lock_held,
     "gloo": gloo,
+    "term": term,
+    "hung_init": hung_init,
+    "faulthandler": faulthandler_sigterm,
+    "threads": threads,
+    "async_upload": async_upload,
+    "uvloop": uvloop_run,
+    "alarm": alarm,
+    "spawn": spawn,
 }
 
 if __name__ == "__main__":

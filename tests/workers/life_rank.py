@@ -4,13 +4,15 @@ Run by ``torchrun --nproc-per-node 2 --max-restarts 1 life_rank.py`` with ``$LIF
 
 - Generation 1 (``TORCHELASTIC_RESTART_COUNT=0``): trains steps 1 to 25, saving ``LIFE_OUT/ckpt/step-10`` and
   ``step-20``; at step 25 rank 1 raises. Rank 0 then fails in the step's ``all_reduce``, or torchrun stops it
-  (SIGTERM); either way the agent starts a second generation.
+  (SIGTERM: then the second generation reports its end from its record); either way the agent starts a second
+  generation.
 - Generation 2: loads the newest checkpoint (``step-20``) and trains on to step 30, saving ``step-30``.
 
 Every step says its number (``dcp_otel.set_training_step``), works ``STEP_S`` (a sleep standing for the step's
 compute, not synchronisation) and all-reduces a tensor, as data-parallel training does. Spans go to
 ``LIFE_OUT/traces/gen-<restart>-rank-<R>.jsonl``; after each checkpoint operation the rank writes its
-``dcp_training_blocked_seconds_total`` (summed over operations) to ``LIFE_OUT/blocked-<restart>-<R>.json``.
+``dcp_training_blocked_seconds_total`` (summed over operations) to ``LIFE_OUT/blocked-<restart>-<R>.json``, and its
+pid to ``LIFE_OUT/pid-<restart>-<R>``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
     provider.add_span_processor(BatchSpanProcessor(OTLPJsonFileExporter(out / "traces" / f"gen-{restart}-rank-{rank}.jsonl")))
     registry = CollectorRegistry()
     dcp_otel.instrument(tracer_provider=provider, registry=registry)
+    (out / f"pid-{restart}-{rank}").write_text(str(os.getpid()))  # a survivor's dcp.process span names it
     # Keys of this generation's own: torch 2.15's agent store keeps the first generation's gloo addresses, and a
     # restarted rank that reads them fails to connect (plain torch, without dcp-otel, the same).
     agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,

@@ -6,14 +6,12 @@ save is blocked in ``write_data`` (an Event nobody sets), on the main thread unl
 mode says otherwise; ``OUT/result.json`` holds what the script saw, when it gets to write it.
 
 MODE:
-  ``term``        three saves, then a fourth that blocks: the test sends SIGTERM.
   ``int``         a save that blocks; the test sends SIGINT; the script catches what
                   the save raises (torch wraps the step's ``KeyboardInterrupt`` in a
                   ``CheckpointException``), saves once more, and exits 0.
   ``user``        the script installs its own SIGTERM handler before ``instrument()``;
                   the test sends SIGTERM during a blocked save on a worker thread; the
                   handler records it and lets the script exit 0.
-  ``off``         ``DCP_OTEL_SIGNALS=off`` (set by the test): records what is installed.
   ``exit``        a daemon thread blocks in a save; the main thread returns (interpreter exit).
 """
 
@@ -78,11 +76,7 @@ def main() -> None:
     state = {"w": torch.arange(256.0)}
     ready = out / "ready"
 
-    if mode == "term":
-        for i in range(3):
-            dcp.save(state, checkpoint_id=str(out / f"c{i}"))
-        dcp.save(state, storage_writer=Blocking(str(out / "hung"), ready))
-    elif mode == "int":
+    if mode == "int":
         try:
             dcp.save(state, storage_writer=Blocking(str(out / "hung"), ready))
         except BaseException as exc:  # torch wraps the KeyboardInterrupt of a step in CheckpointException

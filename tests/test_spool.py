@@ -1,0 +1,192 @@
+"""The write-ahead record and its survivor, in one process: what a death leaves, and who reports it, once.
+
+The deaths themselves are in test_endings.py (one process, plain vs instrumented) and test_survivors.py
+(torchrun). Here: what the record holds while a save runs and after it ends, what a survivor makes of
+it, that two survivors report a death once, that a survivor that died mid-report is taken over, that a
+forked child never writes into its parent's record, that the spool is private, and what a clean exit
+leaves (nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from opentelemetry.sdk.trace import ReadableSpan
+
+import dcp_otel
+from dcp_otel import semconv
+from dcp_otel.spool import layout
+from dcp_otel.spool.reader import Death, read_record
+from dcp_otel.spool.record import open_spool_dir
+from dcp_otel.spool.survivor import Survivor
+from tests.conftest import Traced
+from tests.ranks import REPO, rank_env
+
+
+class Blocked(dcp.FileSystemWriter):
+    """``write_data`` waits for ``release``, having said it started."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.started, self.release, self.saved = threading.Event(), threading.Event(), threading.Event()
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        self.started.set()
+        self.release.wait(30)
+        return super().write_data(plan, planner)
+
+
+@pytest.fixture
+def spool() -> Path:
+    return Path(os.environ[semconv.ENV_SPOOL_DIR])
+
+
+@pytest.fixture
+def blocked(traced: Traced, tmp_path: Path) -> Iterator[Blocked]:
+    """A save on another thread, blocked in write_data until the test releases it."""
+    writer = Blocked(str(tmp_path / "step-7"))
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "step-6"))  # a finished one first
+
+    def save() -> None:
+        dcp.save({"w": torch.ones(4)}, storage_writer=writer)
+        writer.saved.set()
+
+    worker = threading.Thread(target=save)
+    worker.start()
+    assert writer.started.wait(30)
+    yield writer
+    writer.release.set()
+    worker.join(30)
+
+
+def own_record(spool: Path) -> Path:
+    (name,) = [n for n in os.listdir(spool) if layout.parse_name(n) and not layout.parse_name(n).state]  # type: ignore[union-attr]
+    return spool / name
+
+
+def test_the_record_holds_the_open_save_and_its_step_with_the_ids_the_process_chose(spool: Path, blocked: Blocked,
+                                                                                   traced: Traced) -> None:  # fmt: skip
+    record = read_record(str(own_record(spool)))
+    assert record.identity["pid"] == os.getpid() and record.recovery_id.endswith("step-6")
+    (op,) = record.open_ops()
+    assert [e.name for e in record.open_entries(op)] == ["save", "write_data"]
+    spans = {s.name: s for s in record.spans(Death.of_status(-9, time.time_ns()))}
+    assert spans["dcp.write_data"].status.description == "terminated by SIGKILL during write_data"
+    assert spans["dcp.process"].attributes[semconv.ATTR_ENDED_BY] == "SIGKILL"
+    # The ids are those of the spans the process makes when the save ends: one span, whoever sends it.
+    blocked.release.set()
+    assert blocked.saved.wait(30)
+    dcp_otel.flush()
+    built = {s.name: s for s in traced.exporter.get_finished_spans() if s.context.trace_id == op.trace_id}
+    for name in ("dcp.save", "dcp.write_data", "dcp.checkpoint"):
+        assert spans[name].context.span_id == built[name].context.span_id, name
+        assert spans[name].parent == built[name].parent, name
+
+
+def test_a_finished_save_leaves_nothing_open_and_a_clean_exit_leaves_no_record(spool: Path, tmp_path: Path) -> None:
+    script = f"""
+import os, torch, dcp_otel
+import torch.distributed.checkpoint as dcp
+dcp_otel.instrument()
+dcp.save({{"w": torch.ones(4)}}, checkpoint_id={str(tmp_path / "c")!r})
+print(sorted(os.listdir({str(spool)!r})))
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=rank_env(), capture_output=True, text=True, timeout=120,
+                          cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith("['"), done.stdout  # while it ran: its record
+    assert os.listdir(spool) == []  # after a normal exit, with every span sent: nothing
+
+
+def test_two_survivors_report_a_death_once(spool: Path, blocked: Blocked) -> None:
+    record = own_record(spool)
+    copy = spool / layout.directory_name(layout.host_name(), 999_999, 1)  # a "dead" process: no such pid runs
+    copy.mkdir()
+    (copy / layout.RECORD_FILE).write_bytes((record / layout.RECORD_FILE).read_bytes())
+    sent: list[list[ReadableSpan]] = [[], []]
+    survivors = [Survivor(str(spool), lambda spans, i=i: sent[i].extend(spans) or True, job=None) for i in range(2)]
+    for survivor in survivors:
+        survivor.expect({999_999: -9}, time.time_ns())
+    threads = [threading.Thread(target=survivor.scan) for survivor in survivors]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(bool(spans) for spans in sent) == [False, True]  # one of them, once
+    assert (spool / f"{copy.name}.{layout.REPORTED}" / layout.DEATH_FILE).exists()
+
+
+def test_a_claim_left_by_a_dead_survivor_is_taken_over(spool: Path, blocked: Blocked) -> None:
+    record = own_record(spool)
+    claimed = spool / f"{layout.directory_name(layout.host_name(), 999_998, 1)}.{layout.CLAIMED}.999997.1"
+    claimed.mkdir()  # claimed by a survivor that died before it sent anything
+    (claimed / layout.RECORD_FILE).write_bytes((record / layout.RECORD_FILE).read_bytes())
+    sent: list[ReadableSpan] = []
+    survivor = Survivor(str(spool), lambda spans: sent.extend(spans) or True, job=None)
+    survivor.expect({999_998: -15}, time.time_ns())
+    assert survivor.scan() == 1 and any(s.name == "dcp.write_data" for s in sent)
+
+
+def test_a_survivor_that_cannot_send_claims_nothing_and_the_record_stays(spool: Path, blocked: Blocked) -> None:
+    record = own_record(spool)
+    dead = spool / layout.directory_name(layout.host_name(), 999_996, 1)
+    dead.mkdir()
+    (dead / layout.RECORD_FILE).write_bytes((record / layout.RECORD_FILE).read_bytes())
+
+    def refuse(spans: Sequence[ReadableSpan]) -> bool:
+        return False  # an exporter that fails
+
+    survivor = Survivor(str(spool), refuse, job=None)
+    survivor.expect({999_996: -9}, time.time_ns())
+    assert survivor.scan() == 0 and dead.exists()  # for another survivor, or dcp-otel report
+
+
+def test_a_forked_child_never_writes_into_its_parents_record(spool: Path, traced: Traced, tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "parent"))
+    record = own_record(spool)
+    before = (record / layout.RECORD_FILE).read_bytes()
+    pid = os.fork()
+    if pid == 0:  # the child saves: into a record of its own
+        try:
+            dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "child"))
+            os._exit(0)
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert (record / layout.RECORD_FILE).read_bytes()[layout.HEADER_SIZE :] == before[layout.HEADER_SIZE :]
+    children = [n for n in os.listdir(spool) if layout.parse_name(n) and layout.parse_name(n).pid == pid]  # type: ignore[union-attr]
+    assert len(children) == 1  # its own (left: the child ended with os._exit, as a forked worker does)
+
+
+def test_the_spool_is_this_users_alone(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="open to other users"):
+        open_spool_dir(str(shared))
+    made = tmp_path / "made"
+    open_spool_dir(str(made))
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+
+
+def test_an_unusable_spool_is_said_once_and_changes_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  traced: Traced) -> None:  # fmt: skip
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(semconv.ENV_SPOOL_DIR, str(shared))
+    dcp_otel.uninstrument()
+    dcp_otel.instrument(tracer_provider=traced.provider)
+    assert dcp_otel.DCPInstrumentor().spool is None and dcp_otel.diagnostics().get("spool_error") == 1
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "c"))
+    assert any(s.name == "dcp.save" for s in traced.spans())
