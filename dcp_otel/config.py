@@ -254,9 +254,16 @@ def is_rank_process() -> bool:
         return False
     if "-c" in argv[:-1] and argv[argv.index("-c") + 1].startswith("from multiprocessing"):
         return False  # its helpers (resource tracker, forkserver) too
+    return not is_launcher()
+
+
+def is_launcher() -> bool:
+    """Whether this process is ``torchrun``, ``python -m torch.distributed.run`` or ``dcp-otel-run`` (from its
+    command line: this runs in ``sitecustomize``, before ``sys.argv`` is set up)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
     if len(argv) > 1 and os.path.basename(argv[1]) in _LAUNCHER_SCRIPTS:
-        return False
-    return not (len(argv) > 2 and argv[1] == "-m" and argv[2] in _LAUNCHER_MODULES)
+        return True
+    return len(argv) > 2 and argv[1] == "-m" and argv[2] in _LAUNCHER_MODULES
 
 
 #: The longest stall threshold accepted: a week.

@@ -37,7 +37,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.attach import releases
-from dcp_otel.config import InstrumentOptions, differing_options
+from dcp_otel.config import InstrumentOptions, differing_options, is_launcher
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from dcp_otel.metrics.otel import OTelCheckpointMetrics
     from dcp_otel.metrics.prometheus import CheckpointMetrics, MetricsSink
     from dcp_otel.metrics.relay import MetricsRelay
-    from dcp_otel.spool.process import ProcessSpool
+    from dcp_otel.spool.process import AgentWatch, ProcessSpool
     from dcp_otel.tracing.drain import DrainOnCollect
     from dcp_otel.tracing.export_queue import QueueFullWatch
     from dcp_otel.tracing.flushing import ExitFlush
@@ -82,6 +82,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     _drain: DrainOnCollect | None = None
     _watchdog: Watchdog | None = None
     _spool: ProcessSpool | None = None
+    _agent: AgentWatch | None = None  # in a launcher: the survivor of its workers, and nothing else
     _undo: list[Callable[[], None]] | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
@@ -112,6 +113,11 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         process_name: str | None = kwargs.pop("_process_name", None)
         options = InstrumentOptions.from_kwargs(kwargs)  # raises on bad options
         self._options = options
+        if is_launcher():  # torchrun itself (under opentelemetry-instrument): it checkpoints nothing; it survives
+            from dcp_otel.spool.process import AgentWatch
+
+            self._agent = AgentWatch.start(options.flush_timeout_s)
+            return
         if "torch" in sys.modules:
             self._attach(options, relay, process_name)  # a bad metrics address raises here, leaving nothing behind
             return
@@ -186,7 +192,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     def _open_spool(self, options: InstrumentOptions, relay: MetricsRelay | None, process_name: str | None) -> None:
         """The process's record, and (in a process that is no checkpoint helper) its survivor (:mod:`dcp_otel.spool`)."""
         from dcp_otel.attach import worker_exits
-        from dcp_otel.spool.process import ProcessSpool, is_multiprocessing_child
+        from dcp_otel.spool.process import ProcessSpool, is_multiprocessing_child, watch_when_imported
 
         assert self._recorder is not None and self._undo is not None
         spool = self._spool = ProcessSpool.open(self._recorder, options.flush_timeout_s, process_name)
@@ -195,24 +201,10 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         survivor = spool.survivor
         if not is_multiprocessing_child():  # else (a rank of torch.multiprocessing.spawn) at its first operation
             survivor.start()
+        undo = self._undo
         for module, watch in ((worker_exits.ELASTIC_MODULE, worker_exits.watch_worker_exits),
                               (worker_exits.SPAWN_MODULE, worker_exits.watch_spawned_ranks)):  # fmt: skip
-            self._watch_when_imported(module, watch, survivor)
-
-    def _watch_when_imported(self, module: str, watch: Callable[[Any], Callable[[], None]], survivor: Any) -> None:
-        undo = self._undo
-        assert undo is not None
-
-        def hook(_: object) -> None:
-            if self._undo is not undo:
-                return  # uninstrumented since
-            try:
-                undo.append(watch(survivor))
-            except Exception as exc:  # noqa: BLE001 - inside an import of the application's
-                reraise_if_signalled(exc)
-                report("survivor_error", "dcp_otel could not watch how the workers of %s end", module, exc_info=True)
-
-        wrapt.register_post_import_hook(hook, module)
+            watch_when_imported(module, watch, survivor, lambda: undo if self._undo is undo else None)
 
     def _watch(self, options: InstrumentOptions, sink: MetricsSink | None, metrics: CheckpointMetrics | None,
                otel: OTelCheckpointMetrics | None, relay: MetricsRelay | None, process_name: str | None) -> None:  # fmt: skip
@@ -267,6 +259,9 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     def _uninstrument(self, **kwargs: Any) -> None:
         self._pending = None  # an attachment still waiting for torch's import never happens
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
         if self._recorder is not None:
             # What finished before uninstrument() is built first, while everything that
             # watches and counts it (the queue-full filter, the metrics) is still in place.

@@ -80,7 +80,8 @@ def test_the_record_holds_the_open_save_and_its_step_with_the_ids_the_process_ch
     assert record.identity["pid"] == os.getpid() and record.recovery_id.endswith("step-6")
     (op,) = record.open_ops()
     assert [e.name for e in record.open_entries(op)] == ["save", "write_data"]
-    spans = {s.name: s for s in record.spans(Death.of_status(-9, time.time_ns()))}
+    spans = {s.name: s for s in record.spans(Death.of_status(-9, time.time_ns()))
+             if s.context.trace_id == op.trace_id or s.name == semconv.SPAN_PROCESS}  # fmt: skip
     assert spans["dcp.write_data"].status.description == "terminated by SIGKILL during write_data"
     assert spans["dcp.process"].attributes[semconv.ATTR_ENDED_BY] == "SIGKILL"
     # The ids are those of the spans the process makes when the save ends: one span, whoever sends it.
@@ -153,6 +154,7 @@ def test_a_survivor_that_cannot_send_claims_nothing_and_the_record_stays(spool: 
 
 def test_a_forked_child_never_writes_into_its_parents_record(spool: Path, traced: Traced, tmp_path: Path) -> None:
     dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "parent"))
+    dcp_otel.flush()  # (built: the builder writes no more into the record meanwhile)
     record = own_record(spool)
     before = (record / layout.RECORD_FILE).read_bytes()
     pid = os.fork()
@@ -190,3 +192,31 @@ def test_an_unusable_spool_is_said_once_and_changes_nothing_else(tmp_path: Path,
     assert dcp_otel.DCPInstrumentor().spool is None and dcp_otel.diagnostics().get("spool_error") == 1
     dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "c"))
     assert any(s.name == "dcp.save" for s in traced.spans())
+
+
+def test_a_save_that_ended_but_was_not_built_yet_is_sent_with_its_own_ends_and_outcome(
+    spool: Path, traced: Traced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process killed between a save's end and its build (the builder behind): its spans exist nowhere else."""
+    from dcp_otel.tracing.builder import SpanBuilder
+
+    release, building = threading.Event(), threading.Event()
+    build = SpanBuilder._build
+
+    def held(self: SpanBuilder, *args: object, **kwargs: object) -> None:
+        building.set()
+        release.wait(30)
+        build(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SpanBuilder, "_build", held)
+    try:
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "step-9"))
+        assert building.wait(30)
+        record = read_record(str(own_record(spool)))
+        (op,) = record.unbuilt_ops()
+        spans = {s.name: s for s in record.spans(Death.of_status(-9, time.time_ns())) if s.context.trace_id == op.trace_id}
+        assert {"dcp.checkpoint", "dcp.save", "dcp.write_data"} <= set(spans)
+        assert all(s.status.status_code.name == "UNSET" for s in spans.values())  # it succeeded: no death of its
+        assert spans["dcp.save"].end_time == op.end_ns  # its own end, not the death's
+    finally:
+        release.set()

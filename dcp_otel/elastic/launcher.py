@@ -137,23 +137,12 @@ def label_with_the_run(endpoint: MetricsEndpoint) -> Callable[..., Any]:
 def report_dead_workers() -> Callable[[], None] | None:
     """Be the survivor of this agent's workers (:mod:`dcp_otel.spool`): a worker that dies with a checkpoint open
     (SIGKILL, a segfault, SIGTERM) is reported from its record, saying how it died, to the global tracer provider
-    or the OTLP endpoint of ``OTEL_*``. ``opentelemetry-instrument dcp-otel-run`` has one already (its
-    instrumentor's). Returns what waits, at exit, until the deaths seen are sent."""
-    from dcp_otel.attach.worker_exits import watch_worker_exits
-    from dcp_otel.instrumentor import DCPInstrumentor
-    from dcp_otel.spool.process import agent_survivor
+    or the OTLP endpoint of ``OTEL_*`` (``opentelemetry-instrument dcp-otel-run``: the same watch, started by its
+    instrumentor). Returns what waits until the deaths seen are sent."""
+    from dcp_otel.spool.process import AgentWatch
 
-    if DCPInstrumentor().spool is not None:
-        return None
-    survivor = agent_survivor()
-    if survivor is None:
-        return None
-    watch_worker_exits(survivor)
-    survivor.start()
-    def settle() -> None:
-        survivor.wait_idle(10.0)
-
-    return settle
+    watch = AgentWatch.start()
+    return watch.settle if watch is not None else None
 
 
 def main(argv: list[str] | None = None) -> None:

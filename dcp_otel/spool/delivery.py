@@ -39,10 +39,14 @@ _OTLP_ENDPOINT_VARS: Final = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP
 
 def exporter_names() -> list[str]:
     """The span exporters the ``OTEL_*`` variables name (the SDK's rules); OTLP where only an endpoint is set."""
+    named = os.environ.get(semconv.ENV_OTEL_TRACES_EXPORTER)
+    endpoint = any(os.environ.get(v) for v in _OTLP_ENDPOINT_VARS)
+    if (named is None and not endpoint) or (named is not None and named.strip().lower() in ("", "none")):
+        return []  # (without loading the SDK's configuration module: a launcher's exit waits on this)
     from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names
 
     names = _get_exporter_names("traces")
-    if not names and semconv.ENV_OTEL_TRACES_EXPORTER not in os.environ and any(os.environ.get(v) for v in _OTLP_ENDPOINT_VARS):
+    if not names and named is None and endpoint:
         names = [_default_otlp_exporter(_get_exporter_entry_point)]
     return names
 

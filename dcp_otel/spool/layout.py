@@ -14,6 +14,8 @@ dead process). It holds:
 
 A survivor renames the directory to claim it (``.claimed.<pid>.<start>``,
 atomic: one survivor wins) and again once it has reported it (``.reported``).
+A survivor says it runs with an empty file ``<host>.<pid>.<start>.survivor``:
+the deaths of its children are its to report (it knows how they died).
 
 The record's bytes::
 
@@ -60,20 +62,26 @@ FLAG_EXITED: Final = 1  # the process reached its exit flush: what is open was e
 I64 = struct.Struct("<q")
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
+U16 = struct.Struct("<H")
 
 # --- operations ---------------------------------------------------------------------------
 OPS_OFFSET: Final = HEADER_SIZE
 OP_SLOTS: Final = 32
 OP_SIZE: Final = 2048
 #: serial (0: never used), state, upload span id, upload start, upload end, staging span id, staging start,
-#: staging end, JSON length
-OP_HEAD: Final = struct.Struct("<QQQqqQqqI")
-OP_STATE_OPEN, OP_STATE_DONE = 1, 2
+#: staging end, the operation's end (once complete), JSON length
+OP_HEAD: Final = struct.Struct("<QQQqqQqqqI")
+#: An operation's state: open (its calls run), complete (ended, not yet built: its ends and outcome are here),
+#: done (built and kept: :mod:`~dcp_otel.spool.spans` has its spans).
+OP_STATE_OPEN, OP_STATE_DONE, OP_STATE_COMPLETE = 1, 2, 3
 OFF_OP_STATE: Final = 8
 OFF_OP_UPLOAD: Final = 16  # span id, start, end
 OFF_OP_STAGING: Final = 40
+OFF_OP_END: Final = 64
 OFF_OP_JSON: Final = OP_HEAD.size
-OP_JSON_MAX: Final = OP_SIZE - OFF_OP_JSON
+OFF_OP_FAILED: Final = OP_SIZE - 256  # u16 length, then how it failed (UTF-8): written as it completes
+OP_FAILED_MAX: Final = 254
+OP_JSON_MAX: Final = OFF_OP_FAILED - OFF_OP_JSON
 UPLOAD: Final = struct.Struct("<Qqq")
 
 # --- calls on threads ---------------------------------------------------------------------
@@ -106,7 +114,8 @@ SPANS_FILE: Final = "spans.jsonl"
 DEATH_FILE: Final = "death.json"
 CLAIMED: Final = "claimed"
 REPORTED: Final = "reported"
-_NAME = re.compile(r"^(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)(?:\.(?P<state>claimed\.\d+\.\d+|reported))?$")
+SURVIVOR: Final = "survivor"  # an empty file: a process that reports its children's deaths runs (see spool.survivor)
+_NAME = re.compile(r"^(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)(?:\.(?P<state>claimed\.\d+\.\d+|reported|survivor))?$")
 
 
 class RecordName(NamedTuple):

@@ -4,8 +4,9 @@
 recorder: the record its hot path writes ahead into, the built spans kept
 until an exporter confirms them, and the survivor that reports the deaths this
 process outlives, sending through the recorder's tracer provider (else the
-exporters ``OTEL_*`` names). :func:`agent_survivor` is the survivor alone, for
-a launcher that instruments no checkpoint of its own (``dcp-otel-run``).
+exporters ``OTEL_*`` names). :class:`AgentWatch` is the survivor alone, told how
+a launcher's workers ended, for a launcher that checkpoints nothing of its own
+(``torchrun`` under ``opentelemetry-instrument``, ``dcp-otel-run``).
 
 Usage::
 
@@ -17,21 +18,27 @@ Usage::
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import wrapt
 from opentelemetry import trace
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.attach import worker_exits
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.spool.delivery import Delivery
 from dcp_otel.spool.layout import spool_dir_from_env
 from dcp_otel.spool.record import ProcessRecord, open_spool_dir
 from dcp_otel.spool.spans import SpanSpool
 from dcp_otel.spool.survivor import Survivor
 from dcp_otel.tracing.trace_ids import resolve_run_id
-from dcp_otel.tracing.tracker import SpanRecorder
+
+if TYPE_CHECKING:
+    from dcp_otel.tracing.tracker import SpanRecorder
 
 #: The longest the end of an instrumentation waits for the survivor's and the confirming thread's current work.
 _STOP_S = 5.0
@@ -102,6 +109,69 @@ class ProcessSpool:
         recorder = self._recorder
         recorder.record = recorder.builder.record = None
         recorder.builder.keep = None
+
+
+class AgentWatch:
+    """A launcher's part: the survivor of its workers, told how each ended (:mod:`dcp_otel.attach.worker_exits`).
+
+    ``torchrun`` under ``opentelemetry-instrument`` and ``dcp-otel-run`` make no checkpoint of their own: they
+    get this alone, and import no torch for it beyond what they import themselves. One per process; the
+    deaths seen are sent before the launcher exits (``atexit``, within the flush timeout).
+    """
+
+    _current: ClassVar[AgentWatch | None] = None
+
+    def __init__(self, survivor: Survivor, timeout_s: float) -> None:
+        self.survivor = survivor
+        self._timeout_s = timeout_s
+        self._undo: list[Callable[[], None]] | None = []
+
+    @classmethod
+    def start(cls, flush_timeout_s: float = 10.0) -> AgentWatch | None:
+        """The process's watch, started once (``None`` where the spool is off or unusable)."""
+        if cls._current is not None:
+            return cls._current
+        survivor = agent_survivor(flush_timeout_s)
+        if survivor is None:
+            return None
+        watch = cls._current = cls(survivor, float(flush_timeout_s or 10))
+        survivor.start()
+        for module, hook in ((worker_exits.ELASTIC_MODULE, worker_exits.watch_worker_exits),
+                             (worker_exits.SPAWN_MODULE, worker_exits.watch_spawned_ranks)):  # fmt: skip
+            watch_when_imported(module, hook, survivor, lambda: watch._undo)
+        atexit.register(watch.settle)
+        return watch
+
+    def settle(self) -> None:
+        """Until the deaths seen are sent (at exit: half the flush timeout at most)."""
+        self.survivor.wait_idle(self._timeout_s / 2)
+
+    def close(self) -> None:
+        atexit.unregister(self.settle)
+        undo, self._undo = self._undo, None
+        for step in reversed(undo or []):
+            step()
+        self.survivor.stop()
+        if AgentWatch._current is self:
+            AgentWatch._current = None
+
+
+def watch_when_imported(module: str, watch: Callable[[Survivor], Callable[[], None]], survivor: Survivor,
+                        undo: Callable[[], list[Callable[[], None]] | None]) -> None:  # fmt: skip
+    """``watch(survivor)`` once ``module`` is imported (now, if it is), its undo kept in ``undo()``'s list while
+    that is still there (an instrumentation undone since keeps none)."""
+
+    def hook(_: object) -> None:
+        kept = undo()
+        if kept is None:
+            return
+        try:
+            kept.append(watch(survivor))
+        except Exception as exc:  # noqa: BLE001 - inside an import of the application's
+            reraise_if_signalled(exc)
+            report("survivor_error", "dcp_otel could not watch how the workers of %s end", module, exc_info=True)
+
+    wrapt.register_post_import_hook(hook, module)
 
 
 def agent_survivor(flush_timeout_s: float = 10.0) -> Survivor | None:

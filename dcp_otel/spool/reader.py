@@ -86,6 +86,8 @@ class OpRecord:
     doc: dict[str, Any]
     upload: tuple[int, int, int]
     staging: tuple[int, int, int]
+    end_ns: int = 0  # once complete
+    failed: str | None = None  # how it failed, once complete (None: it succeeded)
 
     @property
     def trace_id(self) -> int:
@@ -150,6 +152,10 @@ class Record:
     def open_ops(self) -> list[OpRecord]:
         return [op for op in self.ops.values() if op.state == layout.OP_STATE_OPEN]
 
+    def unbuilt_ops(self) -> list[OpRecord]:
+        """Operations that ended but were not built when the process died (their spans exist nowhere else)."""
+        return [op for op in self.ops.values() if op.state == layout.OP_STATE_COMPLETE]
+
     def open_entries(self, op: OpRecord) -> list[Entry]:
         """The calls of ``op`` with no end yet, outermost first (the order they started in)."""
         return sorted((e for e in self.entries if e.serial == op.serial and not e.end_ns), key=lambda e: e.start_ns)
@@ -169,15 +175,19 @@ class Record:
         if not self.exited:
             for op in self.open_ops():
                 spans.extend(self._interrupted(op, death, resource))
+            for op in self.unbuilt_ops():
+                spans.extend(self._interrupted(op, death, resource, ended=True))
             process = self._process_span(death, resource)
             if process is not None:
                 spans.append(process)
         return spans
 
-    def _interrupted(self, op: OpRecord, death: Death, resource: Resource) -> list[ReadableSpan]:
-        open_entries = self.open_entries(op)
-        description = self._description(op, open_entries, death)
-        trace_id, flags, end = op.trace_id, op.flags, max(death.end_ns, self.last_seen_ns)
+    def _interrupted(self, op: OpRecord, death: Death, resource: Resource, ended: bool = False) -> list[ReadableSpan]:
+        """The spans of ``op``: open, ended by the death; or (``ended``) complete, with its own end and outcome."""
+        open_entries = [] if ended else self.open_entries(op)
+        description = (op.failed or "") if ended else self._description(op, open_entries, death)
+        trace_id, flags = op.trace_id, op.flags
+        end = op.end_ns if ended and op.end_ns else max(death.end_ns, self.last_seen_ns)
         step_attributes = op.attributes(whole=False)
         spans: list[ReadableSpan] = []
         # Each thread's stack, as the watchdog last read it inside any of its open calls (innermost first): on
@@ -191,6 +201,12 @@ class Record:
         def make(name: str, span_id: int, parent_id: int, start: int, attributes: dict[str, Any],
                  failed: bool, stack: str | None = None, end_ns: int = end) -> ReadableSpan:  # fmt: skip
             events = []
+            if failed and ended:  # an operation that failed by itself: its outcome, no death of its
+                context = SpanContext(trace_id, span_id, False, flags)
+                parent = SpanContext(trace_id, parent_id, False, flags) if parent_id else None
+                return ReadableSpan(name=name, context=context, parent=parent, resource=resource,
+                                    attributes=attributes, kind=_INTERNAL, status=Status(StatusCode.ERROR, description[:256]),
+                                    start_time=start, end_time=end_ns, instrumentation_scope=_SCOPE)  # fmt: skip
             if failed:
                 attributes = {**attributes, semconv.ATTR_INTERRUPTED: death.cause, semconv.ATTR_END_INFERRED: True}
                 event = {"exception.type": INTERRUPTED_TYPE, "exception.message": description}
@@ -205,19 +221,23 @@ class Record:
                                 instrumentation_scope=_SCOPE)  # fmt: skip
 
         start = int(op.doc.get("start", 0)) or self.created_ns
+        failed_op = not ended or op.failed is not None
         if op.doc.get("root"):
-            spans.append(make(semconv.SPAN_CHECKPOINT, int(op.doc["root"]), 0, start, op.attributes(whole=True), True))
+            spans.append(make(semconv.SPAN_CHECKPOINT, int(op.doc["root"]), 0, start, op.attributes(whole=True),
+                              failed_op))  # fmt: skip
         op_span = int(op.doc.get("span", 0))
         if op_span and not op.doc.get("adopted"):
             attributes = op.attributes(whole=True)
-            if self.recovery_ns and end >= self.recovery_ns:  # the work at risk: since the last durable save
+            if failed_op and self.recovery_ns and end >= self.recovery_ns:  # the work at risk: since the last save
                 attributes[semconv.ATTR_RECOVERY_POINT_AGE] = round((end - self.recovery_ns) / 1e9, 3)
             spans.append(make(semconv.SPAN_PREFIX + str(op.doc.get("name", "")), op_span, int(op.doc.get("parent", 0)),
-                              start, attributes, True, self.stacks.get(op_span, op_stack)))  # fmt: skip
+                              start, attributes, failed_op, self.stacks.get(op_span, op_stack)))  # fmt: skip
         for entry in self.entries:
             if entry.serial != op.serial or entry.span_id == op_span:
                 continue
             failed = not entry.end_ns  # (one that ended: a step of the unfinished operation, with its own times)
+            if failed and ended:
+                continue  # a complete operation's call that never said its end: not one to guess
             name = (semconv.SPAN_COLLECTIVE_PREFIX if entry.kind == "collective" else semconv.SPAN_PREFIX) + \
                 entry.name.split("\0")[0]  # fmt: skip
             attributes = dict(step_attributes)
@@ -229,11 +249,11 @@ class Record:
             stack = stacks.get(entry.thread) if failed else None
             spans.append(make(name, entry.span_id, entry.parent_id, entry.start_ns, attributes, failed, stack,
                               end if failed else entry.end_ns))  # fmt: skip
-        for kind_name, (span_id, started, ended) in ((semconv.SPAN_ASYNC_STAGING, op.staging),
-                                                     (semconv.SPAN_ASYNC_UPLOAD, op.upload)):  # fmt: skip
+        for kind_name, (span_id, started, finished) in ((semconv.SPAN_ASYNC_STAGING, op.staging),
+                                                        (semconv.SPAN_ASYNC_UPLOAD, op.upload)):  # fmt: skip
             if span_id:
-                spans.append(make(kind_name, span_id, op_span, started, dict(step_attributes), not ended,
-                                  end_ns=ended or end))  # fmt: skip
+                spans.append(make(kind_name, span_id, op_span, started, dict(step_attributes), not finished,
+                                  end_ns=finished or end))  # fmt: skip
         return spans
 
     def _description(self, op: OpRecord, open_entries: list[Entry], death: Death) -> str:
@@ -301,15 +321,18 @@ def read_record(path: str) -> Record:
     ops: dict[int, OpRecord] = {}
     for slot in range(layout.OP_SLOTS):
         offset = layout.OPS_OFFSET + slot * layout.OP_SIZE
-        serial, state, *background, length = layout.OP_HEAD.unpack_from(data, offset)
+        serial, state, *background, op_end, length = layout.OP_HEAD.unpack_from(data, offset)
         if not serial or not length:
             continue
+        (failed_length,) = layout.U16.unpack_from(data, offset + layout.OFF_OP_FAILED)
+        start = offset + layout.OFF_OP_FAILED + 2
+        failed = data[start : start + min(failed_length, layout.OP_FAILED_MAX)].decode(errors="replace") or None
         try:
             doc = json.loads(data[offset + layout.OFF_OP_JSON : offset + layout.OFF_OP_JSON + length])
             int(doc["trace"])
         except (ValueError, KeyError, TypeError):
             continue
-        ops[serial] = OpRecord(serial, state, doc, tuple(background[:3]), tuple(background[3:]))
+        ops[serial] = OpRecord(serial, state, doc, tuple(background[:3]), tuple(background[3:]), op_end, failed)
     entries: list[Entry] = []
     for thread in range(layout.THREAD_SLOTS):
         base = layout.THREADS_OFFSET + thread * layout.THREAD_SIZE

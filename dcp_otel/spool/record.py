@@ -262,7 +262,8 @@ class ProcessRecord:
                 doc["attributes"] = doc["step_attributes"] = {}
                 length = self._write_json_at(mm, offset, doc)
             # The serial last: a reader takes a slot whose serial is set as whole.
-            OP_HEAD.pack_into(mm, offset, 0, layout.OP_STATE_OPEN, 0, 0, 0, 0, 0, 0, max(0, length))
+            OP_HEAD.pack_into(mm, offset, 0, layout.OP_STATE_OPEN, 0, 0, 0, 0, 0, 0, 0, max(0, length))
+            layout.U16.pack_into(mm, offset + layout.OFF_OP_FAILED, 0)
             U64.pack_into(mm, offset, serial)
             op.rec_serial, op.rec_slot = serial, slot
         except Exception as exc:  # noqa: BLE001 - the hot path: counted, never raised
@@ -279,8 +280,26 @@ class ProcessRecord:
         mm[start : start + len(data)] = data
         return len(data)
 
+    def op_complete(self, op: Operation) -> None:
+        """``op`` ended (handed to the builder, on the caller's thread): how it ended, until it is built."""
+        slot = op.rec_slot
+        if slot < 0 or op.rec_serial == 0:
+            return
+        offset = OPS_OFFSET + slot * OP_SIZE
+        try:
+            if U64.unpack_from(self.mm, offset)[0] != op.rec_serial:
+                return
+            failed = (op.failed or "").encode()[: layout.OP_FAILED_MAX]
+            self.mm[offset + layout.OFF_OP_FAILED + 2 : offset + layout.OFF_OP_FAILED + 2 + len(failed)] = failed
+            layout.U16.pack_into(self.mm, offset + layout.OFF_OP_FAILED, len(failed))
+            _pack_i64(self.mm, offset + layout.OFF_OP_END, op.end_ns)
+            U64.pack_into(self.mm, offset + layout.OFF_OP_STATE, layout.OP_STATE_COMPLETE)
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
+            report("spool_error", "dcp_otel could not mark an operation complete in its record", exc_info=True)
+
     def op_done(self, op: Operation) -> None:
-        """``op`` is complete (handed to the builder): its slot is free again."""
+        """``op`` is built (its spans kept until exported), or dropped: its slot is free again."""
         slot = op.rec_slot
         if slot < 0 or op.rec_serial == 0:
             return

@@ -33,6 +33,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -115,10 +116,27 @@ class Survivor:
         with self._lock:
             if self._stopped or (self._thread is not None and self._thread.is_alive()):
                 return
+            self._announce(True)
             self._thread = threading.Thread(target=self._run, name="dcp-otel-survivor", daemon=True)
             self._thread.start()
 
+    def _announce(self, here: bool) -> None:
+        """Say (or stop saying) in the spool that this survivor runs: its children's deaths are its to report."""
+        start = layout.start_ticks(os.getpid()) or 0
+        path = os.path.join(self.spool_dir, f"{layout.directory_name(layout.host_name(), os.getpid(), start)}."
+                                            f"{layout.SURVIVOR}")  # fmt: skip
+        try:
+            if here:
+                with open(path, "w", encoding="utf-8"):
+                    pass
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+
     def stop(self, timeout_s: float = 5.0) -> None:
+        if self._thread is not None:
+            self._announce(False)
         self._stopped = True
         self._wake.set()
         thread = self._thread
@@ -163,6 +181,7 @@ class Survivor:
         return any(pid in names for pid in self._expected)
 
     def _run(self) -> None:
+        self._can_deliver()  # (what it loads, it loads here, not in an exit that waits for this thread)
         while not self._stopped:
             with self._idle:
                 self._busy = True
@@ -192,9 +211,11 @@ class Survivor:
         host, me, own = layout.host_name(), os.getpid(), self._own()
         done = 0
         reported: list[tuple[float, str]] = []
-        for name in self._names():
+        names = self._names()
+        parents = self._survivors(names, host)
+        for name in names:
             parsed = layout.parse_name(name)
-            if parsed is None or parsed.host != host:
+            if parsed is None or parsed.host != host or parsed.state == layout.SURVIVOR:
                 continue  # not a record, or another host's (a spool shared over the network): not ours to judge
             path = os.path.join(self.spool_dir, name)
             if parsed.state == layout.REPORTED:
@@ -208,13 +229,28 @@ class Survivor:
                     continue  # its claimer is at it
             elif layout.alive(parsed.pid, parsed.start):
                 continue
-            death = self._death_if_ours(parsed, path, me, now_ns)
+            death = self._death_if_ours(parsed, path, me, now_ns, parents)
             if death is not None and self._report(parsed, path, death):
                 done += 1
         self._prune(reported)
         return done
 
-    def _death_if_ours(self, parsed: layout.RecordName, path: str, me: int, now_ns: int) -> Death | None:
+    def _survivors(self, names: list[str], host: str) -> set[int]:
+        """The pids of the other survivors that run on this host now (a stale announcement is removed)."""
+        found: set[int] = set()
+        for name in names:
+            parsed = layout.parse_name(name)
+            if parsed is None or parsed.state != layout.SURVIVOR or parsed.host != host or parsed.pid == os.getpid():
+                continue
+            if layout.alive(parsed.pid, parsed.start):
+                found.add(parsed.pid)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.spool_dir, name))
+        return found
+
+    def _death_if_ours(self, parsed: layout.RecordName, path: str, me: int, now_ns: int,
+                       parents: set[int]) -> Death | None:  # fmt: skip
         with self._lock:
             expected = self._expected.get(parsed.pid)
         if expected is not None:
@@ -232,8 +268,8 @@ class Survivor:
             status = exit_status_of_child(parsed.pid)  # (read without reaping it: its owner still will)
             if status is not None:
                 return Death.of_status(status, now_ns)
-        elif not self.job or identity.get("job") != self.job:
-            return None
+        elif not self.job or identity.get("job") != self.job or identity.get("ppid") in parents:
+            return None  # not of this job, or its parent runs a survivor, which knows how it died
         # Not told how it died (yet): whoever reaped it (torchelastic's agent, spawn's join) may still say, unless
         # it died long enough ago (the next generation finds the previous one's).
         first = self._seen_dead.setdefault(parsed.base, time.monotonic())

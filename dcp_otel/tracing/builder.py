@@ -104,7 +104,7 @@ class SpanBuilder:
         """Queue ``op`` (or ``calls`` of it that ended after it was built); drop and count when full."""
         item = (op, op.calls if calls is None else calls)
         if calls is None and self.record is not None:
-            self.record.op_done(op)  # complete: nothing of it is left open for a survivor to end
+            self.record.op_complete(op)  # ended: a death before it is built still has its ends, and its outcome
         with self._cond:
             # After close() too: an async upload that ends after uninstrument() is still built,
             # by a thread that stops again once the queue is empty.
@@ -125,6 +125,8 @@ class SpanBuilder:
             # Metrics never depend on spans: its metrics are recorded here, on the caller's thread, which
             # pays that (no span, no exporter) only while the builder is this far behind.
             self._record_metrics(*item)
+            if calls is None and self.record is not None:
+                self.record.op_done(op)
             if calls is None:  # dropped: its cycle broken as a built one's is (see _run)
                 op.calls, op.gathered = [], []
             return
@@ -192,6 +194,8 @@ class SpanBuilder:
             except Exception as exc:  # noqa: BLE001
                 reraise_if_signalled(exc)
                 report("builder_error", "dcp_otel failed to build a checkpoint's spans", exc_info=True)
+            if calls is op.calls and self.record is not None:
+                self.record.op_done(op)  # built, its spans kept until exported: the record needs it no more
             if calls is op.calls:
                 # Each call names its operation and the operation lists its calls: a cycle, which only the
                 # garbage collector would free (with the storage writer and write results the operation

@@ -31,12 +31,12 @@ from opentelemetry import trace
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
-from dcp_otel.metrics.otel import OTelCheckpointMetrics
-from dcp_otel.tracing.tracker import SpanRecorder
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (a survivor flushes with no recorder: an agent imports no torch for it)
+    from dcp_otel.metrics.otel import OTelCheckpointMetrics
     from dcp_otel.spool.process import ProcessSpool
     from dcp_otel.spool.survivor import Survivor
+    from dcp_otel.tracing.tracker import SpanRecorder
 
 
 class BoundedFlush:
