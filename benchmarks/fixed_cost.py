@@ -8,12 +8,15 @@ collectives, the metadata) and logs what every save logs: the operation, its ste
 records (counted here, per save: 14 for this state dict), and 4 of DCP's collectives, each a span with its pickled
 bytes. That is the work a user's save gives dcp-otel, whatever the model's size.
 
-Blocks of saves alternate seven arms, and their medians are compared:
+Blocks of saves alternate eight arms, and their medians are compared:
 
 * plain (``uninstrument()``): torch alone, its own logging included, measured the same way;
 * own: traced (``instrument(detail="full")``, spans to an in-memory exporter through the batch
   processor, metrics on), with the finished operations held back from the builder until the block
   ends: only what the training thread itself runs, the caches as plain's (the bill of issue 27);
+* own, no record: the same, with ``DCP_OTEL_SPOOL_DIR=off``: no write-ahead record (``dcp_otel.spool``); own
+  less this is what the record costs the training thread (its stores as each call starts and ends, its
+  operation's JSON once);
 * by hand: uninstrumented, but a bare span made for each DCP call at the same hook (torch's logger
   global), started with four attributes and made current at the call's start record, detached and
   ended at its end: what a bare span costs amid a real save, the second unit of the bill;
@@ -92,10 +95,27 @@ from dcp_otel.tracing.light import with_span  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import bytecode  # noqa: E402
 
-ARMS = ("plain", "own", "by hand", "design core", "trivial ops", "settled", "back-to-back")
+ARMS = ("plain", "own", "own, no record", "by hand", "design core", "trivial ops", "settled", "back-to-back")
+#: The arms held back from the builder until their block ends (the training thread's own work).
+HELD = ("own", "own, no record")
 #: The bare span's attributes: as many as a step's own, of the same kinds.
 _BARE_ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-1000", "dcp.operation": "save",
                     "dcp.world_size": 1}  # fmt: skip
+
+
+@contextlib.contextmanager
+def spool_off(off: bool) -> Iterator[None]:
+    """``DCP_OTEL_SPOOL_DIR=off`` while instrumenting, when ``off``."""
+    before = os.environ.get("DCP_OTEL_SPOOL_DIR")
+    if off:
+        os.environ["DCP_OTEL_SPOOL_DIR"] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DCP_OTEL_SPOOL_DIR", None)
+        else:
+            os.environ["DCP_OTEL_SPOOL_DIR"] = before
 
 
 def _block(saves: int, root: str, state: dict[str, torch.Tensor], settle: bool = False) -> list[tuple[float, int]]:
@@ -341,7 +361,8 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                 arm = order[block % len(order)]
                 on = arm not in ("plain", "by hand", "design core", "trivial ops")  # dcp-otel instrumented
                 if on:
-                    dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
+                    with spool_off(arm == "own, no record"):
+                        dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
                 _block(1, root, state, settle=on)  # untimed: the first save after a switch
                 gc.collect()
                 if on:
@@ -361,7 +382,7 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                 if arm == "trivial ops":
                     dcp_logger._dcp_logger = _TrivialOps(torch_logger, loops)  # type: ignore[assignment]
                 held: list[tuple[Any, Any]] = []
-                if arm == "own":  # the builder gets this block's operations when it ends (an instance attribute)
+                if arm in HELD:  # the builder gets this block's operations when it ends (an instance attribute)
                     builder.submit = lambda op, calls=None, held=held: held.append((op, calls))
                 took = _block(saves, root, state, settle=arm == "settled")
                 arms[arm].extend(took)
@@ -377,13 +398,13 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
                     found["spans_by_hand"] = by_hand.spans / saves
                     provider.force_flush()
                     exporter.clear()
-                if arm == "own":
+                if arm in HELD:
                     del builder.submit
                     for op, calls in held:
                         builder.submit(op, calls)
                 if on:
                     dcp_otel.flush(timeout_s=30)
-                    if arm == "own" and builder.built - built0 != saves:  # each held save built once, afterwards
+                    if arm in HELD and builder.built - built0 != saves:  # each held save built once, afterwards
                         raise RuntimeError(f"held {len(held)} saves, the builder built {builder.built - built0}")
                     if arm == "settled":
                         builder_ns += builder.busy_ns - busy0
@@ -411,6 +432,7 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     found["core_amid_spans"] = statistics.median(
         (c["design core"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles)  # fmt: skip
     found["builder_cpu"] = builder_ns / max(built, 1) / 1e9
+    _spread(found, "record_spans", [(c["own"] - c["own, no record"]) / c["bare"] for c in cycles])
     _spread(found, "trivial_share", [(c["trivial ops"] - c["plain"]) / (c["own"] - c["plain"]) for c in cycles])
     return found
 
@@ -420,6 +442,8 @@ def bill(found: dict[str, float]) -> dict[str, float]:
     added = found["cpu_own"] - found["cpu_plain"]
     bare = found["bare_span_cpu"]
     return {"added_us": added * 1e6, "settled_us": (found["cpu_settled"] - found["cpu_plain"]) * 1e6,
+            "record_us": (found["cpu_own"] - found["cpu_own, no record"]) * 1e6, "record_spans": found["record_spans"],
+            "record_spans_low": found["record_spans_low"], "record_spans_high": found["record_spans_high"],
             "per_record_us": added * 1e6 / found["records"], "bare_us": bare * 1e6,
             "bare_spans": found["bare_spans"], "bare_spans_low": found["bare_spans_low"],
             "bare_spans_high": found["bare_spans_high"], "amid_spans": found["amid_spans"],
@@ -461,6 +485,8 @@ def main() -> None:
     print(f"  {'the design core alone (not built), added CPU':<50} {b['core_us']:9.1f} us = {b['core_spans']:.1f} bare spans "
           f"(cycles: {b['core_spans_low']:.1f} to {b['core_spans_high']:.1f}; {b['core_amid_spans']:.1f} made amid saves; "
           f"{found['core_records']:.0f} raw records per save)")  # fmt: skip
+    print(f"  {'  of it the write-ahead record (own - no record)':<50} {b['record_us']:9.1f} us = {b['record_spans']:.2f} "
+          f"bare spans (cycles: {b['record_spans_low']:.2f} to {b['record_spans_high']:.2f})")  # fmt: skip
     print(f"  {'added bytecode per save':<50} {b['ops_added']:9.0f} op = {b['ops_spans']:.2f} bare spans of "
           f"{found['ops_bare']:.0f} op")  # fmt: skip
     print(f"  {'as many trivial instructions (a loop), added CPU':<50} {b['trivial_us']:9.1f} us for {b['trivial_ops']:.0f} op "

@@ -440,7 +440,7 @@ def _documents(path: Path, text: str, damaged: list[str] | None = None) -> list[
             if last and damaged is not None and not text.endswith("\n"):  # its writer ended mid-line
                 damaged.append(f"{path}:{number}: the last line is cut short (its writer ended mid-write); read up to it")
                 break
-            if not last and damaged is not None and documents:  # a killed writer's cut line, a restarted one's after
+            if not last and damaged is not None and (documents or line.startswith('{"resourceSpans"')):  # (a restart's)
                 damaged.append(f"{path}:{number}: the line is cut short and more follows (a process ended mid-write, "
                                "then another appended to the file: a restart); read past it")
                 continue

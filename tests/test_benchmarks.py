@@ -163,12 +163,13 @@ def test_the_gpu_check_on_a_gpu_adds_no_device_synchronisation_and_names_the_sam
     assert "span names on CPU tensors: the same" in out and "FAILED" not in out, out
 
 
-def test_sigterm_exit_times_the_end_plain_and_instrumented_and_both_die_by_sigterm() -> None:
-    done = subprocess.run([sys.executable, "benchmarks/sigterm_exit.py", "--runs", "1"], cwd=REPO, capture_output=True,
+def test_death_evidence_times_the_jobs_end_and_the_evidences_arrival() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/death_evidence.py", "--runs", "1"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert re.search(r"plain +[\d.]+ ms +exit \[-15\]", done.stdout), done.stdout
-    assert re.search(r"instrumented +[\d.]+ ms +exit \[-15\] +ratio [\d.]+, added [-+][\d.]+ ms", done.stdout), done.stdout
+    assert re.search(r"death to the job end, plain +[\d.]+ s +exit \[1\]", done.stdout), done.stdout
+    assert re.search(r"opentelemetry-instrument +[\d.]+ s +exit \[1\] +added [-+][\d.]+ s", done.stdout), done.stdout
+    assert re.search(r"at the receiver +[\d.]+ s +\(slowest [\d.]+ s\)", done.stdout), done.stdout
 
 
 def test_staging_walk_prints_the_walk_and_the_async_save_it_sits_in() -> None:

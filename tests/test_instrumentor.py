@@ -314,6 +314,24 @@ def test_opentelemetry_instrument_turns_it_on_with_no_code_change(tmp_path: Path
     assert '"service.name": "zero-code-test"' in out.stdout
 
 
+def test_a_process_under_opentelemetry_instrument_that_never_imports_torch_loads_none_of_it(tmp_path: Path) -> None:
+    """opentelemetry-instrument instruments every Python process it starts (a tokenizer, pip, a helper script):
+    dcp-otel's instrumentor runs there, checks its options and waits for torch; it attaches once torch comes."""
+    script = """
+import sys
+import dcp_otel
+before = "torch" in sys.modules, dcp_otel.DCPInstrumentor().is_instrumented_by_opentelemetry
+import torch.distributed.checkpoint
+print(before, dcp_otel.DCPInstrumentor().recorder is not None)
+"""
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}
+    instrument = Path(sys.executable).with_name("opentelemetry-instrument")
+    out = subprocess.run([str(instrument), sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["(False,", "True)", "True"], out.stdout  # no torch until the script's; then attached
+
+
 def test_opentelemetry_instrument_torchrun_needs_no_code_in_workers_or_their_checkpoint_daemons(
     tmp_path: Path,
 ) -> None:

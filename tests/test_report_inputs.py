@@ -95,6 +95,37 @@ def test_a_cut_line_followed_by_a_restarted_writers_lines_is_read_past_naming_it
     assert json.loads(lines[-1])["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["spanId"] in got  # after the cut
 
 
+def test_a_cut_line_with_the_restarted_writers_line_glued_onto_it_reports_like_the_intact_run(run: Path) -> None:
+    """What append mode leaves when no newline follows the cut: the restarted writer's first line starts right after
+    the cut prefix (dcp-otel's own exporter now starts its output on a fresh line; another writer may not)."""
+    intact = build([run]).text()
+    rank1 = run / "rank-1.jsonl"
+    lines = rank1.read_text().splitlines()
+    cut = '{"resourceSpans":[{"resource":{"attributes":[{"key":"host.na'  # a writer killed mid-line
+    rank1.write_text(cut + "\n".join(lines) + "\n")  # the restarted writer appended right after it
+    shown = report(str(run))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stderr.count("warning") == 1 and "read the part after the cut" in shown.stderr, shown.stderr
+    assert build([run]).text() == intact
+
+
+def test_the_span_file_exporter_starts_its_output_on_a_fresh_line_after_a_cut_one(tmp_path: Path) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from dcp_otel.otlp_file import OTLPJsonFileExporter, read_spans
+
+    path = tmp_path / "rank-0.jsonl"
+    path.write_text('{"resourceSpans":[{"scopeSp')  # a writer killed mid-line
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(OTLPJsonFileExporter(path)))
+    provider.get_tracer("t").start_span("restarted").end()
+    provider.shutdown()
+    assert path.read_text().splitlines()[0] == '{"resourceSpans":[{"scopeSp'  # the cut line, left alone
+    damaged: list[str] = []
+    assert [s.name for s in read_spans([path], damaged)] == ["restarted"] and len(damaged) == 1, damaged
+
+
 def test_numbers_that_are_not_finite_are_read_as_absent_with_a_warning(run: Path) -> None:
     damaged = []
 

@@ -65,11 +65,11 @@ def _default_otlp_exporter(entry_point_for: Callable[[str, Any], str]) -> str:
 
 def environment_exporters(names: list[str] | None = None) -> list[SpanExporter]:
     """New instances of the exporters ``names`` (default: :func:`exporter_names`); raises if one cannot load."""
-    from opentelemetry.sdk._configuration import _import_exporters
-
     names = exporter_names() if names is None else names
     if not names:
-        return []
+        return []  # (without loading the SDK's configuration, whose import resets which warnings were shown)
+    from opentelemetry.sdk._configuration import _import_exporters
+
     exporters, _, _ = _import_exporters(names, [], [])
     return [exporter_class() for exporter_class in exporters.values()]
 
@@ -91,8 +91,11 @@ class Delivery:
         self._exporters: list[SpanExporter] | None = None  # from the environment, made when first needed
 
     def can_deliver(self) -> bool:
-        """Whether there is anywhere to send spans (a provider with processors, or exporters the environment names)."""
-        return span_processor(self._provider()) is not None or bool(self._environment())
+        """Whether there is anywhere to send spans (a provider with processors, or exporters the environment names);
+        nothing is loaded to say it."""
+        if span_processor(self._provider()) is not None:
+            return True
+        return bool(exporter_names()) if self._exporters is None else bool(self._exporters)
 
     def _environment(self) -> list[SpanExporter]:
         if self._exporters is None:

@@ -20,9 +20,10 @@ the deaths of its children are its to report (it knows how they died).
 The record's bytes::
 
     [0, 4096)        header: magic, times, the recovery point, the training step, the identity (JSON)
-    [4096, 69632)    32 operation slots of 2 KiB: ids, state, the async upload and staging, attributes (JSON)
-    [69632, 200704)  32 threads x 32 entries of 128 B: each thread's last 32 calls, a ring (open: no end yet)
-    [200704, 233472) stall stacks (JSON, with a CRC)
+    [4096, 135168)   64 operation slots of 2 KiB: ids, state, the async upload and staging, attributes (JSON),
+                     how it ended (once it did)
+    [135168, 266240) 32 threads x 32 entries of 128 B: each thread's last 32 calls, a ring (open: no end yet)
+    [266240, 299008) stall stacks (JSON, with a CRC)
 
 Usage::
 
@@ -41,7 +42,8 @@ from typing import Final, NamedTuple
 from dcp_otel import semconv
 
 MAGIC: Final = b"DCPOTEL1"
-VERSION: Final = 1
+#: The layout's version: a record of another is not read (its offsets are not these).
+VERSION: Final = 2
 
 # --- the header -------------------------------------------------------------------------
 HEADER_SIZE: Final = 4096
@@ -66,7 +68,7 @@ U16 = struct.Struct("<H")
 
 # --- operations ---------------------------------------------------------------------------
 OPS_OFFSET: Final = HEADER_SIZE
-OP_SLOTS: Final = 32
+OP_SLOTS: Final = 64
 OP_SIZE: Final = 2048
 #: serial (0: never used), state, upload span id, upload start, upload end, staging span id, staging start,
 #: staging end, the operation's end (once complete), JSON length

@@ -313,9 +313,11 @@ def read_record(path: str) -> Record:
             data = src.read()
     except OSError as exc:
         raise RecordError(f"{path}: no record ({exc.strerror})") from None
-    if len(data) < layout.RECORD_SIZE or data[:8] != layout.MAGIC:
-        raise RecordError(f"{path}: not a dcp-otel record (or one of another version)")
-    (_, _, created, heartbeat, recovery, step, exported, process_span, flags, _) = layout.HEADER.unpack_from(data, 0)
+    if len(data) != layout.RECORD_SIZE or data[:8] != layout.MAGIC:
+        raise RecordError(f"{path}: not a dcp-otel record")
+    (_, version, created, heartbeat, recovery, step, exported, process_span, flags, _) = layout.HEADER.unpack_from(data, 0)
+    if version != layout.VERSION:
+        raise RecordError(f"{path}: a record of another dcp-otel (layout {version}, this one reads {layout.VERSION})")
     identity = _json_at(data, layout.OFF_IDENTITY) or {}
     recovery_id = data[layout.OFF_RECOVERY_ID : layout.OFF_RECOVERY_ID + layout.RECOVERY_ID_SIZE].rstrip(b"\0")
     ops: dict[int, OpRecord] = {}

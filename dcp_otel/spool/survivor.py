@@ -54,7 +54,8 @@ from dcp_otel.spool.reader import Death, RecordError, read_record
 GRACE_S: Final = 2.0
 #: How often the spool is looked at.
 INTERVAL_S: Final = 1.0
-#: How long reported records are kept for ``dcp-otel report``, and at most how many.
+#: How long reported records are kept for ``dcp-otel report``, and at most how many (a dead process's record
+#: that no survivor reported goes after as long).
 KEEP_S: Final = 7 * 24 * 3600.0
 KEEP_MAX: Final = 256
 #: A process whose death nobody saw died at most this long after the last sign of life its record holds
@@ -232,6 +233,8 @@ class Survivor:
             death = self._death_if_ours(parsed, path, me, now_ns, parents)
             if death is not None and self._report(parsed, path, death):
                 done += 1
+            elif death is None and os.path.isdir(path) and time.time() - _mtime(path) > KEEP_S:
+                shutil.rmtree(path, ignore_errors=True)  # a dead process nobody reported in a week: the spool is bounded
         self._prune(reported)
         return done
 
@@ -307,8 +310,9 @@ class Survivor:
             self.reported += 1
             self._seen_dead.pop(parsed.base, None)
             return True
-        except RecordError:
-            shutil.rmtree(claimed, ignore_errors=True)
+        except RecordError:  # not one this dcp-otel reads (another version's): left as it was found
+            with contextlib.suppress(OSError):
+                os.rename(claimed, path)
             self._expected.pop(parsed.pid, None)
             return False
         except Exception as exc:  # noqa: BLE001
