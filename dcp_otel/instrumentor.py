@@ -247,7 +247,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
         def on_operation() -> None:  # (the tracker calls it as an operation starts: cheap once running)
             watchdog.ensure_running()
-            if survivor is not None:
+            if survivor is not None and not survivor.started:
                 survivor.start()
 
         recorder.watch = on_operation

@@ -43,7 +43,7 @@ from dcp_otel import semconv
 
 MAGIC: Final = b"DCPOTEL1"
 #: The layout's version: a record of another is not read (its offsets are not these).
-VERSION: Final = 2
+VERSION: Final = 4
 
 # --- the header -------------------------------------------------------------------------
 HEADER_SIZE: Final = 4096
@@ -70,19 +70,21 @@ U16 = struct.Struct("<H")
 OPS_OFFSET: Final = HEADER_SIZE
 OP_SLOTS: Final = 64
 OP_SIZE: Final = 2048
-#: serial (0: never used), state, upload span id, upload start, upload end, staging span id, staging start,
-#: staging end, the operation's end (once complete), JSON length
-OP_HEAD: Final = struct.Struct("<QQQqqQqqqI")
+#: serial (0: never used), state, the operation's end (once complete), upload span id, upload start, upload end,
+#: staging span id, staging start, staging end, JSON length
+OP_HEAD: Final = struct.Struct("<QQqQqqQqqI")
 #: An operation's state: open (its calls run), complete (ended, not yet built: its ends and outcome are here),
 #: done (built and kept: :mod:`~dcp_otel.spool.spans` has its spans).
 OP_STATE_OPEN, OP_STATE_DONE, OP_STATE_COMPLETE = 1, 2, 3
 OFF_OP_STATE: Final = 8
-OFF_OP_UPLOAD: Final = 16  # span id, start, end
-OFF_OP_STAGING: Final = 40
-OFF_OP_END: Final = 64
+#: Written as an operation completes, in one store: its state, and its end.
+COMPLETE: Final = struct.Struct("<Qq")
+OFF_OP_UPLOAD: Final = 24  # span id, start, end
+OFF_OP_STAGING: Final = 48
 OFF_OP_JSON: Final = OP_HEAD.size
-OFF_OP_FAILED: Final = OP_SIZE - 256  # u16 length, then how it failed (UTF-8): written as it completes
-OP_FAILED_MAX: Final = 254
+OFF_OP_FAILED: Final = OP_SIZE - 256  # how it failed (UTF-8, NUL padded): written as it completes
+OP_FAILED_MAX: Final = 256
+FAILED: Final = struct.Struct("<256s")
 OP_JSON_MAX: Final = OFF_OP_FAILED - OFF_OP_JSON
 UPLOAD: Final = struct.Struct("<Qqq")
 
@@ -96,10 +98,11 @@ RING_MASK: Final = RING - 1
 ENTRY_SHIFT: Final = 7  # 128-byte entries: the n-th call of a thread is at base + ((n & RING_MASK) << ENTRY_SHIFT)
 ENTRY_SIZE: Final = 1 << ENTRY_SHIFT
 THREAD_SIZE: Final = RING * ENTRY_SIZE
-#: span id, parent span id, start, end (0: open), the operation's serial, its slot, kind, name length, name
-ENTRY: Final = struct.Struct("<QQqqQhBB78s")
-OFF_ENTRY_END: Final = 24
-NAME_MAX: Final = 78
+#: span id, start, end (0: open), the operation's serial, kind, name (UTF-8, NUL padded: struct cuts a longer
+#: one; a collective's says whom it serves: "gather_object|all_reduce|write"). Its parent is the call it nests in
+#: on its thread (calls nest strictly within a thread), read back from the starts and ends.
+ENTRY: Final = struct.Struct("<QqqQB95s")
+OFF_ENTRY_END: Final = 16
 #: The kinds of call an entry holds (records.KIND_* as one byte).
 KIND_CODES: Final = {"operation": 1, "step": 2, "collective": 3}
 KINDS: Final = {code: kind for kind, code in KIND_CODES.items()}

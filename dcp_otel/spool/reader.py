@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -239,11 +240,11 @@ class Record:
             if failed and ended:
                 continue  # a complete operation's call that never said its end: not one to guess
             name = (semconv.SPAN_COLLECTIVE_PREFIX if entry.kind == "collective" else semconv.SPAN_PREFIX) + \
-                entry.name.split("\0")[0]  # fmt: skip
+                entry.name.split("|")[0]  # fmt: skip
             attributes = dict(step_attributes)
-            if entry.kind == "collective":  # "gather_object\0all_reduce\0write": the method, whom it serves
+            if entry.kind == "collective":  # "gather_object|all_reduce|write": the method, whom it serves
                 for key, value in zip((semconv.ATTR_COLLECTIVE_PATTERN, semconv.ATTR_COLLECTIVE_STEP),
-                                      entry.name.split("\0")[1:], strict=False):  # fmt: skip
+                                      entry.name.split("|")[1:], strict=False):  # fmt: skip
                     if value:
                         attributes[key] = value
             stack = stacks.get(entry.thread) if failed else None
@@ -264,8 +265,8 @@ class Record:
         innermost = open_entries[-1] if open_entries else None  # (the latest to start: nothing nests in it)
         waiting = step = None
         if innermost is not None and innermost.kind == "collective":
-            method, _, rest = innermost.name.partition("\0")
-            pattern = rest.split("\0")[0]  # the _DistWrapper method the collective serves, as a stack names it
+            method, _, rest = innermost.name.partition("|")
+            pattern = rest.split("|")[0]  # the _DistWrapper method the collective serves, as a stack names it
             waiting = f"waiting in {method}" + (f" (_DistWrapper.{pattern})" if pattern else "")
             below = [e for e in open_entries if e.span_id == innermost.parent_id]  # the step it serves, if one
             step = below[0].name if below and below[0].kind == "step" else None
@@ -323,27 +324,26 @@ def read_record(path: str) -> Record:
     ops: dict[int, OpRecord] = {}
     for slot in range(layout.OP_SLOTS):
         offset = layout.OPS_OFFSET + slot * layout.OP_SIZE
-        serial, state, *background, op_end, length = layout.OP_HEAD.unpack_from(data, offset)
+        serial, state, op_end, *background, length = layout.OP_HEAD.unpack_from(data, offset)
         if not serial or not length:
             continue
-        (failed_length,) = layout.U16.unpack_from(data, offset + layout.OFF_OP_FAILED)
-        start = offset + layout.OFF_OP_FAILED + 2
-        failed = data[start : start + min(failed_length, layout.OP_FAILED_MAX)].decode(errors="replace") or None
-        try:
-            doc = json.loads(data[offset + layout.OFF_OP_JSON : offset + layout.OFF_OP_JSON + length])
+        (failed_bytes,) = layout.FAILED.unpack_from(data, offset + layout.OFF_OP_FAILED)
+        failed = failed_bytes.rstrip(b"\0").decode(errors="replace") or None
+        try:  # a Python literal: literal_eval builds plain values, never runs code
+            doc = ast.literal_eval(data[offset + layout.OFF_OP_JSON : offset + layout.OFF_OP_JSON + length].decode())
             int(doc["trace"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue
         ops[serial] = OpRecord(serial, state, doc, tuple(background[:3]), tuple(background[3:]), op_end, failed)
     entries: list[Entry] = []
     for thread in range(layout.THREAD_SLOTS):
         base = layout.THREADS_OFFSET + thread * layout.THREAD_SIZE
         for index in range(layout.RING):
-            span_id, parent, start, end, serial, _, kind, size, name = layout.ENTRY.unpack_from(
-                data, base + (index << layout.ENTRY_SHIFT))  # fmt: skip
+            span_id, start, end, serial, kind, name = layout.ENTRY.unpack_from(data, base + (index << layout.ENTRY_SHIFT))
             if span_id and start > 0 and serial in ops and kind in layout.KINDS:
-                entries.append(Entry(span_id, parent, start, end, serial, layout.KINDS[kind],
-                                     name[:size].decode(errors="replace"), thread))  # fmt: skip
+                entries.append(Entry(span_id, 0, start, end, serial, layout.KINDS[kind],
+                                     name.rstrip(b"\0").decode(errors="replace"), thread))  # fmt: skip
+    _nest(entries, ops)
     stacks: dict[int, str] = {}
     size, crc = layout.STACK_HEAD.unpack_from(data, layout.STACKS_OFFSET)
     body = data[layout.STACKS_OFFSET + layout.STACK_HEAD.size :][:size]
@@ -360,6 +360,31 @@ def read_record(path: str) -> Record:
     return Record(path, identity if isinstance(identity, dict) else {}, created, heartbeat, recovery,
                   recovery_id.decode(errors="replace"), step if step >= 0 else None, exported, process_span,
                   bool(flags & layout.FLAG_EXITED), ops, entries, stacks, spans_text)  # fmt: skip
+
+
+def _nest(entries: list[Entry], ops: dict[int, OpRecord]) -> None:
+    """Each entry's parent: the call it started inside on its thread (calls nest strictly within a thread); a
+    thread's outermost call of an operation nests in what the operation does there: the operation's own span on
+    the thread that called it, its upload on the thread that ran the upload, the span it was continued from in a
+    checkpoint process."""
+    by_thread: dict[int, list[Entry]] = {}
+    for entry in entries:
+        by_thread.setdefault(entry.thread, []).append(entry)
+    for calls in by_thread.values():
+        calls.sort(key=lambda e: e.start_ns)
+        caller = {e.serial for e in calls if e.kind == "operation"}  # the operations called on this thread
+        for index, entry in enumerate(calls):
+            op = ops[entry.serial]
+            enclosing = next((e for e in reversed(calls[:index]) if e.serial == entry.serial
+                              and (not e.end_ns or e.end_ns >= entry.start_ns)), None)  # fmt: skip
+            if enclosing is not None:
+                entry.parent_id = enclosing.span_id
+            elif entry.kind == "operation" or op.doc.get("adopted"):
+                entry.parent_id = int(op.doc.get("parent", 0))
+            elif entry.serial in caller or not op.upload[0]:
+                entry.parent_id = int(op.doc.get("span", 0))
+            else:
+                entry.parent_id = op.upload[0]
 
 
 def _json_at(data: bytes, offset: int) -> Any:

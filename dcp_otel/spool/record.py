@@ -25,8 +25,9 @@ Usage::
     stack = ThreadStack(record.thread_base())   # once per thread (base -1: no slot left)
     record.ensure()                          # at an operation's start: the file exists from now on
     record.op_begin(op, start_ns, parent_span_id)   # the operation's ids and attributes
-    record.started(stack, call, parent_span_id, KIND_CODES["step"], "write_data")
-    record.ended(call, end_ns)
+    call.rec = stack.base + ((stack.calls & RING_MASK) << ENTRY_SHIFT); stack.calls += 1   # the tracker, inline:
+    ENTRY.pack_into(record.mm, call.rec, span_id, start_ns, 0, op.rec_serial, KIND_CODES["step"], b"write_data")
+    I64.pack_into(record.mm, call.rec + OFF_ENTRY_END, end_ns)
     record.op_done(op)
     record.close(clean=True)                 # at exit
 """
@@ -51,16 +52,13 @@ from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.spool import layout
 from dcp_otel.spool.layout import (
     ENTRY,
-    ENTRY_SHIFT,
     HEADER,
     I64,
-    NAME_MAX,
     OP_HEAD,
     OP_SIZE,
     OP_SLOTS,
     OPS_OFFSET,
     RECORD_SIZE,
-    RING_MASK,
     THREAD_SIZE,
     THREAD_SLOTS,
     THREADS_OFFSET,
@@ -70,11 +68,15 @@ from dcp_otel.spool.layout import (
 )
 
 if TYPE_CHECKING:
-    from dcp_otel.tracing.records import Call, Operation, ThreadStack
+    from dcp_otel.tracing.records import Operation
 
 logger = logging.getLogger("dcp_otel")
 _pack_entry = ENTRY.pack_into
 _pack_i64 = I64.pack_into
+_pack_failed = layout.FAILED.pack_into
+_pack_head = OP_HEAD.pack_into
+_pack_u64 = U64.pack_into
+_pack_complete = layout.COMPLETE.pack_into
 _END = layout.OFF_ENTRY_END
 
 
@@ -116,7 +118,6 @@ class ProcessRecord:
         self._threads: dict[int, int] = {}  # thread id -> its slot
         self._free_ops = list(range(OP_SLOTS - 1, -1, -1))
         self._serial = 0
-        self._open_ops = 0
         self._lock = threading.Lock()
 
     def _after_fork_in_child(self) -> None:
@@ -218,85 +219,51 @@ class ProcessRecord:
             self.mm[base : base + THREAD_SIZE] = bytes(THREAD_SIZE)  # nothing of a thread that had it before
             return base
 
-    def started(self, stack: ThreadStack, call: Call, parent_span_id: int, kind: int, name: str) -> None:
-        """``call`` (its operation recorded) starts on the thread of ``stack``: the next entry of its ring."""
-        base = stack.base
-        if base < 0:
-            return
-        op = call.op
-        encoded = name.encode()[:NAME_MAX]
-        offset = base + ((stack.calls & RING_MASK) << ENTRY_SHIFT)
-        stack.calls += 1
-        _pack_entry(self.mm, offset, call.span_id, parent_span_id, call.start_ns, 0, op.rec_serial, op.rec_slot,  # type: ignore[union-attr]
-                    kind, len(encoded), encoded)  # fmt: skip
-        call.rec = offset
-
-    def ended(self, call: Call, end_ns: int) -> None:
-        offset = call.rec
-        if offset >= 0:
-            _pack_i64(self.mm, offset + _END, end_ns)
-
     # --- operations ----------------------------------------------------------------------------
     def op_begin(self, op: Operation, start_ns: int, parent_span_id: int) -> None:
-        """``op`` starts (on the caller's thread, once per operation): its ids and attributes, as JSON."""
+        """``op`` starts (on the caller's thread, once per operation): its ids and attributes.
+
+        Written as a Python literal (read back with ``ast.literal_eval``, which builds plain values and runs no
+        code): ``repr`` runs no bytecode, json's encoder runs some of its own on the caller's thread.
+        """
+        if self._pid != os.getpid() and not self.ensure():
+            return
         try:
-            if not self.ensure():
-                return
             with self._lock:
-                if not self._free_ops:
-                    report("spool_operations_full", "dcp_otel records %d open operations at most: this one is "
-                           "not written ahead", OP_SLOTS)  # fmt: skip
-                    return
                 slot = self._free_ops.pop()
-                self._serial += 1
-                serial = self._serial
-                self._open_ops += 1
-            offset = OPS_OFFSET + slot * OP_SIZE
-            doc: dict[str, Any] = {"trace": op.trace_id, "span": op.span_id, "root": op.root_span_id,
-                                   "parent": parent_span_id, "name": op.name, "start": start_ns,
-                                   "flags": int(op.flags), "adopted": op.adopted, "attributes": op.attributes,
-                                   "step_attributes": op.step_attributes}  # fmt: skip
-            mm = self.mm
-            length = self._write_json_at(mm, offset, doc)
-            if length < 0:  # attributes too long for a slot (a very long checkpoint id): the ids at least
-                doc["attributes"] = doc["step_attributes"] = {}
-                length = self._write_json_at(mm, offset, doc)
+                self._serial = serial = self._serial + 1
+        except IndexError:
+            report("spool_operations_full", "dcp_otel records %d open operations at most: this one is not written "
+                   "ahead", OP_SLOTS)  # fmt: skip
+            return
+        try:
+            data = repr({"trace": op.trace_id, "span": op.span_id, "root": op.root_span_id, "parent": parent_span_id,
+                         "name": op.name, "start": start_ns, "flags": int(op.flags), "adopted": op.adopted,
+                         "attributes": op.attributes, "step_attributes": op.step_attributes}).encode()  # fmt: skip
+            if len(data) > layout.OP_JSON_MAX:  # attributes too long for a slot (a very long checkpoint id): the ids
+                data = repr({"trace": op.trace_id, "span": op.span_id, "root": op.root_span_id,
+                             "parent": parent_span_id, "name": op.name, "start": start_ns, "flags": int(op.flags),
+                             "adopted": op.adopted}).encode()  # fmt: skip
+            mm, offset = self.mm, OPS_OFFSET + slot * OP_SIZE
+            mm[offset + layout.OFF_OP_JSON : offset + layout.OFF_OP_JSON + len(data)] = data
             # The serial last: a reader takes a slot whose serial is set as whole.
-            OP_HEAD.pack_into(mm, offset, 0, layout.OP_STATE_OPEN, 0, 0, 0, 0, 0, 0, 0, max(0, length))
-            layout.U16.pack_into(mm, offset + layout.OFF_OP_FAILED, 0)
-            U64.pack_into(mm, offset, serial)
+            _pack_head(mm, offset, 0, layout.OP_STATE_OPEN, 0, 0, 0, 0, 0, 0, 0, len(data))
+            _pack_failed(mm, offset + layout.OFF_OP_FAILED, b"")
+            _pack_u64(mm, offset, serial)
             op.rec_serial, op.rec_slot = serial, slot
         except Exception as exc:  # noqa: BLE001 - the hot path: counted, never raised
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not write an operation ahead", exc_info=True)
 
-    @staticmethod
-    def _write_json_at(mm: bytearray | mmap.mmap, offset: int, doc: Mapping[str, Any]) -> int:
-        """Write ``doc`` into the operation slot at ``offset``; its length, or -1 when it does not fit."""
-        data = json.dumps(doc, separators=(",", ":"), default=str).encode()
-        if len(data) > layout.OP_JSON_MAX:
-            return -1
-        start = offset + layout.OFF_OP_JSON
-        mm[start : start + len(data)] = data
-        return len(data)
-
     def op_complete(self, op: Operation) -> None:
         """``op`` ended (handed to the builder, on the caller's thread): how it ended, until it is built."""
         slot = op.rec_slot
-        if slot < 0 or op.rec_serial == 0:
-            return
-        offset = OPS_OFFSET + slot * OP_SIZE
-        try:
-            if U64.unpack_from(self.mm, offset)[0] != op.rec_serial:
-                return
-            failed = (op.failed or "").encode()[: layout.OP_FAILED_MAX]
-            self.mm[offset + layout.OFF_OP_FAILED + 2 : offset + layout.OFF_OP_FAILED + 2 + len(failed)] = failed
-            layout.U16.pack_into(self.mm, offset + layout.OFF_OP_FAILED, len(failed))
-            _pack_i64(self.mm, offset + layout.OFF_OP_END, op.end_ns)
-            U64.pack_into(self.mm, offset + layout.OFF_OP_STATE, layout.OP_STATE_COMPLETE)
-        except Exception as exc:  # noqa: BLE001
-            reraise_if_signalled(exc)
-            report("spool_error", "dcp_otel could not mark an operation complete in its record", exc_info=True)
+        if slot >= 0:
+            offset = OPS_OFFSET + slot * OP_SIZE
+            failed = op.failed
+            if failed is not None:  # (a failure is rare: a save that succeeds writes its end and state only)
+                _pack_failed(self.mm, offset + layout.OFF_OP_FAILED, failed.encode())
+            _pack_complete(self.mm, offset + layout.OFF_OP_STATE, layout.OP_STATE_COMPLETE, op.end_ns)
 
     def op_done(self, op: Operation) -> None:
         """``op`` is built (its spans kept until exported), or dropped: its slot is free again."""
@@ -310,7 +277,6 @@ class ProcessRecord:
                 U64.pack_into(self.mm, offset + layout.OFF_OP_STATE, layout.OP_STATE_DONE)
             with self._lock:
                 self._free_ops.append(slot)
-                self._open_ops -= 1
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not mark an operation done in its record", exc_info=True)
@@ -322,10 +288,6 @@ class ProcessRecord:
             return
         offset = OPS_OFFSET + slot * OP_SIZE + (layout.OFF_OP_STAGING if staging else layout.OFF_OP_UPLOAD)
         UPLOAD.pack_into(self.mm, offset, span_id, start_ns, end_ns)
-
-    @property
-    def open_operations(self) -> int:
-        return self._open_ops
 
     # --- what the watchdog and the builder add ------------------------------------------------
     def heartbeat(self, now_ns: int, step: int | None) -> None:

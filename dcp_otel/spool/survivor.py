@@ -101,6 +101,7 @@ class Survivor:
         self._idle = threading.Condition()
         self._busy = False
         self._scans = 0  # looks at the spool completed
+        self.started = False  # its thread was started (read on every operation's start: one attribute)
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._expected: dict[int, tuple[int | None, int]] = {}  # pid -> (status, when it was seen)
@@ -120,6 +121,7 @@ class Survivor:
             self._announce(True)
             self._thread = threading.Thread(target=self._run, name="dcp-otel-survivor", daemon=True)
             self._thread.start()
+            self.started = True
 
     def _announce(self, here: bool) -> None:
         """Say (or stop saying) in the spool that this survivor runs: its children's deaths are its to report."""

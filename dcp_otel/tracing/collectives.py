@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING
 from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
-from dcp_otel.spool.layout import KIND_CODES
+from dcp_otel.spool.layout import ENTRY, ENTRY_SHIFT, I64, KIND_CODES, OFF_ENTRY_END, RING_MASK
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.records import KIND_COLLECTIVE, Call, failure_of
 
 _COLLECTIVE_CODE = KIND_CODES[KIND_COLLECTIVE]
+_pack_entry = ENTRY.pack_into
+_pack_end = I64.pack_into
 
 _getrandbits = random.getrandbits
 
@@ -52,16 +54,17 @@ class CollectiveCalls:
         Returns what :meth:`end_collective_scope` restores.
         """
         local = self._local
-        previous = getattr(local, "collective", None)
+        previous = getattr(local, "collective", None), getattr(local, "collective_tag", "")
         # The attributes its collectives share (never mutated: a call that learns more replaces its dict).
         extra = {semconv.ATTR_COLLECTIVE_PATTERN: pattern}
         if type(step) is str and step:
             extra[semconv.ATTR_COLLECTIVE_STEP] = step
         local.collective = extra
+        local.collective_tag = f"|{pattern}|{step if type(step) is str else ''}"  # whom they serve, in the record
         return previous
 
     def end_collective_scope(self, previous: object) -> None:
-        self._local.collective = previous
+        self._local.collective, self._local.collective_tag = previous  # type: ignore[misc]
 
     def collective_started(self, method: str) -> Call | None:
         """One of DCP's object collectives begins on this thread, inside an operation (else ``None``).
@@ -90,12 +93,12 @@ class CollectiveCalls:
                 call.extra = extra
             stack.append(call)
             self._open[call.uuid] = call
-            record = self.record
-            if record is not None and op.rec_serial:  # the name says whom it serves: "gather_object\0all_reduce\0write"
-                scope = extra or {}
-                record.started(stack, call, parent.span_id, _COLLECTIVE_CODE,  # type: ignore[arg-type]
-                               f"{method}\0{scope.get(semconv.ATTR_COLLECTIVE_PATTERN, '')}\0"
-                               f"{scope.get(semconv.ATTR_COLLECTIVE_STEP, '')}")  # fmt: skip
+            base = stack.base  # type: ignore[attr-defined]
+            if base >= 0:  # the name says whom it serves: "gather_object|all_reduce|write"
+                call.rec = rec = base + ((stack.calls & RING_MASK) << ENTRY_SHIFT)  # type: ignore[attr-defined]
+                stack.calls += 1  # type: ignore[attr-defined]
+                _pack_entry(self.record.mm, rec, span_id, call.start_ns, 0, op.rec_serial, _COLLECTIVE_CODE,  # type: ignore[union-attr]
+                            (method + getattr(local, "collective_tag", "")).encode())  # fmt: skip
             return call
         except Exception as exc:  # noqa: BLE001 - telemetry never raises into training
             reraise_if_signalled(exc)
@@ -120,8 +123,8 @@ class CollectiveCalls:
             # The recorder's _close for a call that owns no part of its operation, has no token, and whose
             # time stays its parent's waiting: keep the two in step.
             call.end_ns = time.time_ns()
-            if call.rec >= 0 and self.record is not None:
-                self.record.ended(call, call.end_ns)
+            if call.rec >= 0:
+                _pack_end(self.record.mm, call.rec + OFF_ENTRY_END, call.end_ns)  # type: ignore[union-attr]
             self._open.pop(call.uuid, None)
             if op is None:
                 return

@@ -205,13 +205,6 @@ class ThreadStack(list):  # type: ignore[type-arg]
         self.calls = 0  # calls written into the record: the next one goes to its ring's entry calls % RING
 
 
-def span_id_of(parent: object) -> int:
-    """The span id of the span current when a call starts (0: none)."""
-    if isinstance(parent, trace.Span):
-        return parent.get_span_context().span_id
-    return 0
-
-
 class Staged(NamedTuple):
     """What a stager was given to copy: bytes, from which devices, into which kind of host memory."""
 

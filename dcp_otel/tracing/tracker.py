@@ -39,7 +39,7 @@ from dcp_otel.config import InstrumentOptions
 from dcp_otel.events import MAX_FUNC_NAME, DCPEvent
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import MetricsSink
-from dcp_otel.spool.layout import ENTRY, ENTRY_SHIFT, I64, KIND_CODES, NAME_MAX, OFF_ENTRY_END, RING_MASK
+from dcp_otel.spool.layout import ENTRY, ENTRY_SHIFT, I64, KIND_CODES, OFF_ENTRY_END, RING_MASK
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.builder import SpanBuilder
 from dcp_otel.tracing.collectives import CollectiveCalls
@@ -65,7 +65,6 @@ from dcp_otel.tracing.records import (
     ThreadStack,
     failure_of,
     new_span_id,
-    span_id_of,
 )
 from dcp_otel.tracing.trace_ids import SequenceTables
 from dcp_otel.tracing.uploads import InFlight
@@ -293,12 +292,10 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
             stack.append(call)
             open_calls[uuid] = call
             base = stack.base
-            if base >= 0 and op.rec_serial:  # written ahead: what a survivor says should the process die now
-                name = func_name.encode()[:NAME_MAX]
+            if base >= 0:  # written ahead: what a survivor says should the process die now (serial 0: not recorded)
                 call.rec = rec = base + ((stack.calls & RING_MASK) << ENTRY_SHIFT)
                 stack.calls += 1
-                _pack_entry(self.record.mm, rec, span_id, stack[-2].span_id if len(stack) > 1 else span_id_of(call.parent),  # type: ignore[union-attr]
-                            time_ns, 0, op.rec_serial, op.rec_slot, _STEP_CODE, len(name), name)  # fmt: skip
+                _pack_entry(self.record.mm, rec, span_id, time_ns, 0, op.rec_serial, _STEP_CODE, func_name.encode())  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - telemetry never raises into training
             reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
@@ -335,10 +332,12 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
             op.add_part()
         stack.append(call)
         self._open[uuid] = call
-        record = self.record
-        if record is not None and op.rec_serial:
-            record.started(stack, call, span_id_of(call.parent), _OPERATION_CODE if begins else _STEP_CODE,  # type: ignore[arg-type]
-                           func_name)  # fmt: skip
+        base = stack.base  # type: ignore[attr-defined]
+        if base >= 0:  # written ahead (as on_record does for a plain step: keep the two in step)
+            call.rec = rec = base + ((stack.calls & RING_MASK) << ENTRY_SHIFT)  # type: ignore[attr-defined]
+            stack.calls += 1  # type: ignore[attr-defined]
+            _pack_entry(self.record.mm, rec, span_id, time_ns, 0, op.rec_serial, _OPERATION_CODE if begins else _STEP_CODE,  # type: ignore[union-attr]
+                        func_name.encode())  # fmt: skip
         return call
 
     def _start(self, event: DCPEvent, ctx: context_api.Context | None = None) -> None:
@@ -411,8 +410,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         if not call.span_id:  # a per-key call: summarized by on_key_event, no span
             return
         call.end_ns = end_ns
-        if call.rec >= 0 and self.record is not None:
-            self.record.ended(call, end_ns)
+        if call.rec >= 0:
+            _pack_end(self.record.mm, call.rec + OFF_ENTRY_END, end_ns)  # type: ignore[union-attr]
         if call.token is not None:
             _detach(call.token)  # type: ignore[arg-type]
             call.token = None
