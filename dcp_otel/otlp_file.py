@@ -41,7 +41,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
-from dcp_otel.spool.reader import read_spool, record_directories
+from dcp_otel.spool.offline import read_spool, record_directories
 
 _ID_FIELDS: Final = ("traceId", "spanId", "parentSpanId")
 STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR

@@ -43,6 +43,7 @@ from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.live.stacks import ThreadStack, thread_stack
 from dcp_otel.live.status import board
 from dcp_otel.metrics.prometheus import MetricsSink
+from dcp_otel.redact import redact_text
 from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
@@ -80,7 +81,7 @@ class StallReporter:
             stack = thread_stack(p.thread_id) if p.thread_id is not None else None
             record = self._recorder.record
             if stack is not None and record is not None:  # a survivor ends this call with it, should the process die
-                self._stacks[p.call.span_id] = stack.text
+                self._stacks[p.call.span_id] = redact_text(stack.text)
                 while len(self._stacks) > _KEPT_STACKS:
                     self._stacks.pop(next(iter(self._stacks)))
                 record.stacks(self._stacks)

@@ -14,6 +14,7 @@ what its ending would have said is kept *before*:
 * :mod:`~dcp_otel.spool.encoding`: a finished span as compact JSON, and back;
 * :mod:`~dcp_otel.spool.reader`: a record read back, as the spans the process
   would have sent, with its own trace and span ids;
+* :mod:`~dcp_otel.spool.offline`: a whole spool read as span files are (``dcp-otel report``);
 * :mod:`~dcp_otel.spool.survivor`: a process that outlives another (the agent,
   a peer rank, the next generation, the parent of spawned ranks) claims its
   record, sends its spans, and marks it reported;

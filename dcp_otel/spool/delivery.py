@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Final
 
-from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -89,6 +88,8 @@ class Delivery:
         self._provider = provider
         self._timeout_s = timeout_s or 10.0
         self._exporters: list[SpanExporter] | None = None  # from the environment, made when first needed
+        self._flush: BoundedFlush | None = None  # the last flush: while it is stuck, nothing more is handed over
+        self._exporting: threading.Thread | None = None  # the same, for exporters of the environment
 
     def can_deliver(self) -> bool:
         """Whether there is anywhere to send spans (a provider with processors, or exporters the environment names);
@@ -117,23 +118,29 @@ class Delivery:
             provider = self._provider()
             processor = span_processor(provider)
             if processor is not None:
+                if self._flush is not None and self._flush.running():
+                    return False  # the exporter is stuck on the last ones: not these on top of them
                 for span in spans:
                     processor.on_end(span)
-                return BoundedFlush(provider, "span", deadline).wait() is True
+                self._flush = BoundedFlush(provider, "span", deadline)
+                return self._flush.wait() is True
             exporters = self._environment()
-            if not exporters:
-                return False
-            return all(_export_bounded(exporter, spans, deadline) for exporter in exporters)
+            if not exporters or (self._exporting is not None and self._exporting.is_alive()):
+                return False  # (an export still stuck on the last ones: not these on top of them)
+            outcome: list[bool] = []
+            self._exporting = threading.Thread(target=_export_all, args=(exporters, spans, outcome),
+                                               name="dcp-otel-survivor-export", daemon=True)  # fmt: skip
+            self._exporting.start()
+            self._exporting.join(max(0.0, deadline - time.monotonic()))
+            return outcome == [True] * len(exporters)
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             report("survivor_error", "dcp_otel could not send a dead process's spans", exc_info=True)
             return False
 
 
-def _export_bounded(exporter: SpanExporter, spans: Sequence[ReadableSpan], deadline: float) -> bool:
-    outcome: list[bool] = []
-
-    def run() -> None:
+def _export_all(exporters: list[SpanExporter], spans: Sequence[ReadableSpan], outcome: list[bool]) -> None:
+    for exporter in exporters:
         try:
             outcome.append(exporter.export(spans) == SpanExportResult.SUCCESS)
         except Exception as exc:  # noqa: BLE001
@@ -141,11 +148,3 @@ def _export_bounded(exporter: SpanExporter, spans: Sequence[ReadableSpan], deadl
             report("survivor_error", "a span exporter failed to send a dead process's spans", exc_info=True)
             outcome.append(False)
 
-    thread = threading.Thread(target=run, name="dcp-otel-survivor-export", daemon=True)
-    thread.start()
-    thread.join(max(0.0, deadline - time.monotonic()))
-    return bool(outcome and outcome[0])
-
-
-def global_provider() -> object:
-    return trace.get_tracer_provider()

@@ -103,7 +103,6 @@ class ProcessRecord:
     def __init__(self, spool_dir: str, identity: Callable[[], Mapping[str, Any]]) -> None:
         self.spool_dir = spool_dir
         self._identity = identity
-        self._lock = threading.Lock()  # slot allocation: per thread and per operation, never per step
         self.process_span_id = int.from_bytes(os.urandom(8), "little") or 1
         self.created_ns = time.time_ns()
         self._reset()
@@ -118,7 +117,7 @@ class ProcessRecord:
         self._threads: dict[int, int] = {}  # thread id -> its slot
         self._free_ops = list(range(OP_SLOTS - 1, -1, -1))
         self._serial = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # slot allocation: per thread and per operation, never per step
 
     def _after_fork_in_child(self) -> None:
         """A forked child writes nothing into its parent's file: a buffer again, its own file at its first operation."""
@@ -296,10 +295,6 @@ class ProcessRecord:
             _pack_i64(self.mm, layout.OFF_HEARTBEAT, now_ns)
             _pack_i64(self.mm, layout.OFF_STEP, -1 if step is None else step)
 
-    def step(self, step: int | None) -> None:
-        if self.directory is not None:
-            _pack_i64(self.mm, layout.OFF_STEP, -1 if step is None else step)
-
     def recovery(self, end_ns: int, checkpoint_id: str) -> None:
         """The last durable save (the builder, once it succeeded): the id first, its time last."""
         if self.directory is None:
@@ -310,13 +305,17 @@ class ProcessRecord:
         _pack_i64(self.mm, layout.OFF_RECOVERY, end_ns)
 
     def stacks(self, by_span: Mapping[int, str]) -> None:
-        """The Python stacks the watchdog read for open calls (span id -> text), as the last stall report saw them."""
+        """The Python stacks the watchdog read for open calls (span id -> text, credentials already redacted), as
+        the last stall report saw them; each cut to its innermost frames until all fit."""
         if self.directory is None:
             return
-        data = json.dumps({str(k): v[-8000:] for k, v in by_span.items()}, separators=(",", ":")).encode()
         limit = layout.STACKS_SIZE - layout.STACK_HEAD.size
-        if len(data) > limit:
-            data = json.dumps({str(k): v[-1500:] for k, v in list(by_span.items())[:12]}).encode()[:limit]
+        for keep in (8000, 2000, 500):
+            data = json.dumps({str(k): v[-keep:] for k, v in by_span.items()}, separators=(",", ":")).encode()
+            if len(data) <= limit:
+                break
+        else:
+            return
         start = layout.STACKS_OFFSET + layout.STACK_HEAD.size
         layout.STACK_HEAD.pack_into(self.mm, layout.STACKS_OFFSET, 0, 0)
         self.mm[start : start + len(data)] = data

@@ -59,10 +59,12 @@ INTERVAL_S: Final = 1.0
 KEEP_S: Final = 7 * 24 * 3600.0
 KEEP_MAX: Final = 256
 #: A process whose death nobody saw died at most this long after the last sign of life its record holds
-#: (the watchdog's heartbeat, every second while an operation is open).
+#: (the watchdog's heartbeat, every second).
 _HEARTBEAT_NS: Final = 1_000_000_000
 #: How long an exit status handed over is kept for a record not seen yet.
 _EXPECTED_S: Final = 60.0
+#: How long a record whose spans could not be sent waits before this survivor tries again.
+RETRY_S: Final = 30.0
 
 
 def exit_status_of_child(pid: int) -> int | None:
@@ -106,6 +108,7 @@ class Survivor:
         self._stopped = False
         self._expected: dict[int, tuple[int | None, int]] = {}  # pid -> (status, when it was seen)
         self._seen_dead: dict[str, float] = {}  # record name -> when this survivor first saw its process gone
+        self._retry_at: dict[str, float] = {}  # record name -> when to try again a send that failed
         self.reported = 0
 
     def _after_fork_in_child(self) -> None:
@@ -180,7 +183,8 @@ class Survivor:
         """Whether a process this survivor was told of has a record it has yet to try to report."""
         if not self._expected or not self._can_deliver():
             return False
-        names = {parsed.pid for parsed in map(layout.parse_name, self._names()) if parsed and not parsed.state}
+        names = {parsed.pid for parsed in map(layout.parse_name, self._names())
+                 if parsed and not parsed.state and parsed.base not in self._retry_at}  # fmt: skip
         return any(pid in names for pid in self._expected)
 
     def _run(self) -> None:
@@ -283,8 +287,8 @@ class Survivor:
         return Death.of_status(None, min(now_ns, record.last_seen_ns + _HEARTBEAT_NS))
 
     def _report(self, parsed: layout.RecordName, path: str, death: Death) -> bool:
-        if not self._can_deliver():
-            return False  # another survivor may; the spool keeps it for the report meanwhile
+        if not self._can_deliver() or time.monotonic() < self._retry_at.get(parsed.base, 0.0):
+            return False  # another survivor may (or this one, later); the spool keeps it for the report meanwhile
         start = layout.start_ticks(os.getpid()) or 0
         claimed = os.path.join(self.spool_dir, f"{parsed.base}.{layout.CLAIMED}.{os.getpid()}.{start}")
         try:
@@ -303,7 +307,8 @@ class Survivor:
                 json.dump({"cause": death.cause, "exit_code": death.exit_code, "end_ns": death.end_ns,
                            "reported_by": os.getpid(), "sent": sent, "spans": len(spans)}, out)  # fmt: skip
             if not sent:
-                os.rename(claimed, path)  # again at its next look (or by another survivor)
+                os.rename(claimed, path)  # again later (or by another survivor)
+                self._retry_at[parsed.base] = time.monotonic() + RETRY_S
                 report("survivor_not_sent", "dcp_otel could not send the spans of process %d, which died; its "
                        "record stays in %s for another try and for dcp-otel report", parsed.pid, self.spool_dir)  # fmt: skip
                 return False
