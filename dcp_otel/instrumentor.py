@@ -250,12 +250,47 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             if survivor is not None and not survivor.started:
                 survivor.start()
 
+        serve_later = self._endpoint_at_first_operation(options, relay)
+        if serve_later is not None:
+            first = on_operation
+
+            def on_operation() -> None:  # a rank that torch.multiprocessing.spawn started: its endpoint, once
+                nonlocal serve_later
+                if serve_later is not None:
+                    serve, serve_later = serve_later, None
+                    serve()
+                first()
+
         recorder.watch = on_operation
         self._exit_flush = ExitFlush(recorder, timeout, otel,
                                      end_open=lambda: ending.end_open_calls(semconv.INTERRUPTED_AT_EXIT),
                                      end_life=lambda deadline: ending.end_life(semconv.INTERRUPTED_AT_EXIT, deadline),
                                      survivor=survivor, spool=spool)  # fmt: skip
         atexit.register(self._exit_flush)
+
+    def _endpoint_at_first_operation(self, options: InstrumentOptions,
+                                     relay: MetricsRelay | None) -> Callable[[], None] | None:  # fmt: skip
+        """A process ``multiprocessing`` started (a DataLoader worker, torch's checkpoint helpers, or a rank of
+        ``torch.multiprocessing.spawn``) inherits its parent's ``DCP_OTEL_METRICS_PORT``: only a rank serves it,
+        and it is a rank once it makes a DCP call of its own. What serves it then (``None``: nothing to serve)."""
+        from dcp_otel.config import env_int
+        from dcp_otel.metrics.exposition import start_metrics_server
+        from dcp_otel.spool.process import is_multiprocessing_child
+
+        if relay is not None or options.metrics_port is not None or not is_multiprocessing_child():
+            return None
+        port = env_int(semconv.ENV_METRICS_PORT, 0, 65535)
+        if port is None:
+            return None
+
+        def serve() -> None:
+            try:
+                self._endpoint = start_metrics_server(port, registry=options.registry, run_id=options.run_id)
+            except Exception as exc:  # noqa: BLE001 - inside the rank's first DCP call: never raised there
+                reraise_if_signalled(exc)
+                report("setup_error", "dcp_otel could not serve this rank's metrics on port %d", port, exc_info=True)
+
+        return serve
 
     def _uninstrument(self, **kwargs: Any) -> None:
         self._pending = None  # an attachment still waiting for torch's import never happens

@@ -332,6 +332,22 @@ print(before, dcp_otel.DCPInstrumentor().recorder is not None)
     assert out.stdout.split() == ["(False,", "True)", "True"], out.stdout  # no torch until the script's; then attached
 
 
+def test_ranks_started_by_torch_multiprocessing_spawn_serve_their_metrics_and_a_spawned_helper_does_not(
+    tmp_path: Path,
+) -> None:
+    """Ranks are ranks however they were started: a process ``multiprocessing`` spawned serves
+    ``DCP_OTEL_METRICS_PORT`` once it makes a DCP call of its own (a DataLoader worker never does)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), semconv.ENV_METRICS_PORT: "0",
+           semconv.ENV_METRICS_ADDR: "127.0.0.1"}  # fmt: skip
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "workers" / "spawned_ranks.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["before"] is None and r["after"].startswith("http://127.0.0.1:") for r in ranks), ranks
+    assert ranks[0]["after"] != ranks[1]["after"]  # each its own
+    assert json.loads((tmp_path / "helper.json").read_text()) == {"before": None, "after": None}
+
+
 def test_opentelemetry_instrument_torchrun_needs_no_code_in_workers_or_their_checkpoint_daemons(
     tmp_path: Path,
 ) -> None:
