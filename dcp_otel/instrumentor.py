@@ -319,8 +319,9 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         if self._spool is not None:
             recorder = self._recorder
             timeout = float(recorder.options.flush_timeout_s) if recorder is not None else 0.0
+            # (The recorder keeps its record: a call still open, an upload, ends into it, or into the buffer that
+            # stands in for a record removed.)
             self._spool.close(clean=(recorder is None or not recorder.open_calls()) and self._spool.settled(timeout))
-            self._spool.detach()
         if self._endpoint is not None:
             self._endpoint.close()
         if self._metrics is not None:

@@ -105,11 +105,6 @@ class ProcessSpool:
         """Whether every span kept so far is confirmed sent (flushing once more to find out, within ``timeout_s``)."""
         return not self.keep.unconfirmed or self.keep.confirm(timeout_s)
 
-    def detach(self) -> None:
-        recorder = self._recorder
-        recorder.record = recorder.builder.record = None
-        recorder.builder.keep = None
-
 
 class AgentWatch:
     """A launcher's part: the survivor of its workers, told how each ended (:mod:`dcp_otel.attach.worker_exits`).
