@@ -101,17 +101,24 @@ def _tell(instance: Any, pids: dict[int, int], told: list[Expects] = _told) -> N
 
 def watch_worker_exits(survivor: Expects) -> Callable[[], None]:
     """Tell ``survivor`` how the workers of every ``PContext`` closed in this process ended; returns the undo."""
-    api = importlib.import_module(ELASTIC_MODULE)
-    if not _told:
-        wrapt.wrap_function_wrapper(api, "PContext.close", _close)
-    if survivor not in _told:
-        _told.append(survivor)
+    return _watch(ELASTIC_MODULE, "PContext", "close", _close, _told, survivor)
+
+
+def _watch(module_name: str, owner: str, method: str, wrapper: Callable[..., Any], told: list[Expects],
+           survivor: Expects) -> Callable[[], None]:  # fmt: skip
+    """Wrap ``owner.method`` of ``module_name`` once per process (while anyone is told), tell ``survivor`` too."""
+    module = importlib.import_module(module_name)  # (torch.multiprocessing's `spawn` is also a function's name)
+    if not told:
+        wrapt.wrap_function_wrapper(module, f"{owner}.{method}", wrapper)
+    if survivor not in told:
+        told.append(survivor)
 
     def undo() -> None:
-        if survivor in _told:
-            _told.remove(survivor)
-            if not _told and isinstance(vars(api.PContext).get("close"), wrapt.FunctionWrapper):
-                unwrap(api.PContext, "close")
+        if survivor in told:
+            told.remove(survivor)
+            cls = getattr(module, owner)
+            if not told and isinstance(vars(cls).get(method), wrapt.FunctionWrapper):
+                unwrap(cls, method)
 
     return undo
 
@@ -138,16 +145,4 @@ class _Spawned:
 
 def watch_spawned_ranks(survivor: Expects) -> Callable[[], None]:
     """Tell ``survivor`` how the ranks ``torch.multiprocessing.spawn`` started in this process ended; the undo."""
-    spawn = importlib.import_module(SPAWN_MODULE)  # (the package's `spawn` is the function of that name)
-    if not _told_spawn:
-        wrapt.wrap_function_wrapper(spawn, "ProcessContext.join", _join)
-    if survivor not in _told_spawn:
-        _told_spawn.append(survivor)
-
-    def undo() -> None:
-        if survivor in _told_spawn:
-            _told_spawn.remove(survivor)
-            if not _told_spawn and isinstance(vars(spawn.ProcessContext).get("join"), wrapt.FunctionWrapper):
-                unwrap(spawn.ProcessContext, "join")
-
-    return undo
+    return _watch(SPAWN_MODULE, "ProcessContext", "join", _join, _told_spawn, survivor)

@@ -52,6 +52,20 @@ def job_key() -> str | None:
     return identity.run_id if identity.source not in ("fallback", "random") else None
 
 
+def usable_spool_dir(lost: str) -> str | None:
+    """``DCP_OTEL_SPOOL_DIR`` (or the default), made if missing; ``None`` where it is off, or unusable (said once,
+    with ``lost``: what goes missing without it)."""
+    spool_dir = spool_dir_from_env()
+    if spool_dir is None:
+        return None
+    try:
+        return open_spool_dir(spool_dir)
+    except OSError as exc:
+        report("spool_error", "dcp_otel cannot keep records in %s: %s; %s (set DCP_OTEL_SPOOL_DIR to a directory of "
+               "your own)", spool_dir, exc, lost)  # fmt: skip
+        return None
+
+
 def is_multiprocessing_child() -> bool:
     """Started by ``multiprocessing`` (``spawn``/``forkserver``): a DataLoader worker, a checkpoint helper, or a rank
     of ``torch.multiprocessing.spawn``; it is a survivor only once it makes a DCP call of its own."""
@@ -76,16 +90,8 @@ class ProcessSpool:
     @classmethod
     def open(cls, recorder: SpanRecorder, flush_timeout_s: float, where: str | None) -> ProcessSpool | None:
         """The spool of ``DCP_OTEL_SPOOL_DIR`` (or the default); ``None``, said once, where it is off or unusable."""
-        spool_dir = spool_dir_from_env()
-        if spool_dir is None:
-            return None
-        try:
-            open_spool_dir(spool_dir)
-        except OSError as exc:
-            report("spool_error", "dcp_otel keeps no record of this process in %s: %s; a death of this process is "
-                   "reported by nobody (set DCP_OTEL_SPOOL_DIR to a directory of your own)", spool_dir, exc)  # fmt: skip
-            return None
-        return cls(spool_dir, recorder, flush_timeout_s, where)
+        spool_dir = usable_spool_dir("a death of this process is reported by nobody")
+        return cls(spool_dir, recorder, flush_timeout_s, where) if spool_dir is not None else None
 
     def _identity(self) -> dict[str, Any]:
         provider = self._recorder.provider()
@@ -172,13 +178,8 @@ def watch_when_imported(module: str, watch: Callable[[Survivor], Callable[[], No
 def agent_survivor(flush_timeout_s: float = 10.0) -> Survivor | None:
     """A survivor with no recorder of its own (``dcp-otel-run``): it sends through the global tracer provider
     where one is configured, else to what ``OTEL_*`` names; ``None`` where the spool is off or unusable."""
-    spool_dir = spool_dir_from_env()
+    spool_dir = usable_spool_dir("no dead worker is reported")
     if spool_dir is None:
-        return None
-    try:
-        open_spool_dir(spool_dir)
-    except OSError as exc:
-        report("spool_error", "dcp-otel-run reports no dead worker from %s: %s", spool_dir, exc)
         return None
     provider: Callable[[], object] = trace.get_tracer_provider
     return Survivor(spool_dir, Delivery(provider, flush_timeout_s), job_key())
