@@ -267,7 +267,7 @@ def test_a_one_shot_timeout_handlers_exception_is_never_swallowed_by_dcp_otel(tm
     assert plain.returncode == 0 and "alarm loop done" in plain.stdout, plain
     counts = json.loads((tmp_path / "instrumented" / "alarm" / "0" / "alarms.json").read_text())
     assert counts["fired"] > 20, counts  # (the alarms did land: about 100 of 240 on this machine)
-    assert counts["dcp_otel_problems"] == {}, counts  # nothing caught and counted as dcp-otel's own error
+    assert not {"recorder_error", "metrics_error"} & set(counts["dcp_otel_problems"]), counts  # none taken for ours
     assert "dcp_otel" not in instrumented.stderr, instrumented.stderr[-2000:]
 
 

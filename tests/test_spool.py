@@ -220,3 +220,33 @@ def test_a_save_that_ended_but_was_not_built_yet_is_sent_with_its_own_ends_and_o
         assert spans["dcp.save"].end_time == op.end_ns  # its own end, not the death's
     finally:
         release.set()
+
+
+def test_operations_left_open_for_good_give_way_to_new_ones_oldest_first(tmp_path: Path) -> None:
+    """A signal handler's exception out of torch's own start leaves an operation open for good; after as many as
+    the record holds, the oldest gives way (counted), and its late end writes nothing into its successor's slot."""
+    from types import SimpleNamespace
+
+    from opentelemetry.trace import TraceFlags
+
+    from dcp_otel import _selftelemetry
+    from dcp_otel.spool.record import ProcessRecord
+
+    _selftelemetry.reset()
+    record = ProcessRecord(str(tmp_path / "spool"), lambda: {})
+
+    def op(n: int) -> SimpleNamespace:
+        return SimpleNamespace(trace_id=n, span_id=n, root_span_id=0, name="save", flags=TraceFlags(1), adopted=False,
+                               attributes={}, step_attributes={}, rec_serial=0, rec_slot=-1, failed=None, end_ns=n)  # fmt: skip
+
+    leaked = [op(n) for n in range(1, layout.OP_SLOTS + 1)]
+    for o in leaked:
+        record.op_begin(o, 1, 0)  # type: ignore[arg-type]
+    newest = op(1000)
+    record.op_begin(newest, 1, 0)  # type: ignore[arg-type]
+    assert _selftelemetry.counts().get("spool_operation_evicted") == 1
+    assert leaked[0].rec_slot == -1 and newest.rec_slot >= 0  # the oldest gave way
+    record.op_complete(leaked[0])  # type: ignore[arg-type]  # its end, late: nowhere
+    ops = read_record(str(record.directory)).ops
+    assert ops[newest.rec_serial].doc["trace"] == 1000 and ops[newest.rec_serial].state == layout.OP_STATE_OPEN
+    assert leaked[0].rec_serial not in ops

@@ -24,9 +24,11 @@ import _signal  # the C module signal wraps: its getsignal gives SIG_DFL as a pl
 import functools
 import signal
 import threading
+from collections.abc import Callable
 from types import CodeType, FrameType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
+T = TypeVar("T")
 _SIGNALS: Final = tuple(sorted(signal.valid_signals()))  # 200 us to build: once
 _VALID: Final = frozenset(_SIGNALS)
 
@@ -125,3 +127,30 @@ def _code_of(handler: Any, depth: int = 0) -> CodeType | None:
     if isinstance(handler, type) or not callable(handler):
         return None
     return _code_of(type(handler).__call__, depth + 1)  # an object with a __call__ of its own
+
+
+def away_from_signals(fn: Callable[[], T]) -> T:
+    """``fn()``, run where no signal handler runs when called on the main thread (a helper thread, waited for).
+
+    Structure before inspection: dcp-otel calls libraries that have broad ``except`` clauses of their own (the
+    OpenTelemetry SDK's ``get_tracer`` catches anything its tracer configurator raises). A handler's exception
+    raised inside them, on the main thread, would be theirs to swallow; on another thread no handler runs, and a
+    signal that comes meanwhile interrupts the wait here, in dcp-otel's code, where it passes through.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it was
+            outcome.append((False, exc))
+
+    helper = threading.Thread(target=run, name="dcp-otel-away-from-signals", daemon=True)
+    helper.start()
+    helper.join()
+    done, value = outcome[0]
+    if done:
+        return value  # type: ignore[no-any-return]
+    raise value

@@ -116,6 +116,7 @@ class ProcessRecord:
         self._failed = False
         self._threads: dict[int, int] = {}  # thread id -> its slot
         self._free_ops = list(range(OP_SLOTS - 1, -1, -1))
+        self._slot_ops: list[Operation | None] = [None] * OP_SLOTS  # the operation each slot holds now
         self._serial = 0
         self._lock = threading.Lock()  # slot allocation: per thread and per operation, never per step
 
@@ -227,14 +228,17 @@ class ProcessRecord:
         """
         if self._pid != os.getpid() and not self.ensure():
             return
-        try:
-            with self._lock:
+        with self._lock:
+            self._serial = serial = self._serial + 1
+            if self._free_ops:
                 slot = self._free_ops.pop()
-                self._serial = serial = self._serial + 1
-        except IndexError:
-            report("spool_operations_full", "dcp_otel records %d open operations at most: this one is not written "
-                   "ahead", OP_SLOTS)  # fmt: skip
-            return
+            else:  # an operation left open for good (a signal handler's exception out of torch's own start) each
+                slot = self._oldest_open()  # time: the oldest open one gives way; none is refused
+                victim = self._slot_ops[slot]
+                if victim is not None:
+                    victim.rec_slot = -1  # (it writes into the slot no more)
+                report("spool_operation_evicted", "dcp_otel records %d open operations at most: the oldest one's "
+                       "record gave way to a new one", OP_SLOTS)  # fmt: skip
         try:
             data = repr({"trace": op.trace_id, "span": op.span_id, "root": op.root_span_id, "parent": parent_span_id,
                          "name": op.name, "start": start_ns, "flags": int(op.flags), "adopted": op.adopted,
@@ -250,9 +254,15 @@ class ProcessRecord:
             _pack_failed(mm, offset + layout.OFF_OP_FAILED, b"")
             _pack_u64(mm, offset, serial)
             op.rec_serial, op.rec_slot = serial, slot
+            self._slot_ops[slot] = op
         except Exception as exc:  # noqa: BLE001 - the hot path: counted, never raised
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not write an operation ahead", exc_info=True)
+
+    def _oldest_open(self) -> int:
+        """The slot of the operation open longest (under the lock, when every slot is taken)."""
+        serials = [(U64.unpack_from(self.mm, OPS_OFFSET + slot * OP_SIZE)[0], slot) for slot in range(OP_SLOTS)]
+        return min(serials)[1]
 
     def op_complete(self, op: Operation) -> None:
         """``op`` ended (handed to the builder, on the caller's thread): how it ended, until it is built."""
@@ -272,9 +282,9 @@ class ProcessRecord:
         op.rec_slot = -1
         offset = OPS_OFFSET + slot * OP_SIZE
         try:
-            if U64.unpack_from(self.mm, offset)[0] == op.rec_serial:
-                U64.pack_into(self.mm, offset + layout.OFF_OP_STATE, layout.OP_STATE_DONE)
+            U64.pack_into(self.mm, offset + layout.OFF_OP_STATE, layout.OP_STATE_DONE)
             with self._lock:
+                self._slot_ops[slot] = None
                 self._free_ops.append(slot)
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)

@@ -29,7 +29,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import logger, report
 from dcp_otel.config import InstrumentOptions, traces_off
 from dcp_otel.events import DCPEvent, operation_fields
-from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.live.signal_exceptions import away_from_signals, reraise_if_signalled
 from dcp_otel.redact import redact_checkpoint_id
 from dcp_otel.tracing.light import SPAN_KEY, with_span
 from dcp_otel.tracing.light import span_context as light_span_context
@@ -109,12 +109,16 @@ class OperationStarter:
         provider = self._recorder.provider()
         cache = self._cache
         if cache is None or cache[0] is not provider:
-            tracer = get_tracer_quietly(provider)
-            warn_if_spans_go_nowhere(provider, tracer)  # before our own flush hook joins its processors
-            self._recorder.hook_provider(provider)
-            cache = (provider, tracer, supports_chosen_ids(tracer), static_sampling_flags(tracer))
-            self._cache = cache
+            # (Once per provider. The SDK's code in it catches what it calls: off the main thread, that is never
+            # a signal handler's exception; see away_from_signals.)
+            cache = self._cache = away_from_signals(lambda: self._resolve(provider))
         return cache
+
+    def _resolve(self, provider: trace.TracerProvider) -> tuple[object, trace.Tracer, bool, TraceFlags | None]:
+        tracer = get_tracer_quietly(provider)
+        warn_if_spans_go_nowhere(provider, tracer)  # before our own flush hook joins its processors
+        self._recorder.hook_provider(provider)
+        return (provider, tracer, supports_chosen_ids(tracer), static_sampling_flags(tracer))
 
     def _run_identity(self, world_size: int) -> RunIdentity:
         identity = self._identities.get(world_size)

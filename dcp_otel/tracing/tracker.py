@@ -77,11 +77,23 @@ _WAITING_IN_STEPS = frozenset({semconv.CHECKPOINTER_SAVE, semconv.CHECKPOINTER_A
 _WAIT_STEPS = semconv.WAIT_STEPS
 #: Registered thread stacks past which those of ended threads are dropped.
 _PRUNE_STACKS_AT = 64
-_detach = context_api.detach  # the general path's: it logs a token of another context instead of raising
 _pack_entry = ENTRY.pack_into
 _pack_end = I64.pack_into
 _STEP_CODE = KIND_CODES[KIND_STEP]
 _OPERATION_CODE = KIND_CODES[KIND_OPERATION]
+
+
+def _detach_quietly(token: object) -> None:
+    """Detach a call's context; a token of another context (a thread's that a call started on) is counted.
+
+    Not through ``context_api.detach``, which catches everything itself (what a signal handler raises in it too):
+    the one clause here lets a handler's exception through.
+    """
+    try:
+        light_detach(token)
+    except Exception as exc:  # noqa: BLE001
+        reraise_if_signalled(exc)
+        report("recorder_error", "dcp_otel failed to detach a DCP call's context", exc_info=True)
 
 
 class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
@@ -352,7 +364,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
             # goes back to what it was before that operation, and this call starts afresh.
             token = self._stale_tokens.pop(threading.get_ident(), None)
             if token is not None:
-                _detach(token)  # type: ignore[arg-type]
+                _detach_quietly(token)
                 ctx = context_api.get_current()
             enclosing = ctx.get(OPERATION_KEY)
             if type(enclosing) is Operation and enclosing.interrupted is not None:
@@ -413,7 +425,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         if call.rec >= 0:
             _pack_end(self.record.mm, call.rec + OFF_ENTRY_END, end_ns)  # type: ignore[union-attr]
         if call.token is not None:
-            _detach(call.token)  # type: ignore[arg-type]
+            _detach_quietly(call.token)
             call.token = None
         if parent is not None and call.kind != KIND_COLLECTIVE:  # a collective's time stays waiting
             parent.children_ns += end_ns - call.start_ns
