@@ -189,5 +189,7 @@ def test_a_restarted_job_sends_the_dead_generations_spans_through_its_own_provid
     assert write.resource.get("rank") == 1  # the dead rank's resource, sent by a rank of the next generation
     assert traced.said[0].endswith("saved step-3\n") and traced.said[1].endswith("saved step-3\n"), traced.said
     reported = [n for n in os.listdir(traced.out / "spool") if n.endswith(".reported")]
-    assert len(reported) == 1, os.listdir(traced.out / "spool")  # the killed rank (rank 0 exited, by itself)
+    killed = int((traced.out / "dying-1").read_text())
+    # The killed rank's record (and rank 0's, when torchrun stopped it before it exited by itself: it races).
+    assert any(f".{killed}." in n for n in reported), os.listdir(traced.out / "spool")
 
