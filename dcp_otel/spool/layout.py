@@ -20,7 +20,8 @@ the deaths of its children are its to report (it knows how they died).
 The record's bytes::
 
     [0, 4096)        header: magic, times, the recovery point, the training step, the identity (JSON)
-    [4096, 135168)   64 operation slots of 2 KiB: ids, state, the async upload and staging, attributes (JSON),
+    [4096, 135168)   64 operation slots of 2 KiB: ids, state, the async upload and staging, attributes (a Python
+                     literal),
                      how it ended (once it did)
     [135168, 266240) 32 threads x 32 entries of 128 B: each thread's last 32 calls, a ring (open: no end yet)
     [266240, 299008) stall stacks (JSON, with a CRC)
@@ -71,7 +72,7 @@ OPS_OFFSET: Final = HEADER_SIZE
 OP_SLOTS: Final = 64
 OP_SIZE: Final = 2048
 #: serial (0: never used), state, the operation's end (once complete), upload span id, upload start, upload end,
-#: staging span id, staging start, staging end, JSON length
+#: staging span id, staging start, staging end, the length of the literal that follows (ids, attributes)
 OP_HEAD: Final = struct.Struct("<QQqQqqQqqI")
 #: An operation's state: open (its calls run), complete (ended, not yet built: its ends and outcome are here),
 #: done (built and kept: :mod:`~dcp_otel.spool.spans` has its spans).

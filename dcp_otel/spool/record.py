@@ -6,9 +6,10 @@ run nothing as it dies. So the hot path writes what is open *as it opens*, into
 a file mapped into the process (:mod:`dcp_otel.spool.layout`): a store into
 memory the kernel keeps after the process is gone, never a system call, never
 a wait for a disk. Per DCP call that is one ``struct.pack_into`` as it starts
-(its ids, parent, start, operation, name, in its thread's ring of calls) and one
-as it ends (the end time); per operation, its trace ids and attributes as JSON
-once as it starts. The stall watchdog adds a heartbeat and the stacks it read;
+(its span id, start, operation and name, in its thread's ring of calls), written
+inline by the tracker, and one as it ends (the end time); per operation, its
+trace ids and attributes once as it starts, and its end and outcome once as it
+ends. The stall watchdog adds a heartbeat and the stacks it read;
 the builder adds the last durable checkpoint and the spans it made
 (:mod:`dcp_otel.spool.spans`).
 
@@ -35,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import json
-import logging
 import mmap
 import os
 import shutil
@@ -51,7 +51,6 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.spool import layout
 from dcp_otel.spool.layout import (
-    ENTRY,
     HEADER,
     I64,
     OP_HEAD,
@@ -70,14 +69,11 @@ from dcp_otel.spool.layout import (
 if TYPE_CHECKING:
     from dcp_otel.tracing.records import Operation
 
-logger = logging.getLogger("dcp_otel")
-_pack_entry = ENTRY.pack_into
 _pack_i64 = I64.pack_into
 _pack_failed = layout.FAILED.pack_into
 _pack_head = OP_HEAD.pack_into
 _pack_u64 = U64.pack_into
 _pack_complete = layout.COMPLETE.pack_into
-_END = layout.OFF_ENTRY_END
 
 
 def open_spool_dir(path: str) -> str:
