@@ -302,7 +302,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             # watches and counts it (the queue-full filter, the metrics) is still in place.
             self._recorder.drain(float(self._recorder.options.flush_timeout_s))
         if self._exit_flush is not None:
-            atexit.unregister(self._exit_flush)
+            self._exit_flush.cancel()
         if self._watchdog is not None:
             self._watchdog.stop()
         for undo in reversed(self._undo or []):

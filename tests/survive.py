@@ -34,11 +34,13 @@ def survive(spool: Path, statuses: dict[int, int | None], default: int | None = 
         sent.extend(spans)
         return True
 
+    # The agent that saw them end knew each by its pid and start (as torchelastic's workers are known to it).
+    found = {parsed.pid: parsed.start for name in records(spool) if (parsed := layout.parse_name(name)) and not parsed.state}
+    keys = {(pid, found.get(pid)): status for pid, status in statuses.items()}
     if default is not None:
-        pids = {parsed.pid for name in records(spool) if (parsed := layout.parse_name(name)) and not parsed.state}
-        statuses = {**dict.fromkeys(pids, default), **statuses}
+        keys = {**{(pid, start): default for pid, start in found.items()}, **keys}
     survivor = Survivor(str(spool), deliver, job=None)
-    survivor.expect(statuses, time.time_ns())
+    survivor.expect(keys, time.time_ns())
     survivor.scan()
     return list(spans_of(encode_spans(sent))) if sent else []
 

@@ -271,6 +271,20 @@ def test_a_one_shot_timeout_handlers_exception_is_never_swallowed_by_dcp_otel(tm
     assert "dcp_otel" not in instrumented.stderr, instrumented.stderr[-2000:]
 
 
+def test_forked_children_that_save_and_end_normally_leave_no_record_and_no_death(tmp_path: Path) -> None:
+    """A ``multiprocessing`` fork child ends by ``os._exit`` (no ``atexit``), a plain fork child by ``sys.exit``
+    (the parent's ``atexit`` hooks, inherited): each saved, so each had a record. Both end normally, so the
+    parent, which outlives them with its survivor, must report no death, and their saves reach the exporter."""
+    plain, instrumented = both(tmp_path, "forked")
+    assert plain.returncode == 0 and "mp child exited 0" in plain.stdout and "fork child exited 0" in plain.stdout
+    assert errors(instrumented.spans) == [], errors(instrumented.spans)
+    assert len(named(instrumented.spans, semconv.SPAN_PROCESS)) == 1  # the parent's own life; no child's death
+    saved = sorted(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in named(instrumented.spans, "dcp.save"))
+    assert saved == ["fork-child", "mp-child", "parent-after", "parent-before"], saved
+    spool = tmp_path / "instrumented" / "forked" / "0" / "spool"
+    assert sorted(p.name for p in spool.iterdir() if p.is_dir()) == [], "records left behind"
+
+
 def test_a_rank_of_torch_multiprocessing_spawn_stopped_in_a_save_is_reported_by_its_parent(tmp_path: Path) -> None:
     """Lightning's ``ddp_spawn``: ranks started by ``mp.spawn``. SIGTERM to rank 1 in ``write_data``: ``spawn``
     ends the job as plain, and the parent, outliving its ranks, sends what rank 1 had open."""

@@ -117,7 +117,7 @@ def test_two_survivors_report_a_death_once(spool: Path, blocked: Blocked) -> Non
     sent: list[list[ReadableSpan]] = [[], []]
     survivors = [Survivor(str(spool), lambda spans, i=i: sent[i].extend(spans) or True, job=None) for i in range(2)]
     for survivor in survivors:
-        survivor.expect({999_999: -9}, time.time_ns())
+        survivor.expect({(999_999, 1): -9}, time.time_ns())
     threads = [threading.Thread(target=survivor.scan) for survivor in survivors]
     for thread in threads:
         thread.start()
@@ -134,7 +134,7 @@ def test_a_claim_left_by_a_dead_survivor_is_taken_over(spool: Path, blocked: Blo
     (claimed / layout.RECORD_FILE).write_bytes((record / layout.RECORD_FILE).read_bytes())
     sent: list[ReadableSpan] = []
     survivor = Survivor(str(spool), lambda spans: sent.extend(spans) or True, job=None)
-    survivor.expect({999_998: -15}, time.time_ns())
+    survivor.expect({(999_998, 1): -15}, time.time_ns())
     assert survivor.scan() == 1 and any(s.name == "dcp.write_data" for s in sent)
 
 
@@ -148,8 +148,77 @@ def test_a_survivor_that_cannot_send_claims_nothing_and_the_record_stays(spool: 
         return False  # an exporter that fails
 
     survivor = Survivor(str(spool), refuse, job=None)
-    survivor.expect({999_996: -9}, time.time_ns())
+    survivor.expect({(999_996, 1): -9}, time.time_ns())
     assert survivor.scan() == 0 and dead.exists()  # for another survivor, or dcp-otel report
+
+
+def test_a_pid_names_a_death_only_with_its_start_its_namespace_and_its_parent(spool: Path, blocked: Blocked) -> None:
+    """A pid is reused, and means a process only in its pid namespace: a survivor told that (pid, start) died
+    reports that record alone; one in another namespace (another container on the same spool) it never judges;
+    a record whose parent had this pid but not this start (a parent of an earlier job) is no child of its."""
+    from dcp_otel.spool.record import ProcessRecord
+
+    data = bytearray((own_record(spool) / layout.RECORD_FILE).read_bytes())
+    record = read_record(str(own_record(spool)))
+
+    def planted(host: str, pid: int, start: int, **identity: object) -> Path:
+        ProcessRecord._write_json(data, layout.OFF_IDENTITY, {**record.identity, "pid": pid, **identity},
+                                  layout.IDENTITY_MAX)  # fmt: skip
+        path = spool / layout.directory_name(host, pid, start)
+        path.mkdir()
+        (path / layout.RECORD_FILE).write_bytes(data)
+        return path
+
+    me, my_start = os.getpid(), layout.start_ticks(os.getpid())
+    reused = planted(layout.host_name(), 999_990, 2)  # the pid again, another process (another start)
+    elsewhere = planted("other-4026532000", 999_991, 1)  # the same pid and start, in another namespace
+    earlier_parent = planted(layout.host_name(), 999_992, 1, ppid=me, parent_start=(my_start or 0) + 1)
+    child = planted(layout.host_name(), 999_993, 1, ppid=me, parent_start=my_start)
+    sent: list[ReadableSpan] = []
+    survivor = Survivor(str(spool), lambda spans: sent.extend(spans) or True, job=None)
+    survivor.expect({(999_990, 1): -9, (999_991, 1): -9, (999_992, None): -9, (999_993, None): -9}, time.time_ns())
+    assert survivor.scan() == 1
+    assert reused.exists() and elsewhere.exists() and earlier_parent.exists() and not child.exists()
+    assert sent and {s.resource.attributes.get("process.pid") for s in sent} == {999_993}
+
+
+def test_a_process_without_a_checkpoint_of_its_own_never_waits_at_exit_on_a_dead_peers_spans(
+    spool: Path, blocked: Blocked
+) -> None:
+    """A process of the job that made no checkpoint (yet) reports a dead peer through its exporter, which hangs:
+    its exit waits for none of it (the peer's record stays claimed, for a survivor after it)."""
+    from dcp_otel.spool.record import ProcessRecord
+
+    data = bytearray((own_record(spool) / layout.RECORD_FILE).read_bytes())
+    identity = {**read_record(str(own_record(spool))).identity, "pid": 999_980, "job": "job-x", "ppid": 1}
+    ProcessRecord._write_json(data, layout.OFF_IDENTITY, identity, layout.IDENTITY_MAX)
+    peer = spool / layout.directory_name(layout.host_name(), 999_980, 1)
+    peer.mkdir()
+    (peer / layout.RECORD_FILE).write_bytes(data)
+    script = f"""
+import os, sys, threading, time
+import torch, dcp_otel
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+
+class Hanging(SpanExporter):
+    def export(self, spans):
+        threading.Event().wait()
+
+provider = TracerProvider()
+provider.add_span_processor(BatchSpanProcessor(Hanging()))
+dcp_otel.instrument(tracer_provider=provider)
+claimed, tick = ".claimed." + str(os.getpid()) + ".", threading.Event()
+while not any(claimed in name for name in os.listdir({str(spool)!r})):
+    tick.wait(0.05)  # (polled: its survivor claims the peer's record, then hangs in the exporter)
+print(time.time(), flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=rank_env(DCP_OTEL_RUN_ID="job-x"), capture_output=True,
+                          text=True, timeout=120, cwd=REPO)  # fmt: skip
+    ended = time.time()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ended - float(done.stdout.strip()) < 3.0, done.stderr[-2000:]  # (its flush timeout: 10 s)
+    assert [n for n in os.listdir(spool) if n.startswith(peer.name + "." + layout.CLAIMED)], os.listdir(spool)
 
 
 def test_a_forked_child_never_writes_into_its_parents_record(spool: Path, traced: Traced, tmp_path: Path) -> None:

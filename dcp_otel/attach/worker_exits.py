@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import wrapt
@@ -34,13 +34,15 @@ from opentelemetry.instrumentation.utils import unwrap
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.spool.layout import start_ticks
 
 ELASTIC_MODULE = "torch.distributed.elastic.multiprocessing.api"
 SPAWN_MODULE = "torch.multiprocessing.spawn"
 
 
 class Expects(Protocol):
-    def expect(self, statuses: dict[int, int | None], end_ns: int, job: str | None = None) -> None: ...
+    def expect(self, statuses: Mapping[tuple[int, int | None], int | None], end_ns: int,
+               job: str | None = None) -> None: ...  # fmt: skip
 
 
 _told: list[Expects] = []
@@ -69,11 +71,12 @@ def _close(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kw
     except Exception as exc:  # noqa: BLE001 - a context that never started
         reraise_if_signalled(exc)
         pids = {}
+    starts = _starts(pids.values())  # (before they are reaped: a pid alone may be another process's later)
     try:
         return wrapped(*args, **kwargs)
     finally:
         if pids:
-            _tell(instance, pids)
+            _tell(instance, pids, starts)
 
 
 def workers_job(context: Any) -> str | None:
@@ -88,9 +91,13 @@ def workers_job(context: Any) -> str | None:
     return found if found.lower() not in ("", "none") else None
 
 
-def _tell(instance: Any, pids: dict[int, int], told: list[Expects] = _told) -> None:
+def _starts(pids: Iterable[int]) -> dict[int, int | None]:
+    return {pid: start_ticks(pid) for pid in pids}
+
+
+def _tell(instance: Any, pids: dict[int, int], starts: dict[int, int | None], told: list[Expects] = _told) -> None:
     try:
-        statuses = exit_statuses(instance, pids)
+        statuses = {(pid, starts.get(pid)): status for pid, status in exit_statuses(instance, pids).items()}
         now, job = time.time_ns(), workers_job(instance)
         for survivor in tuple(told):
             survivor.expect(statuses, now, job)
@@ -124,16 +131,21 @@ def _watch(module_name: str, owner: str, method: str, wrapper: Callable[..., Any
 
 
 def _join(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:  # (while they run, before join reaps them)
+        starts = _starts(p.pid for p in getattr(instance, "processes", []) if p.exitcode is None)
+    except Exception as exc:  # noqa: BLE001
+        reraise_if_signalled(exc)
+        starts = {}
     try:
         return wrapped(*args, **kwargs)
     finally:
         try:
-            ended = {p.pid: p.pid for p in getattr(instance, "processes", []) if p.exitcode is not None}
+            ended = {p.pid: p.pid for p in getattr(instance, "processes", []) if p.exitcode is not None and p.pid in starts}
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             ended = {}
         if ended:
-            _tell(_Spawned(instance), ended, _told_spawn)
+            _tell(_Spawned(instance), ended, starts, _told_spawn)
 
 
 class _Spawned:

@@ -1,9 +1,9 @@
 """The shape of a process's record: where it lives, how its directory is named, and its bytes.
 
 One directory per instrumented process under the spool directory, named
-``<host>.<pid>.<start>`` (``start``: the process's start time in clock ticks
-since boot, from ``/proc/<pid>/stat``, so a reused pid never passes for the
-dead process). It holds:
+``<host>.<pid>.<start>`` (``host``: its name and pid namespace, :func:`host_name`;
+``start``: the process's start time in clock ticks since boot, from
+``/proc/<pid>/stat``, so a reused pid never passes for the dead process). It holds:
 
 * ``record``: a file of :data:`RECORD_SIZE` bytes, mapped into the process
   (``mmap``, ``MAP_SHARED``): what the process writes there is in the page
@@ -147,8 +147,15 @@ def parse_name(name: str) -> RecordName | None:
 
 
 def host_name() -> str:
-    """This host's name, as record directories say it (no dots or slashes of its own: they separate fields)."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
+    """This host's name and pid namespace, as record directories say it: ``node-3-4026531836`` (no dots or slashes
+    of their own: they separate fields). A pid means a process only in its namespace: two containers sharing a
+    spool (and a host name) never judge each other's records."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
+    try:
+        namespace = re.sub(r"\D", "", os.readlink("/proc/self/ns/pid"))  # "pid:[4026531836]"
+    except OSError:
+        namespace = ""
+    return f"{host}-{namespace}" if namespace else host
 
 
 def _stat(pid: int) -> list[bytes]:

@@ -129,6 +129,10 @@ class ProcessRecord:
         self.created_ns = time.time_ns()
 
     # --- the file ------------------------------------------------------------------------------
+    def made_here(self) -> bool:
+        """Whether this process has a record of its own (it made a DCP call; a forked child, since the fork)."""
+        return self.directory is not None and self._pid == os.getpid()
+
     def ensure(self) -> bool:
         """Make the file if this process has none yet (at each operation's start: cheap once made)."""
         if self._pid == os.getpid():
@@ -160,7 +164,9 @@ class ProcessRecord:
         finally:
             os.close(fd)
         mm[:] = bytes(self.mm)  # what was recorded before the file existed (threads registered, calls open)
-        identity = {**self._identity(), "pid": pid, "ppid": os.getppid(), "host": layout.host_name(), "start": start}
+        ppid = os.getppid()
+        identity = {**self._identity(), "pid": pid, "ppid": ppid, "parent_start": layout.start_ticks(ppid),
+                    "host": layout.host_name(), "start": start}  # fmt: skip
         HEADER.pack_into(mm, 0, layout.MAGIC, layout.VERSION, self.created_ns, 0, 0, -1, 0, self.process_span_id, 0, 0)
         self._write_json(mm, layout.OFF_IDENTITY, identity, layout.IDENTITY_MAX)
         self.mm, self.directory, self._pid = mm, directory, pid

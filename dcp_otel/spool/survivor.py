@@ -27,7 +27,7 @@ Usage::
 
     survivor = Survivor(spool_dir, Delivery(provider, 10), own=record)
     survivor.start()                           # the thread
-    survivor.expect({4242: -9}, time.time_ns())  # the agent: how its workers ended
+    survivor.expect({(4242, 81234): -9}, time.time_ns())  # the agent: how its workers ended (pid, start ticks)
     survivor.wait_idle(5)                      # at exit: what it took is sent
 """
 
@@ -39,7 +39,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -106,10 +106,13 @@ class Survivor:
         self.started = False  # its thread was started (read on every operation's start: one attribute)
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._expected: dict[int, tuple[int | None, int]] = {}  # pid -> (status, when it was seen)
+        # (pid, start ticks) -> (status, when it was seen); a start of None: not read, only a child of ours matches
+        self._expected: dict[tuple[int, int | None], tuple[int | None, int]] = {}
         self._seen_dead: dict[str, float] = {}  # record name -> when this survivor first saw its process gone
+        self._my_start = layout.start_ticks(os.getpid())
         self._retry_at: dict[str, float] = {}  # record name -> when to try again a send that failed
         self.reported = 0
+        self.delivering = False  # another process's spans are on their way (through this process's exporters)
 
     def _after_fork_in_child(self) -> None:
         """A forked child (a DataLoader worker) is nobody's survivor."""
@@ -149,29 +152,36 @@ class Survivor:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
 
-    def expect(self, statuses: dict[int, int | None], end_ns: int, job: str | None = None) -> None:
-        """These processes (this process's workers) ended with these statuses: report them now. ``job``: their run
-        id, where this survivor has none of its own (an agent): their helpers' records are then its to report."""
+    def expect(self, statuses: Mapping[tuple[int, int | None], int | None], end_ns: int, job: str | None = None) -> None:
+        """These processes (this process's workers, by pid and start ticks: a reused pid is another process) ended
+        with these statuses: report them now. ``job``: their run id, where this survivor has none of its own (an
+        agent): their helpers' records are then its to report."""
         with self._lock:
             if job and not self.job:
                 self.job = job
-            for pid, status in statuses.items():
-                self._expected[pid] = (status, end_ns)
+            for key, status in statuses.items():
+                self._expected[key] = (status, end_ns)
             stale = end_ns - int(_EXPECTED_S * 1e9)
-            self._expected = {pid: seen for pid, seen in self._expected.items() if seen[1] >= stale}
+            self._expected = {key: seen for key, seen in self._expected.items() if seen[1] >= stale}
         self._wake.set()  # (the thread, where it runs, looks now)
 
-    def wait_idle(self, timeout_s: float) -> bool:
+    def wait_idle(self, timeout_s: float, final: bool = False) -> bool:
         """Until no death this survivor was told of is left to report (at exit); ``False`` past the timeout.
 
-        The process is leaving, and no survivor may come after it: the deaths of its job it has seen are
-        reported now, without the grace left to the agent.
+        ``final``: the process (a rank of the job) is leaving, and no survivor may come after it: the deaths of
+        its job it has seen are reported now, without the grace left to the agent. A process that made no
+        checkpoint of its own leaves them to the others: its exit never waits on another's spans.
         """
         thread = self._thread
         if thread is None or not thread.is_alive():
             return True
+        if final:
+            self._grace_s = 0.0
+        else:
+            with self._lock:
+                if not self._expected:
+                    return True  # told of no death: nothing this exit waits for (a look under way goes on as a daemon)
         deadline = time.monotonic() + timeout_s
-        self._grace_s = 0.0
         with self._idle:
             looked = self._scans + self._busy  # (a look under way began before this: the one after it counts)
         self._wake.set()
@@ -183,9 +193,9 @@ class Survivor:
         """Whether a process this survivor was told of has a record it has yet to try to report."""
         if not self._expected or not self._can_deliver():
             return False
-        names = {parsed.pid for parsed in map(layout.parse_name, self._names())
+        names = {(parsed.pid, parsed.start) for parsed in map(layout.parse_name, self._names())
                  if parsed and not parsed.state and parsed.base not in self._retry_at}  # fmt: skip
-        return any(pid in names for pid in self._expected)
+        return any(key in names for key in self._expected)
 
     def _run(self) -> None:
         self._can_deliver()  # (what it loads, it loads here, not in an exit that waits for this thread)
@@ -244,6 +254,11 @@ class Survivor:
         self._prune(reported)
         return done
 
+    def _forget(self, parsed: layout.RecordName) -> None:
+        with self._lock:
+            self._expected.pop((parsed.pid, parsed.start), None)
+            self._expected.pop((parsed.pid, None), None)
+
     def _survivors(self, names: list[str], host: str) -> set[int]:
         """The pids of the other survivors that run on this host now (a stale announcement is removed)."""
         found: set[int] = set()
@@ -260,10 +275,6 @@ class Survivor:
 
     def _death_if_ours(self, parsed: layout.RecordName, path: str, me: int, now_ns: int,
                        parents: set[int]) -> Death | None:  # fmt: skip
-        with self._lock:
-            expected = self._expected.get(parsed.pid)
-        if expected is not None:
-            return Death.of_status(expected[0], expected[1])
         try:
             record = read_record(path)
         except RecordError:
@@ -272,7 +283,14 @@ class Survivor:
             shutil.rmtree(path, ignore_errors=True)  # died without a DCP call: nothing to say
             return None
         identity = record.identity
-        child = identity.get("ppid") == me  # our own child (a worker of this agent, a spawned rank)
+        # Our own child (a worker of this agent, a spawned rank): its parent was this process, not one before it
+        # with the same pid.
+        child = identity.get("ppid") == me and identity.get("parent_start") == self._my_start
+        with self._lock:
+            expected = self._expected.get((parsed.pid, parsed.start)) or (
+                self._expected.get((parsed.pid, None)) if child else None)  # fmt: skip
+        if expected is not None:
+            return Death.of_status(expected[0], expected[1])
         if child:
             status = exit_status_of_child(parsed.pid)  # (read without reaping it: its owner still will)
             if status is not None:
@@ -299,10 +317,14 @@ class Survivor:
             record = read_record(claimed)
             if not record.has_evidence():  # died without a DCP call: nothing to say
                 shutil.rmtree(claimed, ignore_errors=True)
-                self._expected.pop(parsed.pid, None)
+                self._forget(parsed)
                 return False
             spans = record.spans(death)
-            sent = self._deliver(spans)
+            self.delivering = True
+            try:
+                sent = self._deliver(spans)
+            finally:
+                self.delivering = False
             with open(os.path.join(claimed, layout.DEATH_FILE), "w", encoding="utf-8") as out:
                 json.dump({"cause": death.cause, "exit_code": death.exit_code, "end_ns": death.end_ns,
                            "reported_by": os.getpid(), "sent": sent, "spans": len(spans)}, out)  # fmt: skip
@@ -313,14 +335,14 @@ class Survivor:
                        "record stays in %s for another try and for dcp-otel report", parsed.pid, self.spool_dir)  # fmt: skip
                 return False
             os.rename(claimed, os.path.join(self.spool_dir, f"{parsed.base}.{layout.REPORTED}"))
-            self._expected.pop(parsed.pid, None)
+            self._forget(parsed)
             self.reported += 1
             self._seen_dead.pop(parsed.base, None)
             return True
         except RecordError:  # not one this dcp-otel reads (another version's): left as it was found
             with contextlib.suppress(OSError):
                 os.rename(claimed, path)
-            self._expected.pop(parsed.pid, None)
+            self._forget(parsed)
             return False
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)

@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 import os
 import threading
 import time
@@ -120,8 +121,10 @@ def _flush(
     timeout_s: float,
     provider: trace.TracerProvider | None = None,
     wait_for_uploads: bool = True,
+    spans: bool = True,
 ) -> tuple[bool, list[object]]:
-    """The outcome, and the providers that did not flush everything (stuck, failed, or left no time)."""
+    """The outcome, and the providers that did not flush everything (stuck, failed, or left no time).
+    ``spans=False``: the span provider is not flushed, and counts among them."""
     deadline = time.monotonic() + timeout_s
     if recorder is not None and not wait_for_uploads:
         recorder.drain(timeout_s)
@@ -130,17 +133,19 @@ def _flush(
         uploads_done = recorder.wait_for_uploads(timeout_s) if recorder is not None else True
     if provider is None:
         provider = recorder.provider() if recorder is not None else trace.get_tracer_provider()
-    flushes = [BoundedFlush(provider, "span", deadline)]
+    flushes = [BoundedFlush(provider if spans else None, "span", deadline)]
     if otel_metrics is not None:  # side by side: a stuck span exporter leaves the metrics their time
         flushes.append(BoundedFlush(otel_metrics.provider(), "metric", deadline))
     failed = [flush.provider for flush in flushes if not flush.wait()]
+    if not spans:
+        failed.insert(0, provider)
     if not uploads_done and provider not in failed:
         failed.insert(0, provider)  # an upload still running: its span is not there to export
     return not failed, failed
 
 
 class ExitFlush:
-    """The ``atexit`` hook of one instrumentation; a no-op in forked children.
+    """The ``atexit`` hook of one instrumentation.
 
     Calls still open at exit (after waiting, within half the timeout, for the
     async uploads to end) are ended by ``end_open`` ("interrupted at exit")
@@ -150,6 +155,14 @@ class ExitFlush:
     Python would print it as an exception ignored in an ``atexit`` callback.
     Once flushed, the process's record in the spool (``spool``) is removed, or,
     if something could not be sent, left for a survivor.
+
+    A forked child inherits the hook, but what was open or queued at the fork is
+    its parent's: in a child it does nothing, unless the child checkpointed
+    itself (it has a record of its own). Then it ends as the process it is: its
+    open calls ended, its spans flushed (no metrics: those it inherited are the
+    parent's too), its record removed, so that its parent, outliving it, never
+    takes a normal end for a death. A ``multiprocessing`` child ends by
+    ``os._exit``, past ``atexit``: it runs as that child's finalizer.
     """
 
     def __init__(self, recorder: SpanRecorder, timeout_s: float, otel_metrics: OTelCheckpointMetrics | None = None,
@@ -163,23 +176,41 @@ class ExitFlush:
         self._survivor = survivor
         self._spool = spool
         self._pid = os.getpid()
+        self._ended_in: int | None = None  # the forked child that has run this already
+        multiprocessing.util.register_after_fork(self, ExitFlush._as_finalizer)
+
+    def cancel(self) -> None:
+        """Nothing more to do at exit, here or in children forked from now on (``uninstrument()``)."""
+        atexit.unregister(self)
+        self._timeout_s = 0
+
+    def _as_finalizer(self) -> None:  # (in a multiprocessing child, just forked)
+        multiprocessing.util.Finalize(None, self, exitpriority=0)
 
     def __call__(self) -> None:
-        # A forked child inherits atexit hooks, but the spans are the parent's.
-        if os.getpid() != self._pid or self._timeout_s <= 0:
+        if self._timeout_s <= 0:
+            return
+        if os.getpid() != self._pid:
+            self._end_child()
             return
         deadline = time.monotonic() + self._timeout_s
         failed: list[object]
         try:
+            final = self._spool is not None and self._spool.record.made_here()  # (it checkpointed)
             if self._survivor is not None:
-                self._survivor.wait_idle(max(0.0, deadline - time.monotonic()) / 2)
+                self._survivor.wait_idle(max(0.0, deadline - time.monotonic()) / 2, final)
+            # A process with no checkpoint of its own, whose survivor is still sending a dead peer's spans
+            # through its exporters (stuck, or it would be done): its exit waits for none of them. The peer's
+            # record stays claimed by this process, and once it is gone, another survivor takes it over.
+            own_spans = final or self._survivor is None or not self._survivor.delivering
             if self._end_open is not None and self._recorder.open_calls():
                 self._recorder.uploads.wait(max(0.0, min(self._timeout_s / 2, deadline - time.monotonic())))
                 if self._recorder.open_calls():
                     self._end_open()
             if self._end_life is not None:
                 self._end_life(deadline)
-            _, failed = _flush(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()))
+            _, failed = _flush(self._recorder, self._otel_metrics, max(0.0, deadline - time.monotonic()),
+                               spans=own_spans)  # fmt: skip
         except KeyboardInterrupt:  # Ctrl-C again: the wait ends now
             failed = [self._recorder.provider()]
             if self._otel_metrics is not None:
@@ -197,6 +228,27 @@ class ExitFlush:
                 atexit.unregister(shutdown)  # the SDK registers the provider's bound shutdown
                 threading.Thread(target=_shutdown_quietly, args=(shutdown,), name="dcp-otel-shutdown",
                                  daemon=True).start()  # fmt: skip
+
+
+    def _end_child(self) -> None:
+        spool = self._spool
+        if spool is None or not spool.record.made_here() or self._ended_in == os.getpid():
+            return  # no checkpoint of its own
+        self._ended_in = os.getpid()
+        deadline = time.monotonic() + self._timeout_s
+        failed: list[object] = [self._recorder.provider()]
+        try:
+            if self._end_open is not None and self._recorder.open_calls():
+                self._recorder.uploads.wait(max(0.0, self._timeout_s / 2))
+                if self._recorder.open_calls():
+                    self._end_open()
+            _, failed = _flush(self._recorder, None, max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a child's end: nothing of it may reach its caller
+            reraise_if_signalled(exc)
+            report("flush_error", "dcp_otel could not end this forked process's checkpoint spans", exc_info=True)
+        spool.close(clean=not failed, exiting=True)
 
 
 def _shutdown_quietly(shutdown: Callable[[], object]) -> None:

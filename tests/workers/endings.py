@@ -38,6 +38,9 @@ SCENARIO:
   ``alarm``       a one-shot SIGALRM handler (restores the previous disposition, raises TimeoutError)
                   armed around ``get_model_state_dict`` 240 times at varying delays: how many alarms
                   fired, reached the loop, and what dcp-otel counted as its own problems (OUT/alarms.json).
+  ``forked``      a ``multiprocessing`` fork child saves and returns (exit 0, by ``os._exit`` as multiprocessing
+                  ends its children), then a plain ``os.fork`` child saves and calls ``sys.exit(0)``; the
+                  parent, which saved before forking, saves once more after both (its survivor running).
   ``spawn``       ``torch.multiprocessing.spawn`` starts 2 gloo ranks (as Lightning's ``ddp_spawn``); rank
                   1 hangs in ``write_data``: the test sends SIGTERM to it (its pid in ``OUT/rank1.pid``).
 """
@@ -431,6 +434,32 @@ def alarm(out: Path, files: Path, instrumented: Any) -> None:
                                                  "dcp_otel_problems": swallowed}))  # fmt: skip
 
 
+def forked_save(files: Path, name: str) -> None:
+    dcp.save(STATE, checkpoint_id=str(files / name))
+    say(f"{name} saved")
+
+
+def forked(out: Path, files: Path, instrumented: Any) -> None:
+    import multiprocessing
+
+    dcp.save(STATE, checkpoint_id=str(files / "parent-before"))
+    child = multiprocessing.get_context("fork").Process(target=forked_save, args=(files, "mp-child"))
+    child.start()
+    child.join()
+    say(f"mp child exited {child.exitcode}")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            forked_save(files, "fork-child")
+        finally:
+            sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    say(f"fork child exited {os.waitstatus_to_exitcode(status)}")
+    dcp.save(STATE, checkpoint_id=str(files / "parent-after"))
+    if instrumented is not None:  # the parent's survivor has looked at the spool since both ended
+        instrumented.flush()
+
+
 def spawned_rank(rank: int, files: Path, out: Path, port: int, plain: bool) -> None:
     warnings.simplefilter("ignore")
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -475,6 +504,7 @@ SCENARIOS = {
     "uvloop": uvloop_run,
     "alarm": alarm,
     "spawn": spawn,
+    "forked": forked,
 }
 
 if __name__ == "__main__":
