@@ -29,9 +29,7 @@ logger = logging.getLogger("dcp_otel")
 
 #: Seconds between two log lines for the same reason (counts are kept regardless).
 LOG_INTERVAL_S = 60.0
-_LOCK_WAIT_S = 0.5
-
-_lock = threading.Lock()
+_lock = threading.RLock()
 _counts: Counter[str] = Counter()
 _last_logged: dict[str, float] = {}
 #: Told the reason of every report: the checkpoint metrics count them for Prometheus.
@@ -62,19 +60,16 @@ def report(reason: str, msg: str, *args: Any, exc_info: bool = False) -> None:
             except Exception as exc:  # noqa: BLE001 - counting a problem must not become one
                 reraise_if_signalled(exc)
         now = time.monotonic()
-        # Bounded: a thread that holds it may be frozen (the main thread, in a signal handler waiting for
-        # the thread that reports now); that report is then dropped rather than the ending hung.
-        if not _lock.acquire(timeout=_LOCK_WAIT_S):
-            return
-        try:
+        # ``with`` a C lock: taken and let go by the interpreter itself, so a signal handler's exception never
+        # leaves it held (one raised right after an explicit acquire() would). Reentrant: a handler that runs
+        # while this thread holds it (its exception's own report, a save in the handler) takes it again.
+        with _lock:
             _counts[reason] += 1
             last = _last_logged.get(reason)
             if last is not None and now - last < LOG_INTERVAL_S:
                 return
             _last_logged[reason] = now
             suppressed = _counts[reason] - 1
-        finally:
-            _lock.release()
         if suppressed:
             msg += " (%d occurrences so far)"
             args = (*args, suppressed + 1)
@@ -92,7 +87,7 @@ def counts() -> dict[str, int]:
 def _after_fork_in_child() -> None:
     """A forked child starts with its own counts, and a lock no parent thread holds."""
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _counts.clear()
     _last_logged.clear()
 

@@ -19,10 +19,18 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Final, Literal, NamedTuple
 
+from dcp_otel import semconv
+
 EventKind = Literal["start", "end", "exception"]
 _KINDS: Final = frozenset(("start", "end", "exception"))
 #: Longest function name accepted; DCP's are short, per-key names carry user keys.
 MAX_FUNC_NAME: Final = 256
+#: torch.distributed.checkpoint.state_dict's public functions (each a DCP call of dcp-otel's making).
+STATE_DICT_FUNCTIONS: Final = frozenset({"get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
+                                         "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"})  # fmt: skip
+#: The calls an application makes itself: one that starts inside another call of its thread either nests in
+#: it or finds that call left behind (its end cut short: dcp_otel.tracing.cut_short).
+ENTRY_POINTS: Final = semconv.OPERATIONS | STATE_DICT_FUNCTIONS
 _NO_DETAILS: Final[Mapping[str, Any]] = MappingProxyType({})
 
 

@@ -291,31 +291,72 @@ def test_a_save_that_ended_but_was_not_built_yet_is_sent_with_its_own_ends_and_o
         release.set()
 
 
-def test_operations_left_open_for_good_give_way_to_new_ones_oldest_first(tmp_path: Path) -> None:
-    """A signal handler's exception out of torch's own start leaves an operation open for good; after as many as
-    the record holds, the oldest gives way (counted), and its late end writes nothing into its successor's slot."""
+def _record_with_ops(tmp_path: Path, count: int) -> tuple[object, list[object], object]:
+    """A record, ``count`` operations begun in it, and a maker of more."""
     from types import SimpleNamespace
 
     from opentelemetry.trace import TraceFlags
 
-    from dcp_otel import _selftelemetry
     from dcp_otel.spool.record import ProcessRecord
 
-    _selftelemetry.reset()
     record = ProcessRecord(str(tmp_path / "spool"), lambda: {})
 
     def op(n: int) -> SimpleNamespace:
         return SimpleNamespace(trace_id=n, span_id=n, root_span_id=0, name="save", flags=TraceFlags(1), adopted=False,
-                               attributes={}, step_attributes={}, rec_serial=0, rec_slot=-1, failed=None, end_ns=n)  # fmt: skip
+                               attributes={}, step_attributes={}, rec_serial=0, rec_slot=-1, failed=None, end_ns=n,
+                               start_uuid=str(n), submitted=False)  # fmt: skip
 
-    leaked = [op(n) for n in range(1, layout.OP_SLOTS + 1)]
-    for o in leaked:
+    ops = [op(n) for n in range(1, count + 1)]
+    for o in ops:
         record.op_begin(o, 1, 0)  # type: ignore[arg-type]
+    return record, ops, op
+
+
+def test_operations_left_open_for_good_give_way_to_new_ones_oldest_first(tmp_path: Path) -> None:
+    """An operation left open for good, as many times as the record holds: the oldest gives way (counted, said),
+    and its late end writes nothing into its successor's slot."""
+    from dcp_otel import _selftelemetry
+
+    _selftelemetry.reset()
+    record, leaked, op = _record_with_ops(tmp_path, layout.OP_SLOTS)
     newest = op(1000)
-    record.op_begin(newest, 1, 0)  # type: ignore[arg-type]
+    record.op_begin(newest, 1, 0)  # type: ignore[attr-defined]
     assert _selftelemetry.counts().get("spool_operation_evicted") == 1
-    assert leaked[0].rec_slot == -1 and newest.rec_slot >= 0  # the oldest gave way
-    record.op_complete(leaked[0])  # type: ignore[arg-type]  # its end, late: nowhere
-    ops = read_record(str(record.directory)).ops
+    assert leaked[0].rec_slot == -1 and newest.rec_slot >= 0  # type: ignore[attr-defined]  # the oldest gave way
+    record.op_complete(leaked[0])  # type: ignore[attr-defined]  # its end, late: nowhere
+    ops = read_record(str(record.directory)).ops  # type: ignore[attr-defined]
     assert ops[newest.rec_serial].doc["trace"] == 1000 and ops[newest.rec_serial].state == layout.OP_STATE_OPEN
-    assert leaked[0].rec_serial not in ops
+    assert leaked[0].rec_serial not in ops  # type: ignore[attr-defined]
+
+
+def test_ended_operations_the_builder_has_not_reached_give_way_before_open_ones_unsaid(tmp_path: Path) -> None:
+    """A tight loop of state-dict calls outruns the builder by dozens of ended operations: the oldest of those
+    gives way (it is still built and exported; only a death in the next moments would lose it), an open one
+    keeps its slot, and nothing is said or counted."""
+    from dcp_otel import _selftelemetry
+
+    _selftelemetry.reset()
+    record, ops, op = _record_with_ops(tmp_path, layout.OP_SLOTS)
+    still_open = ops[0]
+    for o in ops[1:]:
+        record.op_complete(o)  # type: ignore[attr-defined]
+    newest = op(1000)
+    record.op_begin(newest, 1, 0)  # type: ignore[attr-defined]
+    assert ops[1].rec_slot == -1 and still_open.rec_slot >= 0 and newest.rec_slot >= 0  # type: ignore[attr-defined]
+    assert "spool_operation_evicted" not in _selftelemetry.counts()
+
+
+def test_a_start_cut_short_gives_its_operations_slot_back(tmp_path: Path) -> None:
+    """An operation begun by a start that an exception cut short never runs (dcp_otel.tracing.cut_short): its
+    slot is free again, and a slot a start took without writing (cut short in between) is taken first, unsaid."""
+    from dcp_otel import _selftelemetry
+
+    _selftelemetry.reset()
+    record, ops, op = _record_with_ops(tmp_path, layout.OP_SLOTS)
+    record.abandon("1")  # type: ignore[attr-defined]
+    open_serials = {o.serial for o in read_record(str(record.directory)).open_ops()}  # type: ignore[attr-defined]
+    assert ops[0].rec_slot == -1 and ops[0].rec_serial not in open_serials and ops[1].rec_serial in open_serials  # type: ignore[attr-defined]
+    lost = record._free_ops.pop()  # type: ignore[attr-defined]  # taken, never written: no operation holds it
+    newest = op(1000)
+    record.op_begin(newest, 1, 0)  # type: ignore[attr-defined]
+    assert newest.rec_slot == lost and "spool_operation_evicted" not in _selftelemetry.counts()  # type: ignore[attr-defined]

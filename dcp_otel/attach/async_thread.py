@@ -66,20 +66,27 @@ class AsyncContextCarrier:
         if handle is None:
             return wrapped(*args, **kwargs)
         carried, finish = handle
-        key = id(staged)
-        with self._lock:
-            if len(self._pending) < MAX_PENDING_HANDOVERS:
-                self._pending[key] = carried
-            else:
-                report("handover_limit", "async save context not carried: too many hand-overs pending")
+        future: Future[Any] | None = None
+        key = -1
         try:
-            future = wrapped(*args, **kwargs)
-        except BaseException as exc:
+            key = id(staged)
             with self._lock:
-                self._pending.pop(key, None)
-            finish(exc)
+                if len(self._pending) < MAX_PENDING_HANDOVERS:
+                    self._pending[key] = carried
+                else:
+                    report("handover_limit", "async save context not carried: too many hand-overs pending")
+            future = wrapped(*args, **kwargs)
+            future.add_done_callback(finish)
+        except BaseException as exc:
+            # Whatever raised (the executor, or a signal handler anywhere in here): the upload ends with the future
+            # if there is one (a callback added twice ends it once), else now, with the exception.
+            if future is None:
+                with self._lock:
+                    self._pending.pop(key, None)
+                finish(exc)
+            else:
+                future.add_done_callback(finish)
             raise
-        future.add_done_callback(finish)
         return future
 
     def save_wrapper(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

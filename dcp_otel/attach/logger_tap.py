@@ -33,6 +33,7 @@ from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.events import MalformedEvent, parse_event
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.tracing.cut_short import passes_records_along
 from dcp_otel.tracing.tracker import SpanRecorder
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
@@ -68,27 +69,47 @@ class DCPLoggerTap:
 
     # torch calls exactly these two: debug (start, end) and error (exception). Any other
     # method is the logger's own (``__getattr__``), as for code that is not DCP's.
+    #
+    # What comes out of one (a signal handler's exception, raised wherever the main thread is) goes on to
+    # torch's code, and the record's handling is made whole first: see dcp_otel.tracing.cut_short.
     def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        if not self._fast(msg):  # a step's two records (and a key's) take the recorder's hot path, in one call
-            self._general(msg)
-        logger = self.logger
-        # This frame counts as logging's own (_as_loggings_own): the caller's stack level passes unchanged.
-        # (The class first: any Logger has a __dict__, a stand-in of another kind may not.)
-        if type(logger).debug is not _LOGGER_DEBUG or "debug" in logger.__dict__:  # a logger of its own kind
-            logger.debug(msg, *args, **kwargs)
-        elif logger.isEnabledFor(_DEBUG):  # what Logger.debug does, one frame fewer
-            logger._log(_DEBUG, msg, args, **kwargs)
+        try:
+            if not self._fast(msg):  # a step's two records (and a key's) take the recorder's hot path, in one call
+                self._general(msg)
+            logger = self.logger
+            # This frame counts as logging's own (_as_loggings_own): the caller's stack level passes unchanged.
+            # (The class first: any Logger has a __dict__, a stand-in of another kind may not.)
+            if type(logger).debug is not _LOGGER_DEBUG or "debug" in logger.__dict__:  # a logger of its own kind
+                logger.debug(msg, *args, **kwargs)
+            elif logger.isEnabledFor(_DEBUG):  # what Logger.debug does, one frame fewer
+                logger._log(_DEBUG, msg, args, **kwargs)
+        except BaseException:
+            self.cut_short(msg)
+            raise
 
     def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
-        self.feed(msg)  # (not a hot path: debug inlines feed, error need not)
-        self.logger.error(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
+        try:
+            self.feed(msg)  # (not a hot path: debug inlines feed, error need not)
+            self.logger.error(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
+        except BaseException:
+            self.cut_short(msg)
+            raise
 
     def feed(self, msg: Any) -> None:
         """Hand one DCP record (torch's dict) to the recorder."""
         # The two records of every DCP step (and of every key of a state dict) go straight to the hot path;
         # everything else (operations, exceptions, malformed records) takes the general one.
-        if not self._fast(msg):
-            self._general(msg)
+        try:
+            if not self._fast(msg):
+                self._general(msg)
+        except BaseException:
+            self.cut_short(msg)
+            raise
+
+    def cut_short(self, msg: Any) -> None:
+        """Handing ``msg`` on was cut short by an exception: the recorder makes whole what it left."""
+        if self._fast is not _fed_nothing:
+            self.recorder.cut_short(msg)
 
     def _general(self, msg: Any) -> None:
         try:
@@ -135,3 +156,4 @@ def _as_loggings_own(method: Any) -> None:
 
 
 _as_loggings_own(DCPLoggerTap.debug)
+passes_records_along(DCPLoggerTap.debug, DCPLoggerTap.error, DCPLoggerTap.feed, DCPLoggerTap._general)

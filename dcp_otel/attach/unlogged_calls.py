@@ -62,13 +62,14 @@ from types import FrameType
 from typing import Any, Final
 
 from dcp_otel._selftelemetry import report
+from dcp_otel.events import STATE_DICT_FUNCTIONS
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.tracing.cut_short import passes_records_along
 
 MODULE: Final = "torch.distributed.checkpoint.state_dict"
 #: The context manager every public function runs in.
 PUBLIC_CONTEXT: Final = "_gc_context"
-PUBLIC: Final = frozenset({"get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
-                           "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"})  # fmt: skip
+PUBLIC: Final = STATE_DICT_FUNCTIONS
 #: torch's workers, each a DCP call under its own name.
 WORKERS: Final = ("_get_model_state_dict", "_get_optim_state_dict", "_load_model_state_dict", "_load_optim_state_dict")
 #: Consolidation: where its functions live (hf_storage imports one of them by name), and their names.
@@ -119,7 +120,12 @@ def _start(
 
 
 def _end(feed: Feed, record: dict[str, Any], error: BaseException | None) -> None:
-    """Feed a call's end, or its exception (call it while that exception is being handled)."""
+    """Feed a call's end, or its exception (call it while that exception is being handled).
+
+    A signal handler's exception may come out of it before the end reached the recorder (at its very
+    start, or as it reads the clock): its caller calls it through :func:`_end_whole`, which ends the call
+    all the same.
+    """
     try:
         if error is None:
             feed({**record, "event": "end", "time": time.time_ns()})
@@ -128,6 +134,18 @@ def _end(feed: Feed, record: dict[str, Any], error: BaseException | None) -> Non
     except Exception as exc:  # noqa: BLE001
         reraise_if_signalled(exc)
         report("recorder_error", "dcp_otel failed to record a state-dict call", exc_info=True)
+
+
+def _cut_short(feed: Feed, record: dict[str, Any], error: BaseException | None) -> None:
+    """An exception came out of :func:`_end`, maybe before the end reached the recorder (out of its first
+    instruction, or as it read the clock): the call ended all the same (see :mod:`dcp_otel.tracing.cut_short`).
+
+    Its callers call ``_end`` inside a ``try`` of their own, then this: a handler's exception can come out of
+    a function's very first instruction, before any ``try`` of that function's.
+    """
+    cut_short = getattr(getattr(feed, "__self__", None), "cut_short", None)  # the tap's
+    if cut_short is not None:
+        cut_short({**record, "event": "end" if error is None else "exception"})
 
 
 def _public_caller() -> str | None:
@@ -151,15 +169,28 @@ class _LoggedContext:
         self._record: dict[str, Any] | None = None
 
     def __enter__(self) -> Any:
-        self._record = _start(self._feed, self._func_name, with_ranks=True)
-        return self._inner.__enter__()
+        record = self._record = _start(self._feed, self._func_name, with_ranks=True)
+        try:
+            return self._inner.__enter__()
+        except BaseException as error:  # __exit__ is not called for a failed __enter__: the call ends here
+            if record is not None:
+                try:
+                    _end(self._feed, record, error)
+                except BaseException:
+                    _cut_short(self._feed, record, error)
+                    raise
+            raise
 
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> Any:
         try:
             return self._inner.__exit__(kind, error, tb)
         finally:
             if self._record is not None:
-                _end(self._feed, self._record, error)
+                try:
+                    _end(self._feed, self._record, error)
+                except BaseException:
+                    _cut_short(self._feed, self._record, error)
+                    raise
 
 
 def public_call(feed: Feed) -> Callable[..., Any]:
@@ -209,16 +240,24 @@ def logged_call(
             return wrapped(*args, **kwargs)
         try:
             result = wrapped(*args, **kwargs)
+            if after is not None:
+                try:
+                    after(instance, args, kwargs)
+                except Exception as exc:  # noqa: BLE001
+                    reraise_if_signalled(exc)  # (then it is the call's outcome, as the caller sees it)
+                    report("recorder_error", "dcp_otel failed to record what %s produced", func_name, exc_info=True)
         except BaseException as error:
-            _end(feed, record, error)  # inside the except block, as torch logs it
-            raise
-        if after is not None:
             try:
-                after(instance, args, kwargs)
-            except Exception as exc:  # noqa: BLE001
-                reraise_if_signalled(exc)
-                report("recorder_error", "dcp_otel failed to record what %s produced", func_name, exc_info=True)
-        _end(feed, record, None)
+                _end(feed, record, error)  # inside the except block, as torch logs it
+            except BaseException:
+                _cut_short(feed, record, error)
+                raise
+            raise
+        try:
+            _end(feed, record, None)
+        except BaseException:
+            _cut_short(feed, record, None)
+            raise
         return result
 
     return wrapper
@@ -270,3 +309,6 @@ def consolidated(on_gathered: Callable[[object], None]) -> After:
             on_gathered(ConsolidatedOutput(os.fspath(folder)))
 
     return after
+
+
+passes_records_along(_start, _LoggedContext.__enter__)  # (its wrapper is the frame that runs a call)

@@ -21,6 +21,7 @@ and never needed this.
 from __future__ import annotations
 
 import _signal  # the C module signal wraps: its getsignal gives SIG_DFL as a plain int, 20 times faster
+import _thread
 import functools
 import signal
 import threading
@@ -140,16 +141,21 @@ def away_from_signals(fn: Callable[[], T]) -> T:
     if threading.current_thread() is not threading.main_thread():
         return fn()
     outcome: list[tuple[bool, Any]] = []
+    finished = _thread.allocate_lock()
+    finished.acquire()
 
     def run() -> None:
         try:
             outcome.append((True, fn()))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it was
             outcome.append((False, exc))
+        finally:
+            finished.release()
 
-    helper = threading.Thread(target=run, name="dcp-otel-away-from-signals", daemon=True)
-    helper.start()
-    helper.join()
+    # A bare thread (not threading.Thread): a signal handler's exception cutting threading's start() short
+    # makes the new thread fail in Python's own bookkeeping, and print so; this one just runs out.
+    _thread.start_new_thread(run, ())
+    finished.acquire()
     done, value = outcome[0]
     if done:
         return value  # type: ignore[no-any-return]

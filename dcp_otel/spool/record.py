@@ -230,18 +230,25 @@ class ProcessRecord:
         """
         if self._pid != os.getpid() and not self.ensure():
             return
+        was_open = False
         with self._lock:
             self._serial = serial = self._serial + 1
             if self._free_ops:
                 slot = self._free_ops.pop()
-            else:  # an operation left open for good (a signal handler's exception out of torch's own start) each
-                slot = self._oldest_open()  # time: the oldest open one gives way; none is refused
+            else:  # none is refused: one gives way (see _give_way)
+                slot, was_open = self._give_way()
                 victim = self._slot_ops[slot]
                 if victim is not None:
                     victim.rec_slot = -1  # (it writes into the slot no more)
-                report("spool_operation_evicted", "dcp_otel records %d open operations at most: the oldest one's "
-                       "record gave way to a new one", OP_SLOTS)  # fmt: skip
+            # This operation's from here, with no call between (a start cut short gives it back: abandon).
+            self._slot_ops[slot] = op
+            op.rec_slot = slot
+        if was_open:
+            report("spool_operation_evicted", "dcp_otel records %d open operations at most: the oldest one's "
+                   "record gave way to a new one", OP_SLOTS)  # fmt: skip
         try:
+            mm, offset = self.mm, OPS_OFFSET + slot * OP_SIZE
+            _pack_u64(mm, offset, 0)  # first: a reader skips the slot until its serial says it is whole
             data = repr({"trace": op.trace_id, "span": op.span_id, "root": op.root_span_id, "parent": parent_span_id,
                          "name": op.name, "start": start_ns, "flags": int(op.flags), "adopted": op.adopted,
                          "attributes": op.attributes, "step_attributes": op.step_attributes}).encode()  # fmt: skip
@@ -249,22 +256,46 @@ class ProcessRecord:
                 data = repr({"trace": op.trace_id, "span": op.span_id, "root": op.root_span_id,
                              "parent": parent_span_id, "name": op.name, "start": start_ns, "flags": int(op.flags),
                              "adopted": op.adopted}).encode()  # fmt: skip
-            mm, offset = self.mm, OPS_OFFSET + slot * OP_SIZE
             mm[offset + layout.OFF_OP_JSON : offset + layout.OFF_OP_JSON + len(data)] = data
-            # The serial last: a reader takes a slot whose serial is set as whole.
             _pack_head(mm, offset, 0, layout.OP_STATE_OPEN, 0, 0, 0, 0, 0, 0, 0, len(data))
             _pack_failed(mm, offset + layout.OFF_OP_FAILED, b"")
-            _pack_u64(mm, offset, serial)
-            op.rec_serial, op.rec_slot = serial, slot
-            self._slot_ops[slot] = op
+            _pack_u64(mm, offset, serial)  # the serial last
+            op.rec_serial = serial
         except Exception as exc:  # noqa: BLE001 - the hot path: counted, never raised
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not write an operation ahead", exc_info=True)
 
-    def _oldest_open(self) -> int:
-        """The slot of the operation open longest (under the lock, when every slot is taken)."""
-        serials = [(U64.unpack_from(self.mm, OPS_OFFSET + slot * OP_SIZE)[0], slot) for slot in range(OP_SLOTS)]
-        return min(serials)[1]
+    def _give_way(self) -> tuple[int, bool]:
+        """The slot a new operation takes when none is free (under the lock), and whether an open one loses it.
+
+        First a slot no operation holds (a start cut short between taking it and writing it), then the oldest
+        complete operation (ended, its outcome written, waiting for the builder: a tight loop of state-dict
+        calls outruns the builder by dozens; it is built and exported all the same, only a death in the next
+        moments would lose it), and only then the oldest open one: counted, and said.
+        """
+        mm, ops = self.mm, self._slot_ops
+        complete: list[tuple[int, int]] = []
+        opened: list[tuple[int, int]] = []
+        for slot in range(OP_SLOTS):
+            if ops[slot] is None:
+                return slot, False
+            offset = OPS_OFFSET + slot * OP_SIZE
+            serial, state = U64.unpack_from(mm, offset)[0], U64.unpack_from(mm, offset + layout.OFF_OP_STATE)[0]
+            (opened if state == layout.OP_STATE_OPEN else complete).append((serial, slot))
+        if complete:
+            return min(complete)[1], False
+        return min(opened)[1], True
+
+    def abandon(self, start_uuid: str) -> None:
+        """The start of call ``start_uuid`` was cut short (see :mod:`dcp_otel.tracing.cut_short`): an operation
+        it began never runs, and its slot is free again."""
+        with self._lock:
+            begun = [op for op in self._slot_ops if op is not None and op.start_uuid == start_uuid and not op.submitted]
+        for op in begun:
+            slot = op.rec_slot
+            if slot >= 0:
+                _pack_u64(self.mm, OPS_OFFSET + slot * OP_SIZE, 0)  # as if never written (it never ran)
+                self._release(op, slot)
 
     def op_complete(self, op: Operation) -> None:
         """``op`` ended (handed to the builder, on the caller's thread): how it ended, until it is built."""
@@ -279,18 +310,22 @@ class ProcessRecord:
     def op_done(self, op: Operation) -> None:
         """``op`` is built (its spans kept until exported), or dropped: its slot is free again."""
         slot = op.rec_slot
-        if slot < 0 or op.rec_serial == 0:
+        if slot < 0:
             return
-        op.rec_slot = -1
-        offset = OPS_OFFSET + slot * OP_SIZE
         try:
-            U64.pack_into(self.mm, offset + layout.OFF_OP_STATE, layout.OP_STATE_DONE)
-            with self._lock:
-                self._slot_ops[slot] = None
-                self._free_ops.append(slot)
+            if op.rec_serial:
+                U64.pack_into(self.mm, OPS_OFFSET + slot * OP_SIZE + layout.OFF_OP_STATE, layout.OP_STATE_DONE)
+            self._release(op, slot)
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not mark an operation done in its record", exc_info=True)
+
+    def _release(self, op: Operation, slot: int) -> None:
+        with self._lock:
+            if self._slot_ops[slot] is op:
+                self._slot_ops[slot] = None
+                self._free_ops.append(slot)
+        op.rec_slot = -1
 
     def background(self, op: Operation, staging: bool, span_id: int, start_ns: int, end_ns: int = 0) -> None:
         """An async save's upload (or staging) that no thread is inside, started or (``end_ns``) ended."""

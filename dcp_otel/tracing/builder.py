@@ -85,11 +85,15 @@ class SpanBuilder:
         _forksafe.register(self)
 
     def _reset(self) -> None:
-        self._cond = threading.Condition()
+        # Held with ``with self._lock`` (a C lock), never ``with self._cond``: Condition's own __exit__ is Python, and
+        # a signal handler's exception raised at its first instruction would leave the lock held for good.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._queue: deque[tuple[Operation, list[Call]]] = deque()
         self._unbuilt = 0  # queued items not built yet
         self._unmeasured = 0  # queued items whose metrics are not recorded yet (they come first)
         self._thread: threading.Thread | None = None
+        self._running: threading.Thread | None = None  # the thread that is in _run (see _start_thread)
         self._closed = False
         self.peak_depth = 0
         self.busy_ns = 0
@@ -105,18 +109,23 @@ class SpanBuilder:
         item = (op, op.calls if calls is None else calls)
         if calls is None and self.record is not None:
             self.record.op_complete(op)  # ended: a death before it is built still has its ends, and its outcome
-        with self._cond:
+        with self._lock:
             # After close() too: an async upload that ends after uninstrument() is still built,
             # by a thread that stops again once the queue is empty.
-            if len(self._queue) >= self._max_queued:
-                full = True
-            else:
-                full = False
-                self._queue.append(item)
+            full = len(self._queue) >= self._max_queued
+            if calls is None:
+                if op.queued:  # handed on already (an end cut short and finished again submits it once more)
+                    return
+                # Marked and queued with no call between (a signal handler runs only at a call, a backward
+                # jump or a function's start): the one goes with the other.
+                op.queued = True
+            if not full:
                 self._unbuilt += 1
                 self._unmeasured += 1
-                self.peak_depth = max(self.peak_depth, len(self._queue))
+                self._queue.append(item)
+                # (Cut short here, the builder is woken by the next submit or drain.)
                 self._cond.notify()
+                self.peak_depth = max(self.peak_depth, len(self._queue))
             thread = self._thread
         if full:
             report("build_queue_full", "dcp_otel dropped a finished operation's spans: %d operations wait "
@@ -130,15 +139,17 @@ class SpanBuilder:
             if calls is None:  # dropped: its cycle broken as a built one's is (see _run)
                 op.calls, op.gathered = [], []
             return
-        if thread is None:
+        if thread is None or (thread is not self._running and not thread.is_alive()):
             self._start_thread()
 
     def _start_thread(self) -> None:
-        with self._cond:
-            if self._thread is not None:
+        # A thread whose start() a signal handler's exception cut short may never run (Python's own
+        # bookkeeping of it fails): one that is not alive is replaced, at the next submit or drain.
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
                 return
-            self._thread = threading.Thread(target=self._run, name="dcp-otel-builder", daemon=True)
-        self._thread.start()
+            thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-builder", daemon=True)
+        thread.start()
 
     def drain(self, timeout_s: float, metrics_only: bool = False) -> bool:
         """Wait until every queued operation is built; ``False`` past ``timeout_s``.
@@ -148,7 +159,12 @@ class SpanBuilder:
         """
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
-        with self._cond:
+        with self._lock:
+            idle = bool(self._queue) and (self._thread is None or not self._thread.is_alive())
+            self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
+        if idle:
+            self._start_thread()
+        with self._lock:
             if metrics_only:
                 return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
             return self._cond.wait_for(lambda: self._unbuilt == 0, timeout_s)
@@ -159,7 +175,7 @@ class SpanBuilder:
         Work submitted later still gets built, by a thread started for it that
         ends again when it is done.
         """
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify_all()
             thread = self._thread
@@ -168,8 +184,9 @@ class SpanBuilder:
 
     # --- the builder thread ---------------------------------------------------------
     def _run(self) -> None:
+        self._running = threading.current_thread()
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._queue:
                     if self._closed:
                         self._thread = None
@@ -178,7 +195,7 @@ class SpanBuilder:
                 op, calls = self._queue.popleft()
             started = time.thread_time_ns()  # CPU time: not the waits for the interpreter lock
             self._record_metrics(op, calls)
-            with self._cond:
+            with self._lock:
                 self._unmeasured -= 1
                 self._cond.notify_all()
             if calls is op.calls and op.failed is None and op.end_ns:
@@ -203,7 +220,7 @@ class SpanBuilder:
                 # (a late part comes with its own list): freed here, by reference counting.
                 op.calls, op.gathered = [], []
             op = calls = None  # type: ignore[assignment]  # (not kept until the next operation comes)
-            with self._cond:
+            with self._lock:
                 self._unbuilt -= 1
                 self.busy_ns += time.thread_time_ns() - started
                 self.built += 1

@@ -210,6 +210,7 @@ class OperationStarter:
         # Once per operation (every call of it inherits it), and not even that when the sampler is constant.
         flags = static_flags if static_flags is not None else sampling_flags(tracer, ids.trace_id)
         op = Operation(event.func_name, rank, tracer, attributes, ids.trace_id, flags)
+        op.start_uuid = event.uuid
         op.span_id = op.exemplar_span_id = new_span_id()
 
         caller = ctx.get(SPAN_KEY)  # trace.get_current_span(ctx), without its calls; None: no span

@@ -107,6 +107,9 @@ class Call:
     kind: str = KIND_STEP
     keys: KeyStats | None = None
     owns_part: bool = False  # its end may complete the operation
+    part_ended: bool = False  # that part is counted (Operation.part_done)
+    prior: Any = None  # the context its start found (the general path's calls; see dcp_otel.tracing.cut_short)
+    watched: tuple[int, Any] | None = None  # an operation call's: the frame running it (ditto)
     failure: Failure | None = None
     inferred: bool = False
     extra: dict[str, Any] | None = None  # attributes learnt while it ran (byte counts)
@@ -228,7 +231,7 @@ class Operation:
         "name", "rank", "rank_label", "world_size", "group_rank", "coordinator", "tracer", "trace_id", "flags",
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
         "wait_s", "lock", "storage", "exemplar_span_id", "_exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
-        "group", "collective_error", "staging", "released_ns", "rec_serial", "rec_slot",
+        "group", "collective_error", "staging", "released_ns", "rec_serial", "rec_slot", "start_uuid", "queued",
     )  # fmt: skip
 
     def __init__(
@@ -279,6 +282,8 @@ class Operation:
         self.staging: Staged | None = None  # what an async save's stager copied (dcp_otel.tracing.facts)
         self.rec_serial = 0  # its number and slot in its process's record (dcp_otel.spool.record); 0: not there
         self.rec_slot = -1
+        self.start_uuid = ""  # the call that began it (a start cut short drops it: dcp_otel.tracing.cut_short)
+        self.queued = False  # handed to the builder (or dropped there): once
         self.lock = threading.Lock()
 
     @property
@@ -303,11 +308,20 @@ class Operation:
         with self.lock:
             self.pending += 1
 
-    def part_done(self, end_ns: int, error: str | None) -> bool:
-        """One part ended; True when it was the last (the operation is complete)."""
+    def part_done(self, end_ns: int, error: str | None, part: Call | None = None) -> bool:
+        """One part ended; True when it was the last (the operation is complete).
+
+        ``part``: the call that ended, counted once however often its end is told (an end cut short and
+        finished again, :mod:`dcp_otel.tracing.cut_short`).
+        """
         with self.lock:
+            if part is not None:
+                if part.part_ended:
+                    return False
+                part.part_ended = True
             self.pending -= 1
-            self.end_ns = max(self.end_ns, end_ns)
+            if end_ns > self.end_ns:  # (no call under the lock: a signal handler's exception lands at none)
+                self.end_ns = end_ns
             if error and not self.failed:
                 self.failed = error
             if self.pending > 0 or self.submitted:

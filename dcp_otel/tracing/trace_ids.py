@@ -211,10 +211,16 @@ class SequenceCounter:
 
     def next(self, key: CheckpointKey) -> int:
         with self._lock:
-            seq = self._next.pop(key, 0)
-            self._next[key] = seq + 1  # the most recently used, last
-            if len(self._next) > self._max_keys:
-                self._next.popitem(last=False)
+            counts = self._next
+            # Read and counted with no call between (a signal handler's exception, raised at a call, would leave
+            # the key out, and the next operation would take sequence 0 again: another operation's trace).
+            seq = 0
+            if key in counts:
+                seq = counts[key]
+                del counts[key]
+            counts[key] = seq + 1  # the most recently used, last
+            if len(counts) > self._max_keys:
+                counts.popitem(last=False)
             return seq
 
     def __len__(self) -> int:

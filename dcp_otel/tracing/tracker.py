@@ -36,17 +36,18 @@ from opentelemetry.trace import NonRecordingSpan
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.config import InstrumentOptions
-from dcp_otel.events import MAX_FUNC_NAME, DCPEvent
+from dcp_otel.events import ENTRY_POINTS, MAX_FUNC_NAME, DCPEvent
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.spool.layout import ENTRY, ENTRY_SHIFT, I64, KIND_CODES, OFF_ENTRY_END, RING_MASK
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.builder import SpanBuilder
+from dcp_otel.tracing.call_ends import CallEnds, _detach_quietly
 from dcp_otel.tracing.collectives import CollectiveCalls
+from dcp_otel.tracing.cut_short import CutShort, passes_records_along, watched_frame
 from dcp_otel.tracing.detail import DetailPolicy
 from dcp_otel.tracing.drain import ProviderHooks
 from dcp_otel.tracing.facts import CallFacts
-from dcp_otel.tracing.failures import Failure
 from dcp_otel.tracing.light import SPAN_KEY, with_span
 from dcp_otel.tracing.light import attach as light_attach
 from dcp_otel.tracing.light import detach as light_detach
@@ -55,7 +56,6 @@ from dcp_otel.tracing.light import span_context as light_span_context
 from dcp_otel.tracing.open_calls import OpenCalls
 from dcp_otel.tracing.operations import OPERATION_KEY, OperationStarter, has_class_fields
 from dcp_otel.tracing.records import (
-    KIND_COLLECTIVE,
     KIND_OPERATION,
     KIND_STEP,
     Call,
@@ -63,7 +63,6 @@ from dcp_otel.tracing.records import (
     KeyStats,
     Operation,
     ThreadStack,
-    failure_of,
     new_span_id,
 )
 from dcp_otel.tracing.trace_ids import SequenceTables
@@ -72,9 +71,7 @@ from dcp_otel.tracing.uploads import InFlight
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
 _STATEFUL_PARENT = _KEY_PREFIX[:-1]  # "_stateful_to_state_dict"
 _getrandbits = random.getrandbits
-#: Operations that wait in steps of their own (the checkpointer's barrier, its wait for the previous write).
-_WAITING_IN_STEPS = frozenset({semconv.CHECKPOINTER_SAVE, semconv.CHECKPOINTER_ASYNC_SAVE})
-_WAIT_STEPS = semconv.WAIT_STEPS
+_ENTRY_POINTS = ENTRY_POINTS
 #: Registered thread stacks past which those of ended threads are dropped.
 _PRUNE_STACKS_AT = 64
 _pack_entry = ENTRY.pack_into
@@ -83,20 +80,7 @@ _STEP_CODE = KIND_CODES[KIND_STEP]
 _OPERATION_CODE = KIND_CODES[KIND_OPERATION]
 
 
-def _detach_quietly(token: object) -> None:
-    """Detach a call's context; a token of another context (a thread's that a call started on) is counted.
-
-    Not through ``context_api.detach``, which catches everything itself (what a signal handler raises in it too):
-    the one clause here lets a handler's exception through.
-    """
-    try:
-        light_detach(token)
-    except Exception as exc:  # noqa: BLE001
-        reraise_if_signalled(exc)
-        report("recorder_error", "dcp_otel failed to detach a DCP call's context", exc_info=True)
-
-
-class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
+class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
     """Records DCP calls for the builder; thread-safe; never raises from its ``on_*``."""
 
     def __init__(self, options: InstrumentOptions, metrics: MetricsSink | None = None) -> None:
@@ -252,18 +236,21 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 if op is None or op.submitted or call.owns_part:  # not a plain step
                     self._close(call, time_ns, stack[-1] if stack else None)
                     return True
-                self._open.pop(uuid, None)
                 call.end_ns = time_ns
                 if call.rec >= 0:
                     _pack_end(self.record.mm, call.rec + OFF_ENTRY_END, time_ns)  # type: ignore[union-attr]
+                token = call.token
+                call.token = None
                 try:
-                    light_detach(call.token)
+                    light_detach(token)
                 except Exception as exc:  # noqa: BLE001 - as context_api.detach: a token of another context
                     reraise_if_signalled(exc)
                     report("recorder_error", "dcp_otel failed to detach a DCP call's context", exc_info=True)
-                call.token = None
                 if stack:
                     stack[-1].children_ns += time_ns - call.start_ns
+                # Open until here (cut_short finishes what a signal handler's exception cut off before): out
+                # of the open calls and into its operation's in one step, no call between.
+                del self._open[uuid]
                 op.calls.append(call)
                 return True
             if kind != "start":
@@ -285,7 +272,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 self._start(DCPEvent(kind, uuid, func_name, time_ns, None, dict(msg)), ctx)
                 return True
             if type(op) is not Operation or "storage_writer" in msg or "storage_reader" in msg or "planner" in msg \
-                    or op.interrupted is not None:  # fmt: skip
+                    or op.interrupted is not None or func_name in _ENTRY_POINTS:  # fmt: skip
                 return False
             open_calls = self._open
             if len(open_calls) >= self._max_open or uuid in open_calls:
@@ -297,7 +284,6 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
             if func_name == _STATEFUL_PARENT:
                 call.keys = KeyStats(self.options.slowest_keys)
             light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
-            call.token = light_attach(with_span(ctx, light))
             if not stack and op.adopted:
                 call.owns_part = True
                 op.add_part()
@@ -308,6 +294,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
                 call.rec = rec = base + ((stack.calls & RING_MASK) << ENTRY_SHIFT)
                 stack.calls += 1
                 _pack_entry(self.record.mm, rec, span_id, time_ns, 0, op.rec_serial, _STEP_CODE, func_name.encode())  # type: ignore[union-attr]
+            # Its context last: a start cut short before this (cut_short) leaves the context as it found it.
+            call.token = light_attach(with_span(ctx, light))
         except Exception as exc:  # noqa: BLE001 - telemetry never raises into training
             reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to record a DCP event", exc_info=True)
@@ -323,21 +311,20 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
 
     def _push(
         self, uuid: str, func_name: str, time_ns: int, op: Operation, attributes: dict[str, Any],
-        ctx: context_api.Context, begins: bool = False, span_id: int = 0,
+        ctx: context_api.Context, begins: bool = False, span_id: int = 0, prior: context_api.Context | None = None,
     ) -> Call:  # fmt: skip
         """Make a light span current while call ``uuid`` runs, and remember the call until it ends.
 
-        ``begins``: the call begins ``op``, made current with it. The general path (operations,
-        nested saves); :meth:`on_record` does the same for a plain step in one frame: keep the two in step.
+        ``begins``: the call begins ``op``, made current with it. ``prior``: the context the call's start
+        found (default ``ctx``), what a start cut short puts back. The general path (operations, nested
+        saves); :meth:`on_record` does the same for a plain step in one frame: keep the two in step.
         """
         span_id = span_id or new_span_id()
         call = Call(uuid, func_name, time_ns, span_id, ctx.get(SPAN_KEY), op, attributes)  # type: ignore[arg-type]
+        call.prior = ctx if prior is None else prior
         if func_name == _STATEFUL_PARENT:
             call.keys = KeyStats(self.options.slowest_keys)
         light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
-        # One new Context: set_value(OPERATION_KEY, ...) then set_span_in_context, without the copy between.
-        call.token = light_attach(Context({**ctx, OPERATION_KEY: op, SPAN_KEY: light}) if begins else
-                                  with_span(ctx, light))  # fmt: skip
         stack = self._stack()
         if not stack and op.adopted:  # a top-level call of an operation continued in this process
             call.owns_part = True
@@ -350,6 +337,10 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
             stack.calls += 1  # type: ignore[attr-defined]
             _pack_entry(self.record.mm, rec, span_id, time_ns, 0, op.rec_serial, _OPERATION_CODE if begins else _STEP_CODE,  # type: ignore[union-attr]
                         func_name.encode())  # fmt: skip
+        # Its context last (see on_record). One new Context: set_value(OPERATION_KEY, ...) then
+        # set_span_in_context, without the copy between.
+        call.token = light_attach(Context({**ctx, OPERATION_KEY: op, SPAN_KEY: light}) if begins else
+                                  with_span(ctx, light))  # fmt: skip
         return call
 
     def _start(self, event: DCPEvent, ctx: context_api.Context | None = None) -> None:
@@ -359,6 +350,10 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         if ctx is None:
             ctx = light_get_current()
         enclosing = ctx.get(OPERATION_KEY)
+        # An application's own call inside an operation: it nests, or finds that operation's call left behind.
+        if enclosing is not None and event.func_name in _ENTRY_POINTS and self.left_behind(self._stack()):
+            ctx = light_get_current()  # the context that call found
+            enclosing = ctx.get(OPERATION_KEY)
         if type(enclosing) is Operation and enclosing.interrupted is not None:
             # This thread was inside an operation the process ended (SIGINT, caught): its context
             # goes back to what it was before that operation, and this call starts afresh.
@@ -379,68 +374,11 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls):
         op, parent_ctx = self.starter.begin(event, ctx, self._seq)
         # The operation travels with the context, into the async save thread too.
         call = self._push(event.uuid, event.func_name, event.time_ns, op, op.attributes, parent_ctx,
-                          True, op.span_id)  # fmt: skip
+                          True, op.span_id, ctx)  # fmt: skip
         call.kind = KIND_OPERATION
-        call.owns_part = True
+        call.watched = watched_frame()  # (the frame that runs it: see CutShort.left_behind)
         op.add_part()
+        call.owns_part = True
 
-    def _finish(self, uuid: str, kind: str, time_ns: int, error: str | None, exc: BaseException | None) -> None:
-        stack = self._stack()
-        index = len(stack) - 1
-        while index >= 0 and stack[index].uuid != uuid:
-            index -= 1
-        if index < 0:
-            if uuid not in self._interrupted:  # (ended already, as the process was ending)
-                report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
-            return
-        failed = kind == "exception"
-        if failed and exc is None and error is None:
-            error = "exception (not described by torch)"
-        failure = failure_of(stack[index], exc, error) if failed else None
-        op = stack[index].op
-        if failure is not None and exc is not None and op is not None and op.collective_error == id(exc):
-            failure.came_from_collective()  # a peer went away: the failure did not start here
-        # Calls above it on the stack raised without torch logging it (a
-        # success end can only come after they returned or raised).
-        cause = failure.description if failure is not None else "exception not logged by torch; see parent span"
-        while len(stack) > index + 1:
-            child = stack.pop()
-            if child.span_id:
-                child.failure = Failure(None, f"did not return: {cause}")
-                child.inferred = True
-                self._close(child, time_ns, stack[-1])
-            else:
-                self._open.pop(child.uuid, None)
-        call = stack.pop()
-        call.failure = failure
-        self._close(call, time_ns, stack[-1] if stack else None)
 
-    def _close(self, call: Call, end_ns: int, parent: Call | None) -> None:
-        """End ``call`` (inlined for a plain step in :meth:`on_record` and for a collective in
-        ``collective_ended``: keep the three in step)."""
-        self._open.pop(call.uuid, None)
-        if not call.span_id:  # a per-key call: summarized by on_key_event, no span
-            return
-        call.end_ns = end_ns
-        if call.rec >= 0:
-            _pack_end(self.record.mm, call.rec + OFF_ENTRY_END, end_ns)  # type: ignore[union-attr]
-        if call.token is not None:
-            _detach_quietly(call.token)
-            call.token = None
-        if parent is not None and call.kind != KIND_COLLECTIVE:  # a collective's time stays waiting
-            parent.children_ns += end_ns - call.start_ns
-        op = call.op
-        if op is None:
-            return
-        if op.submitted and not call.owns_part:  # ended after its operation was built: build it on its own
-            self.builder.submit(op, [call])
-            return
-        op.calls.append(call)
-        if call.kind == KIND_OPERATION:
-            op.start_ns = call.start_ns
-            waited_ns = end_ns - call.start_ns - call.children_ns
-            if op.name in _WAITING_IN_STEPS:  # the checkpointer waits in steps of its own
-                waited_ns += sum(c.end_ns - c.start_ns for c in op.calls if c.func_name in _WAIT_STEPS)
-            op.wait_s = waited_ns / 1e9
-        if call.owns_part and op.part_done(end_ns, call.failure.description if call.failure is not None else None):
-            self.builder.submit(op)
+passes_records_along(SpanRecorder.on_record, SpanRecorder.on_event)

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
 from dcp_otel._selftelemetry import report
-from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.live.signal_exceptions import raised_by_signal_handler, reraise_if_signalled
 from dcp_otel.tracing.failures import Failure, GlobalRank, global_rank_of
 from dcp_otel.tracing.operations import OPERATION_KEY
 from dcp_otel.tracing.records import KIND_STAGING, KIND_UPLOAD, Call, Operation, new_span_id
@@ -40,7 +40,13 @@ Finish = Callable[["Future[Any] | BaseException"], None]
 def begin_async_upload(
     recorder: SpanRecorder, staging: Future[Any] | None
 ) -> tuple[context_api.Context, Finish] | None:
-    """Open the upload (and async staging) calls of the current async save; see the module."""
+    """Open the upload (and async staging) calls of the current async save; see the module.
+
+    An exception out of it (a signal handler's, wherever it lands) ends what it opened, with that exception:
+    the caller never gets the callback that would.
+    """
+    opened: list[Call] = []
+    handed: list[Finish] = []
     try:
         op = context_api.get_value(OPERATION_KEY)
         if not isinstance(op, Operation):
@@ -52,39 +58,46 @@ def begin_async_upload(
         record = recorder.record
         if isinstance(staging, Future):
             staged = Call("", "async_staging", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_STAGING)
-            op.add_part()
-            recorder.uploads.started(staged)
+            opened.append(staged)  # (before it opens: ending one that never opened does nothing)
+            recorder.uploads.started(staged, op)
             if record is not None:
                 record.background(op, True, staged.span_id, now)
             staging.add_done_callback(lambda fut: _end(recorder, staged, fut))
         upload = Call("", "async_upload", now, new_span_id(), parent_or_none, op, op.step_attributes, KIND_UPLOAD)
-        op.add_part()
-        recorder.uploads.started(upload)
+        opened.append(upload)
+        recorder.uploads.started(upload, op)
         if record is not None:
             record.background(op, False, upload.span_id, now)
-    except Exception as exc:  # noqa: BLE001
-        reraise_if_signalled(exc)
-        report("recorder_error", "dcp_otel failed to trace an async upload", exc_info=True)
-        return None
-    metrics = recorder.metrics
-    if metrics is not None:
-        try:  # this runs inside torch's async_save: nothing may escape
-            metrics.async_handed_off(op.rank_label)
-        except Exception as exc:  # noqa: BLE001
-            reraise_if_signalled(exc)
-            report("metrics_error", "dcp_otel failed to count an async save in flight", exc_info=True)
+        metrics = recorder.metrics
 
-    def finish(outcome: Future[Any] | BaseException) -> None:
+        def finish(outcome: Future[Any] | BaseException) -> None:
+            if metrics is not None:
+                try:  # the upload's own thread (the future's done-callback), not the training thread
+                    metrics.async_upload_done(op.rank_label, (time.time_ns() - now) / 1e9, op.exemplar)
+                except Exception as exc:  # noqa: BLE001
+                    reraise_if_signalled(exc)
+                    report("metrics_error", "dcp_otel failed to record an async upload", exc_info=True)
+            _end(recorder, upload, outcome)
+
         if metrics is not None:
-            try:  # the upload's own thread (the future's done-callback), not the training thread
-                metrics.async_upload_done(op.rank_label, (time.time_ns() - now) / 1e9, op.exemplar)
+            try:  # this runs inside torch's async_save: nothing may escape
+                metrics.async_handed_off(op.rank_label)
+                handed.append(finish)
             except Exception as exc:  # noqa: BLE001
                 reraise_if_signalled(exc)
-                report("metrics_error", "dcp_otel failed to record an async upload", exc_info=True)
-        _end(recorder, upload, outcome)
-
-    light = NonRecordingSpan(SpanContext(op.trace_id, upload.span_id, False, op.flags))
-    return trace.set_span_in_context(light, ctx), finish
+                report("metrics_error", "dcp_otel failed to count an async save in flight", exc_info=True)
+        light = NonRecordingSpan(SpanContext(op.trace_id, upload.span_id, False, op.flags))
+        return trace.set_span_in_context(light, ctx), finish
+    except BaseException as exc:
+        for call in opened:  # each ends once (claimed), whoever else ends it
+            if handed and call is opened[-1]:
+                handed[0](exc)  # (the upload, and its count in flight)
+            else:
+                _end(recorder, call, exc)
+        if isinstance(exc, Exception) and not raised_by_signal_handler(exc):
+            report("recorder_error", "dcp_otel failed to trace an async upload", exc_info=True)
+            return None
+        raise
 
 
 def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseException) -> None:
@@ -118,33 +131,40 @@ class InFlight:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._open: dict[int, Call] = {}  # id -> call
+        self._lock = threading.RLock()  # held by ``with`` itself, not the condition's (see SpanBuilder)
+        self._cond = threading.Condition(self._lock)
+        self._open: dict[Call, Call] = {}  # (a call hashes as itself)
         self._ending = 0  # claimed, not yet handed to the builder
 
-    def started(self, call: Call) -> None:
-        with self._cond:
-            self._open[id(call)] = call
+    # No call inside these locks: a signal handler's exception (raised at a call) never leaves a part
+    # counted in its operation and not open here, nor one claimed and not counted as ending.
+    def started(self, call: Call, op: Operation) -> None:
+        """``call``, a part of ``op``, is open: counted in its operation and here, together."""
+        with self._lock, op.lock:
+            op.pending += 1
+            self._open[call] = call
 
     def claim(self, call: Call) -> bool:
         """``call`` is ending: ``True`` the first time (its future, or the process ending, ends it), and then
         :meth:`done` must follow once it is handed to the builder."""
-        with self._cond:
-            found = self._open.pop(id(call), None) is not None
-            self._ending += found
-            return found
+        with self._lock:
+            if call not in self._open:
+                return False
+            del self._open[call]
+            self._ending += 1
+            return True
 
     def done(self) -> None:
-        with self._cond:
+        with self._lock:
             self._ending -= 1
             self._cond.notify_all()
 
     def open_calls(self) -> list[Call]:
-        with self._cond:
+        with self._lock:
             return list(self._open.values())
 
     def wait(self, timeout: float | None) -> bool:
-        with self._cond:
+        with self._lock:
             return self._cond.wait_for(lambda: not self._open and not self._ending, timeout)
 
 

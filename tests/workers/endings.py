@@ -71,6 +71,7 @@ from opentelemetry.sdk.trace.export import (
 )
 
 from dcp_otel.otlp_file import OTLPJsonFileExporter
+from dcp_otel.spool.reader import read_record
 
 NEVER = threading.Event()
 STATE = {"w": torch.arange(64.0)}
@@ -429,9 +430,20 @@ def alarm(out: Path, files: Path, instrumented: Any) -> None:
         if fired > before and not caught:  # it fired, and its TimeoutError never reached the loop
             lost += 1
     say("alarm loop done")  # (how many landed where depends on timing: the counts go to a file, not to stdout)
-    swallowed = {k: v for k, v in instrumented.diagnostics().items() if k != "open_spans"} if instrumented else {}
+    left: dict[str, Any] = {}
+    if instrumented is not None:  # what the alarms left in dcp-otel: nothing (dcp_otel.tracing.cut_short)
+        from opentelemetry import context as context_api
+
+        from dcp_otel.tracing.operations import OPERATION_KEY
+
+        left["operation_current"] = context_api.get_value(OPERATION_KEY) is not None
+        get_model_state_dict(model)  # the next call: an operation of its own
+        instrumented.flush()
+        record = instrumented.DCPInstrumentor().recorder.record
+        left["record_unbuilt"] = len(read_record(record.directory).unbuilt_ops()) if record.directory else 0
+    problems = instrumented.diagnostics() if instrumented else {}
     (out / "alarms.json").write_text(json.dumps({"fired": fired, "reached": timeouts, "lost": lost,
-                                                 "dcp_otel_problems": swallowed}))  # fmt: skip
+                                                 "dcp_otel_problems": problems, "left": left}))  # fmt: skip
 
 
 def forked_save(files: Path, name: str) -> None:

@@ -1,0 +1,202 @@
+"""A DCP record whose handling an exception cut short is made whole: a start undone, an end finished.
+
+A signal handler's exception (a one-shot SIGALRM timeout's) comes out wherever the main thread is, dcp-otel's
+own bookkeeping of a call included. It reaches the application as without dcp-otel (test_signal_exceptions.py);
+here, what it leaves behind in dcp-otel: nothing. After each, no call is open, the thread's context is the one
+it had, the process's record holds no open operation (a survivor would name it as where a later death
+happened), and the next checkpoint is a trace of its own, exported. Each test makes the signal land at one
+chosen place, deterministically: the signal is sent from code that runs there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from torch.distributed.checkpoint import logger as torch_logger
+
+from dcp_otel import _selftelemetry, semconv
+from dcp_otel.spool import layout
+from dcp_otel.spool.reader import read_record
+from dcp_otel.tracing import call_ends, records, tracker
+from dcp_otel.tracing.cut_short import LEFT_BEHIND
+from dcp_otel.tracing.operations import OPERATION_KEY
+from tests.conftest import Traced
+
+STATE = {"w": torch.arange(8.0)}
+
+
+def _one_shot(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a timeout's way: the previous disposition back, then raise
+    raise TimeoutError("one shot")
+
+
+@pytest.fixture
+def alarm() -> Iterator[Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """``alarm(fn)``: ``fn`` that, the first time it is called, runs and then has SIGALRM's one-shot handler
+    raise ``TimeoutError`` out of it (the handler runs at the next instruction after the signal is sent)."""
+    previous = signal.signal(signal.SIGALRM, _one_shot)
+    fired = threading.Event()
+
+    def then_alarm(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def called(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            if not fired.is_set() and threading.current_thread() is threading.main_thread():
+                fired.set()
+                os.kill(os.getpid(), signal.SIGALRM)
+            return result
+
+        return called
+
+    yield then_alarm
+    signal.signal(signal.SIGALRM, previous)
+
+
+def record_of_this_process() -> Any:
+    spool = Path(os.environ[semconv.ENV_SPOOL_DIR])
+    (name,) = [n for n in os.listdir(spool) if layout.parse_name(n) and not layout.parse_name(n).state]  # type: ignore[union-attr]
+    return read_record(str(spool / name))
+
+
+def assert_nothing_left(traced: Traced) -> None:
+    """No call open, the thread's context its own again, no operation open in the record (once built)."""
+    assert traced.recorder().open_count() == 0
+    assert context_api.get_value(OPERATION_KEY) is None
+    assert trace.get_current_span() is trace.INVALID_SPAN
+    traced.provider.force_flush()  # (builds what is queued first)
+    assert record_of_this_process().unbuilt_ops() == []
+
+
+def assert_next_save_is_its_own_trace(traced: Traced, tmp_path: Path) -> None:
+    before = {s.trace_id for s in traced.spans()}
+    dcp.save(STATE, checkpoint_id=str(tmp_path / "next"))
+    (save,) = [s for s in traced.spans() if s.name == "dcp.save" and s.trace_id not in before]
+    assert save.status != "ERROR" and save.attributes[semconv.ATTR_CHECKPOINT_ID].endswith("next")
+    assert_nothing_left(traced)
+
+
+def test_a_start_cut_short_as_its_context_is_attached_never_runs_and_leaves_nothing(
+    traced: Traced, tmp_path: Path, alarm: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Right after the save's context is attached, before dcp-otel keeps the token that detaches it: the save
+    never runs (the exception comes out where torch logs its start), its context is taken back all the same."""
+    with monkeypatch.context() as patched, pytest.raises(TimeoutError, match="one shot"):
+        patched.setattr(tracker, "light_attach", alarm(tracker.light_attach))
+        dcp.save(STATE, checkpoint_id=str(tmp_path / "cut"))
+    assert not (tmp_path / "cut" / ".metadata").exists()  # it never ran
+    assert_nothing_left(traced)
+    assert [s.name for s in traced.spans()] == []  # no span for a call that never ran
+    assert_next_save_is_its_own_trace(traced, tmp_path)
+
+
+def test_an_end_cut_short_after_its_context_is_detached_is_finished_and_built_once(
+    traced: Traced, tmp_path: Path, alarm: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between detaching the save's context and handing the save to the builder: the save ran (its checkpoint
+    is whole), its span ends and is exported once."""
+    with monkeypatch.context() as patched, pytest.raises(TimeoutError, match="one shot"):
+        patched.setattr(call_ends, "_detach_quietly", alarm(call_ends._detach_quietly))  # (the operation call's end)
+        dcp.save(STATE, checkpoint_id=str(tmp_path / "cut"))
+    assert (tmp_path / "cut" / ".metadata").exists()
+    assert_nothing_left(traced)
+    saves = [s for s in traced.spans() if s.name == "dcp.save"]
+    assert len(saves) == 1 and saves[0].attributes[semconv.ATTR_CHECKPOINT_ID].endswith("cut")
+    assert_next_save_is_its_own_trace(traced, tmp_path)
+
+
+def test_an_operation_complete_but_not_handed_to_the_builder_is_handed_on_once(
+    traced: Traced, tmp_path: Path, alarm: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Right after the save's last part is counted (the operation complete), before it goes to the builder."""
+    with monkeypatch.context() as patched, pytest.raises(TimeoutError, match="one shot"):
+        patched.setattr(records.Operation, "part_done", alarm(records.Operation.part_done))
+        dcp.save(STATE, checkpoint_id=str(tmp_path / "cut"))
+    assert_nothing_left(traced)
+    saves = [s for s in traced.spans() if s.name == "dcp.save"]
+    assert len(saves) == 1 and saves[0].status != "ERROR"
+    assert_next_save_is_its_own_trace(traced, tmp_path)
+
+
+def test_a_state_dict_call_cut_short_as_it_ends_is_finished(
+    traced: Traced, tmp_path: Path, alarm: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """dcp-otel's own wrapper of a call torch does not log: the exception comes out as the wrapper reads the
+    clock for the call's end, before the end reaches the recorder. The call ran and returned: its span ends."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from dcp_otel.attach import unlogged_calls
+
+    real = unlogged_calls.time.time_ns
+    alarmed = alarm(real)
+
+    class Clock:
+        @staticmethod
+        def time_ns() -> int:
+            caller = sys._getframe(1)
+            ending = caller.f_code.co_name == "_end" and caller.f_locals["record"]["func_name"] == "get_model_state_dict"
+            return alarmed() if ending else real()  # type: ignore[no-any-return]
+
+    model = torch.nn.Linear(4, 4)
+    with monkeypatch.context() as patched, pytest.raises(TimeoutError, match="one shot"):
+        patched.setattr(unlogged_calls, "time", Clock)
+        get_model_state_dict(model)
+    assert_nothing_left(traced)
+    (call,) = [s for s in traced.spans() if s.name == "dcp.get_model_state_dict"]
+    assert call.status != "ERROR" and call.end_ns > call.start_ns  # it returned; the handler raised as it did
+    assert_next_save_is_its_own_trace(traced, tmp_path)
+
+
+def test_an_operation_whose_end_never_came_ends_failed_when_its_thread_starts_the_next(
+    traced: Traced, tmp_path: Path
+) -> None:
+    """What no ``try`` reaches: an exception out of a function's first instruction (the tap's, as torch logs a
+    save's end) loses the end. Here the end is just never told: the frame that ran the save returns without it.
+    The thread's next save finds the call left behind, ends it failed, and starts a trace of its own."""
+    tap = torch_logger._dcp_logger
+    left = {"func_name": "save", "uuid": uuid.uuid4().hex, "checkpoint_id": str(tmp_path / "left")}
+
+    def save_whose_end_is_lost() -> None:
+        tap.feed({**left, "event": "start", "time": 1_700_000_000_000_000_000})
+
+    save_whose_end_is_lost()
+    assert traced.recorder().open_count() == 1 and context_api.get_value(OPERATION_KEY) is not None
+    dcp.save(STATE, checkpoint_id=str(tmp_path / "next"))
+    spans = traced.spans()
+    (lost,) = [s for s in spans if s.name == "dcp.save" and s.attributes[semconv.ATTR_CHECKPOINT_ID].endswith("left")]
+    (saved,) = [s for s in spans if s.name == "dcp.save" and s.attributes[semconv.ATTR_CHECKPOINT_ID].endswith("next")]
+    assert lost.status == "ERROR" and LEFT_BEHIND in (lost.status_description or "")
+    assert saved.status != "ERROR" and saved.trace_id != lost.trace_id
+    assert_nothing_left(traced)
+    assert "recorder_error" not in _selftelemetry.counts()
+
+
+def test_a_save_nested_in_a_running_one_still_nests(traced: Traced, tmp_path: Path) -> None:
+    """The check for a call left behind never takes a running one for it: a save inside a save's own call
+    (a Stateful saving from its state_dict) is a step of the outer save, in its trace."""
+    inner_id = str(tmp_path / "inner")
+
+    class SavesInside:
+        def state_dict(self) -> dict[str, Any]:
+            dcp.save(STATE, checkpoint_id=inner_id, no_dist=True)
+            return {"x": torch.ones(2)}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    dcp.save({"s": SavesInside()}, checkpoint_id=str(tmp_path / "outer"))
+    spans = traced.spans()
+    outer, inner = sorted((s for s in spans if s.name == "dcp.save"), key=lambda s: s.start_ns)
+    assert inner.trace_id == outer.trace_id and outer.start_ns < inner.start_ns and inner.end_ns < outer.end_ns
+    assert not any(s.status == "ERROR" for s in spans)
+    assert_nothing_left(traced)
