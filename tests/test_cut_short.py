@@ -128,6 +128,24 @@ def test_an_operation_complete_but_not_handed_to_the_builder_is_handed_on_once(
     assert_next_save_is_its_own_trace(traced, tmp_path)
 
 
+def test_an_async_save_cut_short_as_its_upload_opens_leaves_no_upload_open(
+    traced: Traced, tmp_path: Path, alarm: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Right after the upload is counted open, before async_save hands the future its callback: the upload is
+    ended with the exception (nothing else would end it: every flush waited out its timeout)."""
+    import dcp_otel
+    from dcp_otel.tracing.uploads import InFlight
+
+    with monkeypatch.context() as patched, pytest.raises(BaseException) as raised:  # noqa: PT011 - torch may wrap it
+        patched.setattr(InFlight, "started", alarm(InFlight.started))
+        dcp.async_save(STATE, checkpoint_id=str(tmp_path / "cut")).result()
+    assert "one shot" in repr(raised.value) or "one shot" in repr(getattr(raised.value, "failures", ""))
+    assert dcp_otel.flush(timeout_s=10)
+    assert traced.recorder().uploads.open_calls() == []
+    assert_nothing_left(traced)
+    assert_next_save_is_its_own_trace(traced, tmp_path)
+
+
 def test_a_state_dict_call_cut_short_as_it_ends_is_finished(
     traced: Traced, tmp_path: Path, alarm: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

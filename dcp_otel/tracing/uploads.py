@@ -70,13 +70,19 @@ def begin_async_upload(
             record.background(op, False, upload.span_id, now)
         metrics = recorder.metrics
 
-        def finish(outcome: Future[Any] | BaseException) -> None:
+        def measured() -> None:
             if metrics is not None:
                 try:  # the upload's own thread (the future's done-callback), not the training thread
                     metrics.async_upload_done(op.rank_label, (time.time_ns() - now) / 1e9, op.exemplar)
                 except Exception as exc:  # noqa: BLE001
                     reraise_if_signalled(exc)
                     report("metrics_error", "dcp_otel failed to record an async upload", exc_info=True)
+
+        once = threading.Lock()
+
+        def finish(outcome: Future[Any] | BaseException) -> None:  # (called twice, it counts and ends it once)
+            if once.acquire(blocking=False):
+                measured()
             _end(recorder, upload, outcome)
 
         if metrics is not None:
@@ -101,8 +107,9 @@ def begin_async_upload(
 
 
 def _end(recorder: SpanRecorder, call: Call, outcome: Future[Any] | BaseException) -> None:
-    """An upload or staging call ended (on whatever thread completed its future)."""
-    if not recorder.uploads.claim(call):  # ended already: the process was ending (SIGINT, caught)
+    """An upload or staging call ended (on whatever thread completed its future). Once: a call ended already
+    (the process was ending, or a callback added twice) is left alone."""
+    if not recorder.uploads.claim(call):
         return
     try:
         op = call.op
