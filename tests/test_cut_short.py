@@ -10,6 +10,7 @@ chosen place, deterministically: the signal is sent from code that runs there.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -106,7 +107,7 @@ def test_an_end_cut_short_after_its_context_is_detached_is_finished_and_built_on
     """Between detaching the save's context and handing the save to the builder: the save ran (its checkpoint
     is whole), its span ends and is exported once."""
     with monkeypatch.context() as patched, pytest.raises(TimeoutError, match="one shot"):
-        patched.setattr(call_ends, "_detach_quietly", alarm(call_ends._detach_quietly))  # (the operation call's end)
+        patched.setattr(call_ends, "light_detach", alarm(call_ends.light_detach))  # (the operation call's end)
         dcp.save(STATE, checkpoint_id=str(tmp_path / "cut"))
     assert (tmp_path / "cut" / ".metadata").exists()
     assert_nothing_left(traced)
@@ -199,6 +200,25 @@ def test_an_operation_whose_end_never_came_ends_failed_when_its_thread_starts_th
     assert "recorder_error" not in _selftelemetry.counts()
 
 
+def test_a_context_still_naming_a_built_operation_does_not_swallow_the_next_save(traced: Traced, tmp_path: Path) -> None:
+    """A context captured inside a save and attached again after it ended (an end whose detach an exception
+    cut short left it so; a plugin that keeps a context does the same): the next save is a trace of its own."""
+    captured: list[context_api.Context] = []
+
+    class Capturing(dcp.FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            captured.append(context_api.get_current())
+            return super().write_data(plan, planner)
+
+    dcp.save(STATE, storage_writer=Capturing(str(tmp_path / "first")))
+    traced.provider.force_flush()  # (built)
+    context_api.attach(captured[0])
+    dcp.save(STATE, checkpoint_id=str(tmp_path / "second"))
+    saves = {s.attributes[semconv.ATTR_CHECKPOINT_ID][-6:]: s for s in traced.spans() if s.name == "dcp.save"}
+    assert saves.keys() == {"/first", "second"} and saves["/first"].trace_id != saves["second"].trace_id
+    assert_nothing_left(traced)
+
+
 def test_a_save_nested_in_a_running_one_still_nests(traced: Traced, tmp_path: Path) -> None:
     """The check for a call left behind never takes a running one for it: a save inside a save's own call
     (a Stateful saving from its state_dict) is a step of the outer save, in its trace."""
@@ -218,3 +238,124 @@ def test_a_save_nested_in_a_running_one_still_nests(traced: Traced, tmp_path: Pa
     assert inner.trace_id == outer.trace_id and outer.start_ns < inner.start_ns and inner.end_ns < outer.end_ns
     assert not any(s.status == "ERROR" for s in spans)
     assert_nothing_left(traced)
+
+
+# --- everywhere: a signal at each place in dcp-otel's own code where Python would run its handler ----------------
+class Stateful:
+    """A Stateful whose state_dict is a state-dict call (torchtitan's model wrapper's way): a call inside a save."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class RefusingPlanner(dcp.DefaultSavePlanner):
+    def create_local_plan(self) -> Any:
+        raise ValueError("the planner refuses")
+
+
+def _scenario(name: str, tmp_path: Path, model: torch.nn.Module) -> Callable[[int], None]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    def run(n: int) -> None:
+        if name == "get_model_state_dict":
+            get_model_state_dict(model)
+        elif name == "save":
+            dcp.save(STATE, checkpoint_id=str(tmp_path / f"s{n}"))
+        elif name == "save_with_a_state_dict_call_inside":
+            dcp.save({"m": Stateful(model), "w": STATE["w"]}, checkpoint_id=str(tmp_path / f"n{n}"))
+        elif name == "failing_save":
+            dcp.save(STATE, checkpoint_id=str(tmp_path / f"f{n}"), planner=RefusingPlanner())
+        else:
+            dcp.async_save(STATE, checkpoint_id=str(tmp_path / f"a{n}")).result()
+
+    return run
+
+
+def _alarm_at(n: int, run: Callable[[], None]) -> tuple[bool, BaseException | None]:
+    """Run ``run`` with SIGALRM's one-shot handler made to run at the ``n``-th place in dcp-otel's code where
+    Python runs a pending handler on the main thread: a function's first instruction (the profiler's "call")
+    and the check after a call into C returns ("c_return"). Whether it fired, and what ``run`` raised."""
+    seen = [0]
+    fired = [False]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_return") and "/dcp_otel/" in frame.f_code.co_filename:
+            seen[0] += 1
+            if seen[0] == n:
+                sys.setprofile(None)
+                fired[0] = True
+                signal.raise_signal(signal.SIGALRM)  # its handler runs right here: what it raises comes out here
+
+    previous = signal.signal(signal.SIGALRM, _one_shot)
+    sys.setprofile(profile)
+    try:
+        run()
+        raised = None
+    except BaseException as exc:  # noqa: BLE001 - the test looks at what reached the application
+        raised = exc
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGALRM, previous)
+    return fired[0], raised
+
+
+def _places(run: Callable[[], None]) -> int:
+    """How many such places one run passes through (the profiler made to count, never to fire)."""
+    fired, raised = _alarm_at(10**9, run)
+    assert not fired
+    seen = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_return") and "/dcp_otel/" in frame.f_code.co_filename:
+            seen[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    except BaseException:  # noqa: BLE001 - a failing save fails here as everywhere (CheckpointException)
+        pass
+    finally:
+        sys.setprofile(None)
+    return seen[0]
+
+
+@pytest.mark.parametrize("scenario", ["get_model_state_dict", "save", "save_with_a_state_dict_call_inside",
+                                      "failing_save", "async_save"])  # fmt: skip
+def test_a_handlers_exception_at_any_place_in_dcp_otels_code_reaches_the_caller_and_leaves_nothing(
+    traced: Traced, tmp_path: Path, scenario: str
+) -> None:
+    """Every place of one call where Python would run a pending handler, one after another (a deterministic
+    stand-in for the timing of a real alarm: the profiler runs the real handler there). Each time the
+    handler's TimeoutError reaches the caller (or torch's CheckpointException carrying it), and afterwards
+    nothing is left: no call open, the context clean, no record slot held, nothing counted as dcp-otel's own
+    problem, and the next save is one whole trace."""
+    model = torch.nn.Linear(4, 4)
+    run = _scenario(scenario, tmp_path, model)
+    count = _places(lambda: run(0))
+    assert count > 100, count  # (all of dcp-otel's work in one call: a few hundred places)
+    recorder = traced.recorder()
+    for n in range(1, count + 1):
+        fired, raised = _alarm_at(n, functools.partial(run, n))
+        assert fired, n
+        failures = list(getattr(raised, "failures", {}).values())
+        assert isinstance(raised, TimeoutError) or any("one shot" in repr(f) for f in failures), (n, repr(raised))
+        clean = tmp_path / f"clean{n}"
+        dcp.save(STATE, checkpoint_id=str(clean))
+        assert recorder.wait_for_uploads(10), n
+        traced.provider.force_flush()
+        assert recorder.open_count() == 0, (n, [c.func_name for c in recorder._open.values()])
+        assert context_api.get_value(OPERATION_KEY) is None and trace.get_current_span() is trace.INVALID_SPAN, n
+        assert not recorder._stack(), n
+        assert all(op is None for op in recorder.record._slot_ops), n
+        assert _selftelemetry.counts() == {}, (n, _selftelemetry.counts())
+    saves = [s for s in traced.spans() if s.name == "dcp.save" and "clean" in s.attributes[semconv.ATTR_CHECKPOINT_ID]]
+    assert len(saves) == count and all(s.status != "ERROR" for s in saves)
+    assert record_of_this_process().unbuilt_ops() == []

@@ -62,13 +62,14 @@ class AsyncContextCarrier:
 
     def execute_save(self, wrapped: Callable[..., Future[Any]], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
         staged = _staged_argument(args, kwargs)
-        handle = begin_async_upload(self._recorder, staged if isinstance(staged, Future) else None)
-        if handle is None:
-            return wrapped(*args, **kwargs)
-        carried, finish = handle
+        handle = None
         future: Future[Any] | None = None
         key = -1
         try:
+            handle = begin_async_upload(self._recorder, staged if isinstance(staged, Future) else None)
+            if handle is None:
+                return wrapped(*args, **kwargs)
+            carried, finish = handle
             key = id(staged)
             with self._lock:
                 if len(self._pending) < MAX_PENDING_HANDOVERS:
@@ -80,12 +81,13 @@ class AsyncContextCarrier:
         except BaseException as exc:
             # Whatever raised (the executor, or a signal handler anywhere in here): the upload ends with the future
             # if there is one (a callback added twice ends it once), else now, with the exception.
-            if future is None:
-                with self._lock:
-                    self._pending.pop(key, None)
-                finish(exc)
-            else:
-                future.add_done_callback(finish)
+            if handle is not None:
+                if future is None:
+                    with self._lock:
+                        self._pending.pop(key, None)
+                    handle[1](exc)
+                else:
+                    future.add_done_callback(handle[1])
             raise
         return future
 

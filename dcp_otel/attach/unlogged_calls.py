@@ -109,10 +109,16 @@ def _start(
     feed: Feed, func_name: str, with_ranks: bool = False, checkpoint_id: str | os.PathLike[str] | None = None
 ) -> dict[str, Any] | None:
     """Feed a call's start record; the record to end it with (``None``, counted, if that failed)."""
+    record: dict[str, Any] | None = None
     try:
-        record = _base_record(func_name, with_ranks, checkpoint_id)
-        feed({**record, "event": "start", "time": time.time_ns(), "log_exceptions": True})
-        return record
+        try:
+            record = _base_record(func_name, with_ranks, checkpoint_id)
+            feed({**record, "event": "start", "time": time.time_ns(), "log_exceptions": True})
+            return record
+        except BaseException:  # the call will not be recorded (or not run): a start fed already is undone
+            if record is not None:
+                _cut_short(feed, record, None, "start")
+            raise
     except Exception as exc:  # noqa: BLE001 - telemetry never breaks the call
         reraise_if_signalled(exc)
         report("recorder_error", "dcp_otel failed to record a state-dict call", exc_info=True)
@@ -136,16 +142,17 @@ def _end(feed: Feed, record: dict[str, Any], error: BaseException | None) -> Non
         report("recorder_error", "dcp_otel failed to record a state-dict call", exc_info=True)
 
 
-def _cut_short(feed: Feed, record: dict[str, Any], error: BaseException | None) -> None:
+def _cut_short(feed: Feed, record: dict[str, Any], error: BaseException | None, event: str = "") -> None:
     """An exception came out of :func:`_end`, maybe before the end reached the recorder (out of its first
-    instruction, or as it read the clock): the call ended all the same (see :mod:`dcp_otel.tracing.cut_short`).
+    instruction, or as it read the clock): the call ended all the same; or (``event="start"``) out of
+    :func:`_start` once the start was fed: the call will not run (see :mod:`dcp_otel.tracing.cut_short`).
 
-    Its callers call ``_end`` inside a ``try`` of their own, then this: a handler's exception can come out of
+    Callers of ``_end`` call it inside a ``try`` of their own, then this: a handler's exception can come out of
     a function's very first instruction, before any ``try`` of that function's.
     """
     cut_short = getattr(getattr(feed, "__self__", None), "cut_short", None)  # the tap's
     if cut_short is not None:
-        cut_short({**record, "event": "end" if error is None else "exception"})
+        cut_short({**record, "event": event or ("end" if error is None else "exception")})
 
 
 def _public_caller() -> str | None:

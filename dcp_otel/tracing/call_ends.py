@@ -78,9 +78,15 @@ class CallEnds:
         op = stack[index].op
         if failure is not None and exc is not None and op is not None and op.collective_error == id(exc):
             failure.came_from_collective()  # a peer went away: the failure did not start here
-        # Calls above it on the stack raised without torch logging it (a
-        # success end can only come after they returned or raised).
-        cause = failure.description if failure is not None else "exception not logged by torch; see parent span"
+        self._close_above(stack, index, time_ns,
+                          failure.description if failure is not None else "exception not logged by torch; see parent span")  # fmt: skip
+        call = stack.pop()
+        call.failure = failure
+        self._close(call, time_ns, stack[-1] if stack else None)
+
+    def _close_above(self, stack: list[Call], index: int, time_ns: int, cause: str) -> None:
+        """The calls above ``stack[index]`` raised without torch logging it (an end can only come after they
+        returned or raised), or their own end was cut short: they end failed, with ``cause``."""
         while len(stack) > index + 1:
             child = stack.pop()
             if child.span_id:
@@ -89,9 +95,6 @@ class CallEnds:
                 self._close(child, time_ns, stack[-1])
             else:
                 self._open.pop(child.uuid, None)
-        call = stack.pop()
-        call.failure = failure
-        self._close(call, time_ns, stack[-1] if stack else None)
 
     def _close(self, call: Call, end_ns: int, parent: Call | None, again: bool = False) -> None:
         """End ``call`` (inlined for a plain step in ``on_record`` and for a collective in
@@ -112,8 +115,12 @@ class CallEnds:
                 parent.children_ns += end_ns - call.start_ns
         token = call.token
         call.token = None
-        if token is not None:
-            _detach_quietly(token)
+        if token is not None:  # (inline, not _detach_quietly: an exception out of a function's first instruction
+            try:  # would leave the token taken from the call and the context attached for good)
+                light_detach(token)
+            except Exception as exc:  # noqa: BLE001 - as context_api.detach: a token of another context
+                reraise_if_signalled(exc)
+                report("recorder_error", "dcp_otel failed to detach a DCP call's context", exc_info=True)
         op = call.op
         if op is None:
             self._open.pop(call.uuid, None)

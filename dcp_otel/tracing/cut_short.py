@@ -51,6 +51,7 @@ from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 from opentelemetry.context import Context
+from opentelemetry.trace import NonRecordingSpan
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
@@ -59,14 +60,15 @@ from dcp_otel.tracing.light import SPAN_KEY
 from dcp_otel.tracing.light import attach as light_attach
 from dcp_otel.tracing.light import detach as light_detach
 from dcp_otel.tracing.light import get_current as light_get_current
-from dcp_otel.tracing.records import KIND_OPERATION
+from dcp_otel.tracing.operations import OPERATION_KEY
+from dcp_otel.tracing.records import KIND_OPERATION, Operation
 
 #: How an operation call that its thread left without its end ends (see CutShort.left_behind).
 LEFT_BEHIND: Final = "did not end as recorded: its end was cut short (an exception, a signal handler's)"
 
 if TYPE_CHECKING:
     from dcp_otel.spool.record import ProcessRecord
-    from dcp_otel.tracing.records import Call, Operation
+    from dcp_otel.tracing.records import Call
 
 
 class CutShort:
@@ -105,14 +107,21 @@ class CutShort:
             reraise_if_signalled(exc)
             report("recorder_error", "dcp_otel failed to make whole a DCP record cut short", exc_info=True)
 
-    def left_behind(self, stack: list[Call]) -> bool:
-        """Whether this thread's outermost operation call is over without its end (then ended here, failed).
+    def left_behind(self, stack: list[Call], current: object) -> bool:
+        """Whether this thread's outermost operation call is over without its end (then ended here, failed),
+        or the context still names ``current``, an operation built already, with no call of it open here
+        (then the context is taken back): in either case the context now is the one to start from.
 
-        Called as the thread starts an entry point inside another call (a walk up its Python stack, about
-        1 us: a nested save or state-dict call, a few per checkpoint).
+        Called as the thread starts an entry point inside an operation's context (a walk up its Python
+        stack, about 1 us: a nested save or state-dict call, a few per checkpoint).
         """
-        bottom = stack[0] if stack else None
-        watched = bottom.watched if bottom is not None else None
+        if not stack:
+            if isinstance(current, Operation) and current.queued:
+                _forget_operation(current)
+                return True
+            return False
+        bottom = stack[0]
+        watched = bottom.watched
         if watched is None:
             return False
         frame_id, code = watched
@@ -121,7 +130,7 @@ class CutShort:
             if id(frame) == frame_id and frame.f_code is code:
                 return False
             frame = frame.f_back
-        self._finish(bottom.uuid, "exception", time.time_ns(), LEFT_BEHIND, None)  # type: ignore[union-attr]
+        self._finish(bottom.uuid, "exception", time.time_ns(), LEFT_BEHIND, None)
         return True
 
     def _undo_start(self, uuid: str) -> None:
@@ -181,6 +190,15 @@ def watched_frame() -> tuple[int, CodeType] | None:
     while frame is not None and frame.f_code in passing:
         frame = frame.f_back
     return (id(frame), frame.f_code) if frame is not None else None
+
+
+def _forget_operation(op: Operation) -> None:
+    """The context names an operation that ended and was built: what it held before, as far as is known."""
+    current = light_get_current()
+    kept = {k: v for k, v in current.items() if k not in (OPERATION_KEY, SPAN_KEY)}
+    if op.caller is not None:  # the span current when the operation began (its object is gone with the context)
+        kept[SPAN_KEY] = NonRecordingSpan(op.caller)
+    light_attach(Context(kept))  # (its token dropped: nothing is left to detach it)
 
 
 def _put_back_context(call: Call) -> None:

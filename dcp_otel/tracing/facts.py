@@ -38,10 +38,13 @@ class CallFacts:
 
     if TYPE_CHECKING:  # what the recorder (SpanRecorder, in dcp_otel.tracing.tracker) holds
         _local: threading.local
+        _open: dict[str, Call]
 
         def _stack(self) -> list[Call]: ...
 
         def _close(self, call: Call, end_ns: int, parent: Call | None, again: bool = False) -> None: ...
+
+        def _close_above(self, stack: list[Call], index: int, time_ns: int, cause: str) -> None: ...
 
     def on_key_event(self, kind: str, uuid: str, func_name: str, time_ns: int) -> None:
         """A ``_stateful_to_state_dict.<key>`` record on the general path: no span, just a summary.
@@ -57,9 +60,14 @@ class CallFacts:
                 return
             stack.append(KeyCall(uuid, func_name, time_ns))
             return
-        if not stack or stack[-1].uuid != uuid:
+        index = len(stack) - 1
+        while index >= 0 and stack[index].uuid != uuid:
+            index -= 1
+        if index < 0:
             report("unmatched_event", "dropped a DCP %s event with no matching start", kind)
             return
+        if index < len(stack) - 1:  # a call inside the key's conversion raised without its end (a state-dict call
+            self._close_above(stack, index, time_ns, f"the conversion of {key_of(func_name)!r} ended")  # cut short)
         call = stack.pop()
         parent_keys = stack[-1].keys if stack else None
         if parent_keys is None:
@@ -114,16 +122,22 @@ class CallFacts:
         and the exception, and its context is detached so the collective that
         follows runs under the parent again.
         """
+        top: Call | None = None
         try:
-            stack = self._stack()
-            if not stack:
-                return
-            top = stack[-1]
-            if not top.span_id or top.func_name not in semconv.COLLECTIVE_STEPS:
-                return
-            stack.pop()
-            top.failure = failure_of(top, exc, None)
-            self._close(top, time.time_ns(), stack[-1] if stack else None)
+            try:
+                stack = self._stack()
+                if not stack:
+                    return
+                top = stack[-1]
+                if not top.span_id or top.func_name not in semconv.COLLECTIVE_STEPS:
+                    return
+                top.failure = failure_of(top, exc, None)
+                stack.pop()
+                self._close(top, time.time_ns(), stack[-1] if stack else None)
+            except BaseException:  # cut short off the stack and not ended (dcp_otel.tracing.cut_short): ended now
+                if top is not None and top.uuid in self._open and top not in self._stack():
+                    self._close(top, time.time_ns(), None, again=True)
+                raise
         except Exception as caught:  # noqa: BLE001
             reraise_if_signalled(caught)
             report("recorder_error", "dcp_otel failed to record a DCP step failure", exc_info=True)

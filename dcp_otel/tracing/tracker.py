@@ -351,7 +351,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
             ctx = light_get_current()
         enclosing = ctx.get(OPERATION_KEY)
         # An application's own call inside an operation: it nests, or finds that operation's call left behind.
-        if enclosing is not None and event.func_name in _ENTRY_POINTS and self.left_behind(self._stack()):
+        if enclosing is not None and event.func_name in _ENTRY_POINTS and self.left_behind(self._stack(), enclosing):
             ctx = light_get_current()  # the context that call found
             enclosing = ctx.get(OPERATION_KEY)
         if type(enclosing) is Operation and enclosing.interrupted is not None:
