@@ -129,8 +129,8 @@ def _end(feed: Feed, record: dict[str, Any], error: BaseException | None) -> Non
     """Feed a call's end, or its exception (call it while that exception is being handled).
 
     A signal handler's exception may come out of it before the end reached the recorder (at its very
-    start, or as it reads the clock): its caller calls it through :func:`_end_whole`, which ends the call
-    all the same.
+    start, or as it reads the clock): its callers call it inside a ``try`` of their own, and then
+    :func:`_cut_short`, which ends the call all the same.
     """
     try:
         if error is None:

@@ -146,7 +146,8 @@ class SpanBuilder:
         # A thread whose start() a signal handler's exception cut short may never run (Python's own
         # bookkeeping of it fails): one that is not alive is replaced, at the next submit or drain.
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
+            current = self._thread  # (one made but not started yet, by another thread now: it starts it)
+            if current is not None and (current.ident is None or current.is_alive()):
                 return
             thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-builder", daemon=True)
         thread.start()

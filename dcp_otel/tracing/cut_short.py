@@ -28,7 +28,7 @@ Some places are out of reach of any ``try`` of ours: a handler runs at a functio
 instruction too, so an exception can come out of the tap's ``debug`` before it reads torch's end record,
 or out of ``__exit__`` before it ends a state-dict call. The call then stays open on its thread's stack,
 its context attached, and nothing more comes for it. :meth:`CutShort.left_behind` finds it when the thread
-starts its next call that an application makes itself (``semconv.ENTRY_POINTS``): each operation's call
+starts its next call that an application makes itself (``events.ENTRY_POINTS``): each operation's call
 watches the Python frame that runs it (torch's logging wrapper, dcp-otel's, or the public function's),
 and a frame no longer on the thread's stack means the call is over. It is ended then, failed, as every
 call above it, and the context is the one it found; the new call starts afresh.
