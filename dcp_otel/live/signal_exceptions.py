@@ -25,6 +25,7 @@ import _thread
 import functools
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, Final, TypeVar
@@ -128,6 +129,23 @@ def _code_of(handler: Any, depth: int = 0) -> CodeType | None:
     if isinstance(handler, type) or not callable(handler):
         return None
     return _code_of(type(handler).__call__, depth + 1)  # an object with a __call__ of its own
+
+
+#: ``start_elsewhere((thread,))``: ``thread.start()``, run on a bare helper thread. Python's own ``start()`` cut
+#: short by a signal handler's exception (on the main thread) leaves the new thread failing in Python's
+#: bookkeeping, and saying so on stderr ("Exception ignored in thread started by ..."); on the helper no handler
+#: runs. A ``partial`` of C functions: no Python frame on the caller's side, so an exception can come out of it
+#: only once the helper is launched, and the thread will start. Set what says the thread runs before calling it.
+start_elsewhere: Final = functools.partial(_thread.start_new_thread, threading.Thread.start)
+
+
+def join_started(thread: threading.Thread, timeout_s: float) -> None:
+    """``thread.join(timeout_s)`` once its helper (:data:`start_elsewhere`) has started it (it may not have yet)."""
+    deadline = time.monotonic() + timeout_s
+    while thread.ident is None and time.monotonic() < deadline:
+        time.sleep(0.001)  # (a helper that has not run yet: a few microseconds, once per process at most)
+    if thread.ident is not None:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def away_from_signals(fn: Callable[[], T]) -> T:

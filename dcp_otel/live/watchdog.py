@@ -38,7 +38,7 @@ from typing import Final
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.progress import LiveState, Progress
-from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
 from dcp_otel.live.stalls import StallReporter
 from dcp_otel.metrics.prometheus import LiveEntry
 from dcp_otel.spool.record import ProcessRecord
@@ -91,9 +91,9 @@ class Watchdog:
                 return
             self._stalls, self._published = {}, None  # (a forked child: nothing of the parent's)
             self._wake = threading.Event()
-            self._thread = threading.Thread(target=self._run, name="dcp-otel-watchdog", daemon=True)
-            self._thread.start()
+            thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-watchdog", daemon=True)
             self._pid = os.getpid()
+            start_elsewhere((thread,))  # (the first operation's start, on the application's thread)
 
     @property
     def running(self) -> bool:
@@ -105,7 +105,7 @@ class Watchdog:
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread() and self._pid == os.getpid():
-            thread.join(timeout_s)
+            join_started(thread, timeout_s)
 
     def _run(self) -> None:
         while not self._stopped:

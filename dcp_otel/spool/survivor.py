@@ -46,7 +46,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
-from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
 from dcp_otel.spool import layout
 from dcp_otel.spool.reader import Death, RecordError, read_record
 
@@ -122,12 +122,13 @@ class Survivor:
     # --- life -----------------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
-            if self._stopped or (self._thread is not None and self._thread.is_alive()):
+            thread = self._thread  # (one made but not started yet by its helper: it will be)
+            if self._stopped or (thread is not None and (thread.ident is None or thread.is_alive())):
                 return
             self._announce(True)
-            self._thread = threading.Thread(target=self._run, name="dcp-otel-survivor", daemon=True)
-            self._thread.start()
+            thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-survivor", daemon=True)
             self.started = True
+            start_elsewhere((thread,))  # (at the first operation's start, on the application's thread)
 
     def _announce(self, here: bool) -> None:
         """Say (or stop saying) in the spool that this survivor runs: its children's deaths are its to report."""
@@ -150,7 +151,7 @@ class Survivor:
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
+            join_started(thread, timeout_s)
 
     def expect(self, statuses: Mapping[tuple[int, int | None], int | None], end_ns: int, job: str | None = None) -> None:
         """These processes (this process's workers, by pid and start ticks: a reused pid is another process) ended

@@ -41,7 +41,7 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, Sta
 
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
-from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.spool.encoding import encode
 from dcp_otel.spool.record import ProcessRecord
@@ -150,7 +150,7 @@ class SpanBuilder:
             if current is not None and (current.ident is None or current.is_alive()):
                 return
             thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-builder", daemon=True)
-        thread.start()
+        start_elsewhere((thread,))  # (at an operation's end, on the application's thread)
 
     def drain(self, timeout_s: float, metrics_only: bool = False) -> bool:
         """Wait until every queued operation is built; ``False`` past ``timeout_s``.
@@ -181,7 +181,7 @@ class SpanBuilder:
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
+            join_started(thread, timeout_s)
 
     # --- the builder thread ---------------------------------------------------------
     def _run(self) -> None:
