@@ -279,10 +279,11 @@ def _scenario(name: str, tmp_path: Path, model: torch.nn.Module) -> Callable[[in
     return run
 
 
-def _alarm_at(n: int, run: Callable[[], None]) -> tuple[bool, BaseException | None]:
+def _alarm_at(n: int, run: Callable[[], None]) -> tuple[bool, BaseException | None, int]:
     """Run ``run`` with SIGALRM's one-shot handler made to run at the ``n``-th place in dcp-otel's code where
     Python runs a pending handler on the main thread: a function's first instruction (the profiler's "call")
-    and the check after a call into C returns ("c_return"). Whether it fired, and what ``run`` raised."""
+    and the check after a call into C returns ("c_return"). Whether it fired, what ``run`` raised, and how many
+    such places it passed."""
     seen = [0]
     fired = [False]
 
@@ -299,32 +300,20 @@ def _alarm_at(n: int, run: Callable[[], None]) -> tuple[bool, BaseException | No
     try:
         run()
         raised = None
-    except BaseException as exc:  # noqa: BLE001 - the test looks at what reached the application
+    except BaseException as exc:  # noqa: BLE001 - the test looks at what reached the application (a failing save too)
         raised = exc
     finally:
         sys.setprofile(None)
         signal.signal(signal.SIGALRM, previous)
-    return fired[0], raised
+    return fired[0], raised, seen[0]
 
 
 def _places(run: Callable[[], None]) -> int:
-    """How many such places one run passes through (the profiler made to count, never to fire)."""
-    fired, raised = _alarm_at(10**9, run)
+    """How many such places one run passes through, once dcp-otel's threads run (a first run starts them)."""
+    _alarm_at(10**9, run)
+    fired, _, seen = _alarm_at(10**9, run)
     assert not fired
-    seen = [0]
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event in ("call", "c_return") and "/dcp_otel/" in frame.f_code.co_filename:
-            seen[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        run()
-    except BaseException:  # noqa: BLE001 - a failing save fails here as everywhere (CheckpointException)
-        pass
-    finally:
-        sys.setprofile(None)
-    return seen[0]
+    return seen
 
 
 @pytest.mark.parametrize("scenario", ["get_model_state_dict", "save", "save_with_a_state_dict_call_inside",
@@ -344,7 +333,7 @@ def test_a_handlers_exception_at_any_place_in_dcp_otels_code_reaches_the_caller_
     recorder = traced.recorder()
     landed = 0
     for n in range(1, count + 1):
-        fired, raised = _alarm_at(n, functools.partial(run, n))
+        fired, raised, _ = _alarm_at(n, functools.partial(run, n))
         landed += fired  # (a run may pass a place or two fewer: a thread of dcp-otel's already started, say)
         if fired:
             failures = list(getattr(raised, "failures", {}).values())

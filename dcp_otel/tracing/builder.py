@@ -161,10 +161,10 @@ class SpanBuilder:
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
         with self._lock:
-            idle = bool(self._queue) and (self._thread is None or not self._thread.is_alive())
+            queued = bool(self._queue)
             self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
-        if idle:
-            self._start_thread()
+        if queued:
+            self._start_thread()  # (none if one runs)
         with self._lock:
             if metrics_only:
                 return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
