@@ -110,6 +110,10 @@ ATTR_STATE_DICT_KEYS: Final = "dcp.state_dict.keys"  # int, keys converted
 ATTR_STATE_DICT_KEYS_SECONDS: Final = "dcp.state_dict.keys_seconds"  # float, total
 ATTR_STATE_DICT_SLOWEST_KEYS: Final = "dcp.state_dict.slowest_keys"  # str[]
 ATTR_STATE_DICT_SLOWEST_SECONDS: Final = "dcp.state_dict.slowest_keys_seconds"  # float[]
+ATTR_ITEMS: Final = "dcp.items"  # int: the items torch_checkpointing's ``dcp.write_items`` wrote (a file each)
+ATTR_ITEMS_SLOWEST: Final = "dcp.items.slowest"  # str[]: the slowest items' keys, slowest first
+ATTR_ITEMS_SLOWEST_SECONDS: Final = "dcp.items.slowest_seconds"  # float[]
+ATTR_ITEMS_FAILED: Final = "dcp.items.failed"  # str: the item whose write raised
 ATTR_STATE_DICT_FAILED_KEY: Final = "dcp.state_dict.failed_key"  # str
 
 # Every rank's operation span carries a summary of its steps (tracing/detail.py): with "auto" most ranks send only it.
@@ -147,15 +151,23 @@ CHECKPOINTER_READ: Final = "read_checkpoint"  # CheckpointReader.read
 CHECKPOINTER_BARRIER: Final = "barrier"  # DistBarrier / TCPStoreBarrier.execute_barrier: waiting for the others
 #: AsyncCheckpointer.save waiting for the previous checkpoint's write to finish before it stages the next.
 CHECKPOINTER_WAIT_PREVIOUS: Final = "wait_previous_checkpoint"
+#: ``torch_checkpointing``'s (attach/torch_checkpointing.py): its savers' save, its loader's load; steps as above and:
+CHECKPOINTING_SAVE: Final = "checkpointing_save"
+CHECKPOINTING_ASYNC_SAVE: Final = "checkpointing_async_save"
+CHECKPOINTING_LOAD: Final = "checkpointing_load"
+CHECKPOINTING_METADATA: Final = "compute_metadata"  # DefaultMetadataManager.compute_metadata (may all-gather)
+CHECKPOINTING_WRITE_METADATA: Final = "write_metadata"  # CheckpointWriter._write_metadata (role rank 0)
+CHECKPOINTING_FINALIZE: Final = "finalize_checkpoint"  # the rename onto the checkpoint's path (role rank 0): durable
+CHECKPOINTER_OPERATIONS: Final = frozenset({CHECKPOINTER_SAVE, CHECKPOINTER_ASYNC_SAVE, CHECKPOINTER_LOAD,
+                                            CHECKPOINTING_SAVE, CHECKPOINTING_ASYNC_SAVE, CHECKPOINTING_LOAD})  # fmt: skip
 #: Operations a user calls; one of these with no enclosing DCP span starts a trace.
-OPERATIONS: Final = frozenset({"save", "async_save", "load", CHECKPOINTER_SAVE, CHECKPOINTER_ASYNC_SAVE,
-                               CHECKPOINTER_LOAD})  # fmt: skip
-#: Operations that save a checkpoint (what "the last successful save" means).
-SAVE_OPERATIONS: Final = frozenset({"save", "async_save", CHECKPOINTER_SAVE, CHECKPOINTER_ASYNC_SAVE})
+OPERATIONS: Final = frozenset({"save", "async_save", "load", *CHECKPOINTER_OPERATIONS})
 #: Operations that load one (their bytes are read bytes).
-LOAD_OPERATIONS: Final = frozenset({"load", CHECKPOINTER_LOAD})
+LOAD_OPERATIONS: Final = frozenset({"load", CHECKPOINTER_LOAD, CHECKPOINTING_LOAD})
+#: Operations that save a checkpoint (what "the last successful save" means).
+SAVE_OPERATIONS: Final = OPERATIONS - LOAD_OPERATIONS
 #: Operations whose checkpoint is durable only when their upload (``dcp.async_upload``) ends.
-ASYNC_OPERATIONS: Final = frozenset({"async_save", CHECKPOINTER_ASYNC_SAVE})
+ASYNC_OPERATIONS: Final = frozenset({"async_save", CHECKPOINTER_ASYNC_SAVE, CHECKPOINTING_ASYNC_SAVE})
 #: A rank's in-progress step while it waits between steps, in DCP's collectives: "-", or a nested operation's own call
 #: (an async save's background ``save``). Any other step (``write_data``) is one the rank itself is stuck in.
 WAITING_STEPS: Final = frozenset({STEP_NONE, *OPERATIONS})
@@ -165,7 +177,8 @@ IO_STEPS: Final = frozenset({"write_data", "read_data", CHECKPOINTER_WRITE, CHEC
 STAGING_STEPS: Final = frozenset({"stage_state_dict", CHECKPOINTER_STAGE})
 #: The checkpointer's steps (each runs on one rank; a failure in one is that rank's own).
 CHECKPOINTER_STEPS: Final = frozenset({CHECKPOINTER_STAGE, CHECKPOINTER_HAND_OFF, CHECKPOINTER_WRITE, CHECKPOINTER_READ,
-                                       CHECKPOINTER_BARRIER, CHECKPOINTER_WAIT_PREVIOUS})  # fmt: skip
+                                       CHECKPOINTER_BARRIER, CHECKPOINTER_WAIT_PREVIOUS, CHECKPOINTING_METADATA,
+                                       CHECKPOINTING_WRITE_METADATA, CHECKPOINTING_FINALIZE})  # fmt: skip
 #: Steps that are waiting, not the rank's own work: for the other ranks, or for the previous checkpoint.
 WAIT_STEPS: Final = frozenset({CHECKPOINTER_BARRIER, CHECKPOINTER_WAIT_PREVIOUS})
 #: Steps that run inside ``_DistWrapper`` collectives, whose exceptions torch catches (``_wrap_exception``) unlogged.
@@ -233,18 +246,10 @@ KIND_OBSERVED: Final = "observed"  # a gauge read at collection time (an OTel ob
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric, as both metrics APIs name it.
-
-    ``prometheus`` is the prometheus-client name (a counter's without
-    ``_total``); ``otel`` plus ``unit`` is the OpenTelemetry instrument, named
-    so that the specification's OTLP-to-Prometheus translation (the
-    ``opentelemetry-exporter-prometheus`` exporter, the Collector's Prometheus
-    exporters, Prometheus's own OTLP receiver) gives back exactly ``prometheus``:
-    dots become underscores, the unit is appended as a suffix (``s`` ->
-    ``_seconds``, ``By`` -> ``_bytes``, ``{...}`` annotations add nothing) and
-    monotonic counters get ``_total``. ``tests/test_otel_metrics.py`` proves it
-    for every entry. Attribute keys are the Prometheus label names, so labels
-    stay the same too.
+    """One metric, as both metrics APIs name it: ``prometheus`` (a counter's without ``_total``), and ``otel`` plus
+    ``unit``, named so that the specification's OTLP-to-Prometheus translation (dots to underscores, the unit as a
+    suffix, ``_total`` for counters) gives back exactly ``prometheus`` (``tests/test_otel_metrics.py`` proves it for
+    every entry). Attribute keys are the Prometheus label names.
     """
 
     prometheus: str
@@ -258,11 +263,9 @@ class MetricSpec:
     multiprocess_mode: str = ""
 
 
-#: Checkpoints span planning (ms) to writing at scale (hours). Bounds at most 2.5x apart from 10 ms to 1 h, so a quantile
-#: moves with the checkpoint (60 s and 300 s neighbours read p50 = 180 s for all between); round values (1 min, 2.5 min,
-#: 5 min, 10 min, 25 min, 1 h). Each bound is a series per labelset: 19 of them.
-#: Over OTLP, OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram
-#: sends exponential histograms instead (the exporter's preferred aggregation overrides these bounds).
+#: Checkpoints span planning (ms) to writing at scale (hours): 19 round bounds at most 2.5x apart from 10 ms to 1 h, so a
+#: quantile moves with the checkpoint. Over OTLP, OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=
+#: base2_exponential_bucket_histogram sends exponential histograms instead.
 DURATION_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 150.0,
                            300.0, 600.0, 1500.0, 3600.0, 7200.0)  # fmt: skip
 
@@ -302,19 +305,16 @@ LAST_SUCCESS: Final = MetricSpec(
     "dcp_last_success_timestamp_seconds", "dcp.last_success_timestamp", "s", KIND_GAUGE, (LABEL_OPERATION, LABEL_RANK),
     "Unix time of the last successful operation.", multiprocess_mode="max",
 )  # fmt: skip
-#: The last operation's duration, held: a trend of every checkpoint however far apart (a rate over the histogram is
-#: empty between checkpoints 30 minutes apart), and exact (no bucket interpolation).
+#: The last operation's duration, held: a trend of checkpoints however far apart, exact (no bucket interpolation).
 LAST_DURATION: Final = MetricSpec(
     "dcp_last_duration_seconds", "dcp.last_duration", "s", KIND_GAUGE, (LABEL_OPERATION, LABEL_STATUS, LABEL_RANK),
     "Duration of the last checkpoint operation on one rank, by status (held until the next one).",
     multiprocess_mode="max",
 )  # fmt: skip
-#: Seconds the calling thread (training) spent in DCP's calls: a save whole, an async save until it returned, a load.
 TRAINING_BLOCKED: Final = MetricSpec(
     "dcp_training_blocked_seconds", "dcp.training.blocked", "s", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK),
     "Seconds the calling (training) thread spent blocked in checkpoint calls (an async save until it returned).",
 )  # fmt: skip
-#: Once per failed operation, by the rank whose own exception it was (not peers re-raising CheckpointException).
 FAILURES: Final = MetricSpec(
     "dcp_failures", "dcp.failures", "{failure}", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK, LABEL_ERROR_TYPE),
     "Failed checkpoint operations counted where the failure started: the rank whose own exception it was.",

@@ -21,51 +21,20 @@ from typing import Any
 import pytest
 
 from dcp_otel import semconv
-from dcp_otel.otlp_file import FileSpan, read_spans
 from dcp_otel.report import build
-from dcp_otel.report.model import Checkpoint, checkpoints
+from tests.checkpointer_job import CheckpointerRun, assert_the_second_save_waited_for_the_first_write, per_rank
 from tests.ports import free_port_range
-from tests.ranks import REPO, WORKERS, Job, rank_env, run_ranks
+from tests.ranks import REPO, WORKERS, rank_env, run_ranks
 
 WORLD = 2
 FILE_OF = "checkpoint_{rank}.pt"
 
 
-class Run:
-    """The job's spans (ranks and checkpoint processes), results and files."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        traces = job.out / "traces"
-        self.rank_spans = read_spans(sorted(traces.glob("rank-*.jsonl")))
-        self.process_spans = read_spans(sorted(traces.glob("process-*.jsonl")))
-        self.spans = self.rank_spans + self.process_spans
-        self.by_id = {s.span_id: s for s in self.spans}
-        self.results = [json.loads((job.out / f"result-{r}.json").read_text()) for r in range(WORLD)]
-
-    def trace_of(self, folder: str, operation: str) -> list[FileSpan]:
-        """The spans of the one trace of ``operation`` on ``folder`` (asserting there is exactly one)."""
-        path = str(self.job.ckpt / folder)
-        ids = {s.trace_id for s in self.spans
-               if s.attributes.get(semconv.ATTR_CHECKPOINT_ID) == path and s.attributes.get(semconv.ATTR_OPERATION) == operation}  # fmt: skip
-        assert len(ids) == 1, f"{operation} {folder}: {len(ids)} traces"
-        return [s for s in self.spans if s.trace_id in ids]
-
-    def parent(self, span: FileSpan) -> FileSpan:
-        return self.by_id[span.parent_id]
+class Run(CheckpointerRun):
+    """The job's spans, results and files."""
 
     def file_size(self, folder: str, rank: int) -> int:
         return os.path.getsize(self.job.ckpt / folder / FILE_OF.format(rank=rank))
-
-    def sample(self, rank: int, name: str, **labels: str) -> float | None:
-        for sample_name, sample_labels, value in self.results[rank]["samples"]:
-            if sample_name == name and sample_labels == {**labels, "rank": str(rank)}:
-                return float(value)
-        return None
-
-    def report(self, folder: str, operation: str) -> Checkpoint:
-        path = str(self.job.ckpt / folder)
-        return next(c for c in checkpoints(self.spans) if c.checkpoint_id == path and c.operation == operation)
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     tmp = tmp_path_factory.mktemp("checkpointer")
     job = run_ranks("checkpointer_rank", WORLD, tmp, env={"DCP_OTEL_RUN_ID": "checkpointer-test"},
                     extra_args=["--store-port", str(free_port_range(1))], timeout_s=240)  # fmt: skip
-    return Run(job)
-
-
-def per_rank(spans: list[FileSpan], name: str) -> dict[int, FileSpan]:
-    found = [s for s in spans if s.name == name]
-    by_rank = {int(s.attributes[semconv.ATTR_RANK]): s for s in found}
-    assert len(by_rank) == len(found), f"{name}: two on one rank"
-    return by_rank
+    return Run(job, WORLD)
 
 
 def test_a_sync_save_is_one_trace_across_ranks_with_the_write_and_the_barrier_wait(run: Run) -> None:
@@ -129,22 +91,7 @@ def test_an_async_save_is_one_trace_with_the_checkpoint_process_write_under_the_
 
 
 def test_a_save_waiting_for_the_previous_checkpoints_write_shows_the_wait(run: Run) -> None:
-    first, second = (run.trace_of(f, semconv.CHECKPOINTER_ASYNC_SAVE) for f in ("async-a", "async-b"))
-    first_uploads = per_rank(first, semconv.SPAN_ASYNC_UPLOAD)
-    ops, waits = per_rank(second, "dcp.checkpointer_async_save"), per_rank(second, "dcp.wait_previous_checkpoint")
-    exercised = 0
-    for rank in range(WORLD):
-        assert run.results[rank]["back_to_back"] == [{"returned": "NoneType"}] * 2
-        if first_uploads[rank].end_ns <= ops[rank].start_ns:  # the first write was done already: no wait
-            assert rank not in waits
-            continue
-        exercised += 1
-        assert run.parent(waits[rank]) is ops[rank]
-        # It ends when the first checkpoint's write does, before the second one stages anything.
-        stage = per_rank(second, "dcp.stage_checkpoint")[rank]
-        assert waits[rank].end_ns <= stage.start_ns and waits[rank].duration_s > 0
-        assert ops[rank].attributes[semconv.ATTR_WAIT_SECONDS] >= waits[rank].duration_s
-    assert exercised  # a write takes milliseconds; the second save starts microseconds after the first returns
+    assert_the_second_save_waited_for_the_first_write(run, semconv.CHECKPOINTER_ASYNC_SAVE, WORLD)
 
 
 def test_loads_read_each_rank_file_whole(run: Run) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import logging
@@ -35,6 +36,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 import dcp_otel
 from dcp_otel import DCPInstrumentor, semconv
+from dcp_otel.attach import torch_checkpointing
 from dcp_otel.attach.logger_tap import DCPLoggerTap
 from dcp_otel.config import InstrumentOptions
 from tests.ranks import REPO
@@ -77,12 +79,23 @@ def originals() -> dict[str, object]:
         "tcp_store_barrier": exp_barriers.TCPStoreBarrier.__dict__["execute_barrier"],
         **{f"checkpoint_process.{name}": exp_process.CheckpointProcess.__dict__[name]
            for name in ("__init__", "_create_subprocess", "write", "_write", "_send")},
+        # torch_checkpointing (installed by the test command), each of its points by name.
+        **{f"{module}.{name}": _defined(module, name) for module, name, *_ in torch_checkpointing.POINTS},
     }  # fmt: skip
+
+
+def _defined(module: str, name: str) -> object:
+    owner: object = importlib.import_module(module)
+    *path, attr = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return vars(owner)[attr]
 
 
 def daemon_entry() -> tuple[object, object]:  # replaced, not wrapped: torch pickles them by name into the process
     return (process_executor._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"],
-            exp_process.CheckpointProcess.__dict__["_subprocess"])  # fmt: skip
+            exp_process.CheckpointProcess.__dict__["_subprocess"],
+            _defined(torch_checkpointing.PROCESS_MODULE, f"{torch_checkpointing.PROCESS_CLASS}._subprocess"))  # fmt: skip
 
 
 def dcp_logger() -> object:  # what torch's _dcp_method_logger calls: a module global the tap replaces
@@ -95,6 +108,7 @@ def test_this_torch_has_every_attachment_point(provider) -> None:
     try:
         installed = DCPInstrumentor().installed
         assert installed is not None and installed.missing == [], torch.__version__
+        assert installed.library_missing == []  # torch_checkpointing, which the test command installs
     finally:
         dcp_otel.uninstrument()
 

@@ -119,10 +119,11 @@ def test_the_circle_check_can_fail(tmp_path: Path) -> None:
 def test_the_rank_side_names_the_other_processes_entry_points_and_never_imports_them() -> None:
     graph = import_graph()
     other_processes = {m for m in graph if m.startswith("dcp_otel.processes.")}
-    assert other_processes == {"dcp_otel.processes.daemon", "dcp_otel.processes.checkpoint_process"}
+    assert other_processes == {"dcp_otel.processes.daemon", "dcp_otel.processes.checkpoint_process",
+                               "dcp_otel.processes.writer_process"}  # fmt: skip
     importers = {m for m, targets in graph.items() if targets & other_processes and not m.startswith("dcp_otel.processes")}
     assert importers == set()
-    for spec in (processes.DAEMON_MAIN, processes.CHECKPOINT_PROCESS_MAIN):
+    for spec in (processes.DAEMON_MAIN, processes.CHECKPOINT_PROCESS_MAIN, processes.WRITER_PROCESS_MAIN):
         assert callable(resolve_callable(spec)), spec
 
 

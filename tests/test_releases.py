@@ -51,10 +51,11 @@ def test_instrument_warns_once_on_an_untested_newer_torch(provider: tuple, monke
         releases.untested_release_warning("2.17.0")]  # fmt: skip
 
 
-def test_a_release_without_experimental_is_instrumented_but_for_it_and_one_line_names_what_is_skipped(
+def test_a_release_without_experimental_is_instrumented_and_says_nothing_of_it(
     tmp_path: Path,
 ) -> None:
-    """torch's main branch removed ``torch.distributed.checkpoint._experimental`` after 2.15 (simulated here)."""
+    """torch's main branch removed ``torch.distributed.checkpoint._experimental`` after 2.15 (simulated here): its
+    checkpointer lives on as ``torch_checkpointing``, so its absence is expected, not a warning."""
     done = python(
         "import sys, logging\n"
         "sys.modules['torch.distributed.checkpoint._experimental'] = None  # as if this torch had none\n"
@@ -76,10 +77,7 @@ def test_a_release_without_experimental_is_instrumented_but_for_it_and_one_line_
     assert done.returncode == 0, done.stderr[-3000:]
     names = set(eval(done.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own script's printed list
     assert {"dcp.save", "dcp.load", "dcp.write_data", "dcp.read_data", "dcp.checkpoint"} <= names
-    lines = [line for line in done.stderr.splitlines() if "Missing:" in line]
-    assert len(lines) == 1, done.stderr
-    assert "_experimental.checkpointer.SyncCheckpointer.save" in lines[0]
-    assert "_experimental" in lines[0] and "state_dict_saver" not in lines[0]  # only what is missing
+    assert "Missing:" not in done.stderr and "_experimental" not in done.stderr, done.stderr
 
 
 def test_the_command_line_and_the_mixin_run_where_torch_is_not_installed() -> None:

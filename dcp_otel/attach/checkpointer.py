@@ -88,7 +88,14 @@ def operation(name: str) -> Callable[[Hooks], Wrapper]:
 
 
 def async_save(hooks: Hooks) -> Wrapper:
-    """``AsyncCheckpointer.save``: an operation, whose wait for the previous checkpoint's write is a step.
+    """``AsyncCheckpointer.save``: see :func:`async_save_named`."""
+    return async_save_named(semconv.CHECKPOINTER_ASYNC_SAVE)(hooks)
+
+
+def async_save_named(name: str) -> Callable[[Hooks], Wrapper]:
+    """An async checkpointer's ``save`` (its ``_write_future``: the previous write): an operation ``name``,
+    whose wait for the previous checkpoint's write is a step; for ``torch_checkpointing``'s
+    ``AsyncCheckpointSaver`` too, whose staging lock waits for that write.
 
     torch's ``save`` first waits for the previous write (``result()``), so a slow
     upload holds up the next checkpoint, and the training loop with it. When that
@@ -96,19 +103,23 @@ def async_save(hooks: Hooks) -> Wrapper:
     with ``futures.wait`` (which never raises): torch's own ``result()`` then
     returns or raises at once, exactly as it would have.
     """
-    operation_call = logged_call(hooks.feed, semconv.CHECKPOINTER_ASYNC_SAVE, checkpoint_id=_path)
-    waited = logged_call(hooks.feed, semconv.CHECKPOINTER_WAIT_PREVIOUS, starts_operations=False)
 
-    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        def save(*args: Any, **kwargs: Any) -> Any:
-            previous = getattr(instance, "_write_future", None)
-            if isinstance(previous, Future) and not previous.done():
-                waited(futures.wait, None, ([previous],), {})
-            return wrapped(*args, **kwargs)
+    def for_hooks(hooks: Hooks) -> Wrapper:
+        operation_call = logged_call(hooks.feed, name, checkpoint_id=_path)
+        waited = logged_call(hooks.feed, semconv.CHECKPOINTER_WAIT_PREVIOUS, starts_operations=False)
 
-        return operation_call(save, instance, args, kwargs)
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            def save(*args: Any, **kwargs: Any) -> Any:
+                previous = getattr(instance, "_write_future", None)
+                if isinstance(previous, Future) and not previous.done():
+                    waited(futures.wait, None, ([previous],), {})
+                return wrapped(*args, **kwargs)
 
-    return wrapper
+            return operation_call(save, instance, args, kwargs)
+
+        return wrapper
+
+    return for_hooks
 
 
 def step(name: str, after: Callable[[Hooks], After] | None = None) -> Callable[[Hooks], Wrapper]:

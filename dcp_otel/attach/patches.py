@@ -27,8 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_otel import semconv
-from dcp_otel.attach import arrivals, checkpointer, unlogged_calls
+from dcp_otel.attach import checkpointer, torch_checkpointing, unlogged_calls
 from dcp_otel.attach.async_process import (
     DAEMON_CLASS,
     DAEMON_ENTRY,
@@ -38,13 +37,14 @@ from dcp_otel.attach.async_process import (
 )
 from dcp_otel.attach.async_thread import AsyncContextCarrier
 from dcp_otel.attach.call_arguments import CallArguments
+from dcp_otel.attach.collective_points import collective_scope_wrapper, collective_wrapper, object_bytes_wrapper
 from dcp_otel.attach.logger_tap import DCPLoggerTap
 from dcp_otel.attach.unlogged_calls import consolidated, logged_call, public_call
-from dcp_otel.attach.wrapping import Replacer, attribute, wrap
+from dcp_otel.attach.wrapping import attribute, wrap
 from dcp_otel.config import InstrumentOptions
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.metrics.prometheus import MetricsSink
-from dcp_otel.tracing.records import Call
+from dcp_otel.tracing import training_step
 from dcp_otel.tracing.tracker import SpanRecorder
 
 logger = logging.getLogger("dcp_otel")
@@ -72,6 +72,9 @@ class Patch:
     lost: str
     wrapper: Callable[[Hooks], Callable[..., Any]]
     hot: bool = False
+    #: A package that may well be absent (``torch_checkpointing``; the ``_experimental`` checkpointer, gone from
+    #: torch after 2.15): without it, its points are skipped without a word.
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,107 +121,6 @@ def _storage_setup_wrapper(hooks: Hooks) -> Callable[..., Any]:
     return wrapper
 
 
-def _collective_wrapper(method: str) -> Callable[[Hooks], Replacer]:
-    """One of ``_DistWrapper``'s object collectives, as a ``dcp.collective.<method>`` span (a hot patch)."""
-
-    def make(hooks: Hooks) -> Replacer:
-        recorder = hooks.recorder
-        gathers = method == "gather_object"
-
-        def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
-            def replacement(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if gathers:  # this rank's write results or read plan, on their way to the coordinator
-                    recorder.on_gathered(args[0] if args else kwargs.get("object"), getattr(self, "group", None))
-                # Without torch.distributed (a single process) DCP's wrapper makes no collective at all.
-                call = recorder.collective_started(method) if getattr(self, "use_dist", True) else None
-                if call is None:
-                    return original(self, *args, **kwargs)
-                try:
-                    if gathers and call.extra is not None and call.extra.get(_STEP) == "write" and len(args) == 1:
-                        result = _gather_write_results(recorder, original, self, args[0], call)
-                    else:
-                        result = original(self, *args, **kwargs)
-                except BaseException as exc:
-                    recorder.collective_ended(call, exc)
-                    raise
-                recorder.collective_ended(call, None)
-                return result
-
-            return replacement
-
-        return replacer
-
-    return make
-
-
-_STEP = semconv.ATTR_COLLECTIVE_STEP
-
-
-def _gather_write_results(recorder: SpanRecorder, original: Callable[..., Any], wrapper: Any, results: Any,
-                          call: Call) -> Any:  # fmt: skip
-    """A save's write gather: the results go with this rank's mark, and the coordinator notes every rank's
-    (:mod:`dcp_otel.attach.arrivals`). DCP gets back exactly what it would have without dcp-otel."""
-    op = call.op
-    if op is not None and op.released_ns:  # since the plan released this rank (no plan collective: no mark)
-        results = arrivals.tag(results, op.rank, call.start_ns - op.released_ns)
-    if not getattr(wrapper, "is_coordinator", False):
-        return original(wrapper, results)
-    with arrivals.receiving() as marks:
-        gathered = original(wrapper, results)
-    recorder.on_arrivals(call, marks)
-    return gathered
-
-
-def _collective_scope_wrapper(pattern: str) -> Callable[[Hooks], Replacer]:
-    """``_DistWrapper.reduce_scatter("plan", ...)`` and its kin: their collectives belong to torch's step (hot)."""
-
-    def make(hooks: Hooks) -> Replacer:
-        recorder = hooks.recorder
-
-        def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
-            def replacement(self: Any, *args: Any, **kwargs: Any) -> Any:
-                previous = recorder.collective_scope(pattern, args[0] if args else kwargs.get("step"))
-                try:
-                    return original(self, *args, **kwargs)
-                finally:
-                    recorder.end_collective_scope(previous)
-
-            return replacement
-
-        return replacer
-
-    return make
-
-
-def _object_bytes_wrapper(sent: bool) -> Callable[[Hooks], Replacer]:
-    """torch.distributed pickles (``sent``) or unpickles an object of a collective: its bytes, counted on
-    DCP's collective this thread is in (``_object_to_tensor`` returns the byte tensor; ``_tensor_to_object``
-    is given its ``tensor_size``)."""
-
-    def make(hooks: Hooks) -> Replacer:
-        recorder = hooks.recorder
-
-        def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
-            def replacement(*args: Any, **kwargs: Any) -> Any:
-                result = original(*args, **kwargs)
-                call = recorder.current_collective()
-                if call is not None:
-                    try:
-                        if sent:
-                            call.sent_bytes += int(result[0].numel())
-                        else:
-                            call.received_bytes += int(args[1] if len(args) > 1 else kwargs["tensor_size"])
-                    except Exception as exc:  # noqa: BLE001 - a torch whose functions differ: no bytes, no harm
-                        reraise_if_signalled(exc)
-                return result
-
-            return replacement
-
-        return replacer
-
-    return make
-
-
 def _state_dict_wrapper(call: str) -> Callable[[Hooks], Callable[..., Any]]:
     # torch's workers run inside the public function that _gc_context makes a call of.
     return lambda hooks: logged_call(hooks.feed, call, starts_operations=False)
@@ -248,20 +150,20 @@ PATCHES: tuple[Patch, ...] = (
         "torch.distributed.checkpoint.utils",
         "_DistWrapper.gather_object",
         "no written/read byte counts, no dcp.collective.gather_object span",
-        _collective_wrapper("gather_object"),
+        collective_wrapper("gather_object"),
         hot=True,
     ),
     # DCP's other object collectives, and the methods whose step names them ("plan", "write", "read").
-    *(Patch(_DCP_UTILS, f"_DistWrapper.{method}", f"no dcp.collective.{method} span", _collective_wrapper(method),
+    *(Patch(_DCP_UTILS, f"_DistWrapper.{method}", f"no dcp.collective.{method} span", collective_wrapper(method),
             hot=True)
       for method in ("scatter_object", "broadcast_object", "all_gather_object", "barrier")),  # fmt: skip
     *(Patch(_DCP_UTILS, f"_DistWrapper.{pattern}", "dcp.collective.* spans without dcp.collective.step",
-            _collective_scope_wrapper(pattern), hot=True)
+            collective_scope_wrapper(pattern), hot=True)
       for pattern in ("reduce_scatter", "all_reduce", "all_gather", "broadcast")),  # fmt: skip
     # Where torch.distributed pickles and unpickles the objects of a collective (module-level functions
     # its collectives call by name): the bytes a collective moved.
-    Patch(_C10D, "_object_to_tensor", "no dcp.collective.sent_bytes", _object_bytes_wrapper(sent=True), hot=True),
-    Patch(_C10D, "_tensor_to_object", "no dcp.collective.received_bytes", _object_bytes_wrapper(sent=False),
+    Patch(_C10D, "_object_to_tensor", "no dcp.collective.sent_bytes", object_bytes_wrapper(sent=True), hot=True),
+    Patch(_C10D, "_tensor_to_object", "no dcp.collective.received_bytes", object_bytes_wrapper(sent=False),
           hot=True),
     Patch(
         "torch.distributed.checkpoint.utils",
@@ -312,8 +214,11 @@ PATCHES: tuple[Patch, ...] = (
                            (unlogged_calls.CONSOLIDATE_MODULE, unlogged_calls.CONSOLIDATE[0]),
                            (unlogged_calls.CONSOLIDATE_MODULE, unlogged_calls.CONSOLIDATE[1]))),  # fmt: skip
     # torch's _experimental checkpointer (SyncCheckpointer, AsyncCheckpointer and its checkpoint process).
-    *(Patch(module, name, lost, wrapper) for module, name, lost, wrapper in checkpointer.POINTS),
-)
+    *(Patch(module, name, lost, wrapper, group=checkpointer.MODULE) for module, name, lost, wrapper in checkpointer.POINTS),
+    # torch_checkpointing, where that checkpointer went (an optional package).
+    *(Patch(module, name, lost, wrapper, hot, group=torch_checkpointing.PACKAGE)
+      for module, name, lost, wrapper, hot in torch_checkpointing.POINTS),
+)  # fmt: skip
 
 
 @dataclass
@@ -330,6 +235,8 @@ class Installed:
     left_in_place: list[str] = field(default_factory=list)
     restore_entries: list[Callable[[], None]] = field(default_factory=list)  # of spawned processes
     missing: list[str] = field(default_factory=list)
+    #: What of torch_checkpointing (installed) was not attached: said in its own line.
+    library_missing: list[str] = field(default_factory=list)
 
     def remove(self) -> None:
         """Detach: put back each original where our replacement is still in place.
@@ -421,26 +328,40 @@ def install(
             installed.missing.append(f"{LOGGER_MODULE}._dcp_method_logger's arguments (no_dist saves are counted "
                                      "with the group's checkpoints)")  # fmt: skip
     hooks = Hooks(recorder, carrier, bridge, installed.tap.feed if installed.tap is not None else _no_feed)
+    present = {group: torch_checkpointing.importable(group) for group in {patch.group for patch in PATCHES if patch.group}}
+    library_missing = installed.library_missing
     for patch in PATCHES:
+        if patch.group and not present[patch.group]:
+            continue
         target = resolve(patch)
         if target is None:
-            installed.missing.append(f"{patch.module}.{patch.name} ({patch.lost})")
+            missing = library_missing if patch.group == torch_checkpointing.PACKAGE else installed.missing
+            missing.append(f"{patch.module}.{patch.name} ({patch.lost})")
             continue
         owner, attr = target
         original = attribute(owner, attr)
         placed = wrap(owner, attr, patch.wrapper(hooks), patch.hot, installed.switch)
         installed.wrapped.append((owner, attr, original, placed))
     entries = (
-        (replace_daemon_entry, f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})"),
-        (checkpointer.replace_process_entry, f"{checkpointer.PROCESS_MODULE}.{checkpointer.PROCESS_CLASS}."
-                                             f"{checkpointer.PROCESS_ENTRY} (the checkpoint process is not traced)"),
+        (replace_daemon_entry, f"{PROCESS_MODULE}.{DAEMON_CLASS}.{DAEMON_ENTRY} ({_NO_DAEMON})", installed.missing),
+        *(((checkpointer.replace_process_entry, f"{checkpointer.PROCESS_MODULE}.{checkpointer.PROCESS_CLASS}."
+            f"{checkpointer.PROCESS_ENTRY} (the checkpoint process is not traced)", installed.missing),)
+          if present[checkpointer.MODULE] else ()),
+        *(((torch_checkpointing.replace_process_entry, f"{torch_checkpointing.PROCESS_MODULE}."
+            f"{torch_checkpointing.PROCESS_CLASS}.{torch_checkpointing.PROCESS_ENTRY} (the writer process is not "
+            "traced)", library_missing),)
+          if present[torch_checkpointing.PACKAGE] else ()),
     )  # fmt: skip
-    for replace, missing in entries:
+    for replace, missing, lost in entries:
         restore = replace()
         if restore is None:
-            installed.missing.append(missing)
+            lost.append(missing)
         else:
             installed.restore_entries.append(restore)
+    if present[torch_checkpointing.PACKAGE]:
+        training_step.library_steps[:] = [torch_checkpointing.logging_step]
+        installed.restore_entries.append(training_step.library_steps.clear)
+        torch_checkpointing.say_instrumented(library_missing)
     if installed.missing:
         logger.warning(
             "dcp_otel: this torch's DCP internals differ from what dcp_otel expects; instrumenting "

@@ -40,3 +40,5 @@ def untested_release_warning(version: str) -> str | None:
         return None
     return (f"dcp_otel: torch {version} is newer than the releases dcp-otel is tested with "
             f"({', '.join(TESTED)}); instrumenting what exists, and naming below anything missing")  # fmt: skip
+#: The ``torch_checkpointing`` releases the tests run (an optional package: ``pip install 'dcp-otel[checkpointing]'``).
+CHECKPOINTING_TESTED: Final = ("0.1.1",)

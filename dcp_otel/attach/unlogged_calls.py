@@ -288,23 +288,35 @@ class ConsolidatedOutput:
 
 
 class CheckpointFile:
-    """One rank's checkpoint file, written or read whole by a call; the builder counts its size.
+    """A rank's checkpoint files, written or read whole by a call; the builder counts their size.
 
     ``torch.distributed.checkpoint._experimental`` writes each rank's state dict
-    to one file (``checkpoint_<rank>.pt``) and reads it back whole.
+    to one file (``checkpoint_<rank>.pt``) and reads it back whole;
+    ``torch_checkpointing`` writes one file per item into a temporary folder that
+    its rank 0 renames onto the checkpoint's path (``moved``: that folder and
+    where it went), maybe before the builder gets to them.
     """
 
-    __slots__ = ("path", "written")
+    __slots__ = ("path", "written", "moved")
 
-    def __init__(self, path: str, written: bool) -> None:
-        self.path, self.written = path, written
+    def __init__(self, path: str | tuple[str, ...], written: bool, moved: tuple[str, str] | None = None) -> None:
+        self.path, self.written, self.moved = path, written, moved
 
     def size_in_bytes(self) -> int:
-        """The file's size now (0 for a file that is gone)."""
+        """The files' size now (0 for a file that is gone, here and where it was moved to)."""
+        return sum(self._size(path) for path in ((self.path,) if isinstance(self.path, str) else self.path))
+
+    def _size(self, path: str) -> int:
         try:
-            return os.stat(self.path).st_size
+            return os.stat(path).st_size
         except OSError:
-            return 0
+            pass
+        if self.moved is not None and path.startswith(self.moved[0]):
+            try:
+                return os.stat(self.moved[1] + path[len(self.moved[0]):]).st_size
+            except OSError:
+                pass
+        return 0
 
 
 def consolidated(on_gathered: Callable[[object], None]) -> After:

@@ -3,10 +3,11 @@
 * :mod:`~dcp_otel.processes.daemon`: the daemon's entry point, its tracer
   provider, its saves in the rank's context, its flushes;
 * :mod:`~dcp_otel.processes.checkpoint_process`: the ``_experimental``
-  checkpointer's checkpoint process, traced after the user's ``subprocess_init_fn``.
+  checkpointer's checkpoint process, traced after the user's ``subprocess_init_fn``;
+* :mod:`~dcp_otel.processes.writer_process`: ``torch_checkpointing``'s writer process, the same way.
 
 The rank's side (:mod:`dcp_otel.attach`) names these entry points in strings
-(:data:`DAEMON_MAIN`, :data:`CHECKPOINT_PROCESS_MAIN`); they are imported in the
+(:data:`DAEMON_MAIN`, :data:`CHECKPOINT_PROCESS_MAIN`, :data:`WRITER_PROCESS_MAIN`); they are imported in the
 child process, never by the rank's modules.
 """
 
@@ -14,3 +15,5 @@ child process, never by the rank's modules.
 DAEMON_MAIN = "dcp_otel.processes.daemon:daemon_main"
 #: ``module:function`` of the checkpoint process's entry point.
 CHECKPOINT_PROCESS_MAIN = "dcp_otel.processes.checkpoint_process:checkpoint_process_main"
+#: ``module:function`` of ``torch_checkpointing``'s writer process's entry point.
+WRITER_PROCESS_MAIN = "dcp_otel.processes.writer_process:writer_process_main"

@@ -48,21 +48,30 @@ def checkpoint_process_main(
     checkpoint_writer_init_args: dict[str, Any],
 ) -> None:
     """The checkpoint process's entry point: torch's, traced (see the module)."""
-    entry = _torch_entry()
+    run_traced(_torch_entry(), (sub_rank, rank_info, parent_pipe, subprocess_init_fn, subprocess_init_args,
+                                checkpoint_writer_init_fn, checkpoint_writer_init_args))  # fmt: skip
+
+
+def run_traced(entry: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """Run a checkpoint process's own entry point ``entry(*args)``, traced (see the module).
+
+    Both checkpointers' entry points begin ``(sub_rank, rank_info, parent_pipe, subprocess_init_fn,
+    subprocess_init_args, ...)``: torch's ``_experimental`` one and ``torch_checkpointing``'s
+    (:mod:`dcp_otel.processes.writer_process`); what follows is passed through untouched.
+    """
+    sub_rank, rank_info, parent_pipe, subprocess_init_fn, subprocess_init_args, *rest = args
     bootstrap = getattr(rank_info, BOOTSTRAP_ATTR, None)
     if not isinstance(bootstrap, DaemonBootstrap):
-        entry(sub_rank, rank_info, parent_pipe, subprocess_init_fn, subprocess_init_args,
-              checkpoint_writer_init_fn, checkpoint_writer_init_args)  # fmt: skip
+        entry(*args)
         return
     pipe = RequestPipe(parent_pipe, bootstrap)
 
-    def init_then_trace(*args: Any) -> None:
-        subprocess_init_fn(*args)  # torch reports its failure to the rank, as without dcp-otel
+    def init_then_trace(*init_args: Any) -> None:
+        subprocess_init_fn(*init_args)  # torch reports its failure to the rank, as without dcp-otel
         pipe.start_tracing()
 
     try:
-        entry(sub_rank, without_bootstrap(rank_info), pipe, init_then_trace, subprocess_init_args,
-              checkpoint_writer_init_fn, checkpoint_writer_init_args)  # fmt: skip
+        entry(sub_rank, without_bootstrap(rank_info), pipe, init_then_trace, subprocess_init_args, *rest)
     finally:
         pipe.close_tracing()
 

@@ -105,7 +105,10 @@ def _section(index: int, ckpt: Checkpoint, open_: bool) -> str:
     if ckpt.failed_ranks and not ckpt.is_unfinished:
         ranks = ", ".join(map(str, ckpt.failed_ranks))
         notes.append(f'<span class="failed">Failed on rank {ranks}: {e(ckpt.error or "")}</span>')
-        if ckpt.origins:
+        if ckpt.origins and ckpt.failed_waiting:
+            notes.append(f"It started on rank {', '.join(map(str, ckpt.origins))}; rank "
+                         f"{', '.join(map(str, ckpt.failed_waiting))} failed waiting for it.")  # fmt: skip
+        elif ckpt.origins:
             notes.append(f"It started on rank {', '.join(map(str, ckpt.origins))}; every other rank raised torch's "
                          f"{WRAPPER} reporting it.")  # fmt: skip
         lost = ckpt.lost_peer()

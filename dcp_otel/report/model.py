@@ -155,6 +155,8 @@ class Checkpoint:
     unfinished: list[Unfinished] = field(default_factory=list)
     #: The ranks where its failure started: their own step raised their own exception.
     origins: list[int] = field(default_factory=list)
+    #: Ranks whose own failure was a checkpointer's wait (its barrier) for an origin.
+    failed_waiting: list[int] = field(default_factory=list)
     #: DCP's collectives, in the order they ran (from the ranks that sent step spans).
     collectives: list[CollectiveResult] = field(default_factory=list)
     #: The ranks whose failure one of DCP's collectives raised (a peer gone, a timeout), not their own code.
@@ -236,6 +238,15 @@ def checkpoints(spans: list[FileSpan]) -> list[Checkpoint]:
             by_trace[span.trace_id].append(span)
     found = [_checkpoint(trace_id, group) for trace_id, group in by_trace.items()]
     return sorted((c for c in found if c.ranks or c.unfinished), key=lambda c: c.start_ns)
+
+
+def _origins(raised: list[tuple[int, FileSpan]]) -> tuple[list[int], list[int]]:
+    """The ranks where a failure started (their own exception), and those that failed waiting for them."""
+    own = {rank: step for rank, step in raised if not step.status_message.startswith(WRAPPER)}
+    waiting = {rank for rank, step in own.items() if step.name in _WAITS}
+    if len(waiting) == len(own):  # only waits failed (a timeout): they are where it started
+        waiting = set()
+    return sorted(set(own) - waiting), sorted(waiting)
 
 
 def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
@@ -342,8 +353,10 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         ranks=ranks,
         steps=[StepResult(name, dict(by_rank)) for name, by_rank in steps.items()],
         failed_ranks=sorted(failed),
-        # Where it started: a rank whose own step raised its own exception, not torch's report of another's.
-        origins=sorted({rank for rank, step in raised if not step.status_message.startswith(WRAPPER)}),
+        # Where it started: a rank whose own step raised its own exception, not torch's report of another's,
+        # nor a checkpointer's barrier that failed waiting for it.
+        origins=_origins(raised)[0],
+        failed_waiting=_origins(raised)[1],
         collectives=list(collectives.values()),
         failed_in_collective=in_collective,
         failing_collective=collective_label(*collective_key(raised_in)) if raised_in is not None else None,

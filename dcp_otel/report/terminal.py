@@ -97,7 +97,10 @@ def render_one(ckpt: Checkpoint) -> str:
             lines.append(f"  ... and {len(ckpt.unfinished) - _RANKS_SHOWN} more unfinished ranks")
     elif ckpt.failed_ranks:
         lines.append(f"  failed on rank {', '.join(map(str, ckpt.failed_ranks))}: {ckpt.error}")
-        if ckpt.origins:
+        if ckpt.origins and ckpt.failed_waiting:
+            lines.append(f"  it started on rank {', '.join(map(str, ckpt.origins))}; rank "
+                         f"{', '.join(map(str, ckpt.failed_waiting))} failed waiting for it")  # fmt: skip
+        elif ckpt.origins:
             lines.append(f"  it started on rank {', '.join(map(str, ckpt.origins))}; every other rank raised torch's "
                          f"{WRAPPER} reporting it")  # fmt: skip
         lost = ckpt.lost_peer()

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 _pack_end = I64.pack_into
 #: Operations that wait in steps of their own (the checkpointer's barrier, its wait for the previous write).
-_WAITING_IN_STEPS = frozenset({semconv.CHECKPOINTER_SAVE, semconv.CHECKPOINTER_ASYNC_SAVE})
+_WAITING_IN_STEPS = frozenset({semconv.CHECKPOINTER_SAVE, semconv.CHECKPOINTER_ASYNC_SAVE, semconv.CHECKPOINTING_SAVE,
+                               semconv.CHECKPOINTING_ASYNC_SAVE})  # fmt: skip
 _WAIT_STEPS = semconv.WAIT_STEPS
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as context_api
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -76,6 +76,19 @@ class CallFacts:
             parent_keys.add(func_name, max(0, time_ns - call.start_ns))
         else:
             parent_keys.failed_key = key_of(func_name)
+
+    def on_call_facts(self, attributes: dict[str, Any]) -> None:
+        """What the innermost open call on this thread learnt while it ran (a library's own latencies, the
+        items it wrote): on its span. ``attributes`` is the caller's own new dict; nothing open: dropped."""
+        try:
+            stack = self._local.stack
+        except AttributeError:
+            return
+        if stack:
+            call = stack[-1]
+            if call.span_id:  # (not a per-key call)
+                extra = call.extra
+                call.extra = attributes if extra is None else {**extra, **attributes}
 
     def on_staging(self, stager: object, state_dict: object) -> None:
         """An async save's stager is given ``state_dict`` to copy (on the caller's thread, before the copy)."""

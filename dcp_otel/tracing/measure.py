@@ -103,11 +103,15 @@ def count_bytes(op: Operation, metrics: MetricsSink | None) -> None:
                 metrics.bytes_written(op.rank_label, amount)
             else:
                 metrics.bytes_read(op.rank_label, amount)
-        for target in (call, op_call):
+        # Summed: a call may gather more than once (torch_checkpointing reads one file per item).
+        total = amount
+        for target in (call,) if call is op_call else (call, op_call):
             if target is not None:
-                target.extra = {**(target.extra or {}), key: amount}
-        if op_call is not None and io_s > 0:
-            op_call.extra = {**(op_call.extra or {}), semconv.ATTR_THROUGHPUT: amount / io_s}
+                extra = target.extra or {}
+                total = extra.get(key, 0) + amount
+                target.extra = {**extra, key: total}
+        if op_call is not None and io_s > 0:  # (total: the operation's, set last)
+            op_call.extra = {**(op_call.extra or {}), semconv.ATTR_THROUGHPUT: total / io_s}
 
 
 def _counted_bytes(obj: object, storage: object | None) -> tuple[str, int] | None:

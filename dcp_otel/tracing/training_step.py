@@ -35,9 +35,11 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Final
+
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
 
 #: The layouts of the table above: a keyword and a number ending the component (an extension may follow),
 #: or a component that is a number alone.
@@ -119,7 +121,22 @@ def step_from_id(checkpoint_id: str | None, pattern: str) -> int | None:
     return int(text) if text is not None and text.isdigit() else None
 
 
+#: Where a checkpointing library keeps the step its caller said (``torch_checkpointing``'s logging context):
+#: read after the step said to dcp-otel, before the checkpoint id. Set by :mod:`dcp_otel.attach.patches`.
+library_steps: list[Callable[[], object]] = []
+
+
 def current_step(checkpoint_id: str | None, pattern: str) -> int | None:
-    """What an operation on ``checkpoint_id`` says: the training loop's step, else the one in the id."""
+    """What an operation on ``checkpoint_id`` says: the training loop's step, else its library's, else the id's."""
     explicit = _explicit
-    return explicit if explicit is not None else step_from_id(checkpoint_id, pattern)
+    if explicit is not None:
+        return explicit
+    for read in library_steps:
+        try:
+            said = read()
+        except Exception as exc:  # noqa: BLE001 - a library's context that changed shape: no step from it
+            reraise_if_signalled(exc)
+            continue
+        if type(said) is int and said >= 0:
+            return said
+    return step_from_id(checkpoint_id, pattern)

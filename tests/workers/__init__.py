@@ -56,3 +56,19 @@ def finish_rank(provider: TracerProvider, spans_file: IO[str], out: Path, rank: 
     dist.destroy_process_group()
     with open(os.path.join(out, f"result-{rank}.json"), "w") as fh:
         json.dump(result, fh)
+
+
+def write_result(out: Path, rank: int, result: dict[str, Any], provider: TracerProvider | None = None,
+                 registry: Any = None) -> None:  # fmt: skip
+    """Instrumented (``provider``): flush, add the rank's metrics (``registry``) and diagnostics, uninstrument,
+    shut the provider down; then write ``out/result-<rank>.json``."""
+    if provider is not None:
+        import dcp_otel
+
+        assert dcp_otel.flush(timeout_s=60, tracer_provider=provider)
+        result["samples"] = [(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples]
+        result["diagnostics"] = dcp_otel.diagnostics()
+        dcp_otel.uninstrument()
+        provider.shutdown()
+    with open(os.path.join(out, f"result-{rank}.json"), "w") as fh:
+        json.dump(result, fh)

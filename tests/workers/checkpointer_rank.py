@@ -17,7 +17,6 @@ what each call returned or raised and the rank's metrics.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from datetime import timedelta
@@ -45,7 +44,7 @@ from torch.distributed.checkpoint._experimental import (
 
 import dcp_otel
 from dcp_otel.otlp_file import OTLPJsonFileExporter
-from tests.workers import rank_parser
+from tests.workers import rank_parser, write_result
 
 #: The asynchronous stager on CPU: no pinned memory, no non-blocking copies (both need an accelerator).
 STAGING = CheckpointStagerConfig(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
@@ -144,13 +143,7 @@ def main() -> None:
         os.makedirs(os.path.join(ckpt, "sync-fail", "checkpoint_1.pt"))
     result["sync_fail_save"] = outcome(lambda: sync.save(os.path.join(ckpt, "sync-fail"), state))
 
-    assert dcp_otel.flush(timeout_s=60, tracer_provider=provider)
-    result["samples"] = [(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples]
-    result["diagnostics"] = dcp_otel.diagnostics()
-    dcp_otel.uninstrument()
-    provider.shutdown()
-    with open(os.path.join(args.out, f"result-{rank}.json"), "w") as fh:
-        json.dump(result, fh)
+    write_result(args.out, rank, result, provider, registry)
     # No destroy_process_group: rank 0's process group saw a failed barrier.
 
 

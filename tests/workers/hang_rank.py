@@ -11,7 +11,8 @@ MODE ``save``: ``dcp.save``, blocking in ``write_data`` on the rank itself. ``pr
 ``dcp.async_save`` with ``AsyncCheckpointerType.PROCESS``: the block is in the async
 save process (the rank waits for the upload). ``checkpointer``: the ``_experimental``
 ``AsyncCheckpointer``: the block is in its checkpoint process, in the write's commit
-hook, before the writer's barrier.
+hook, before the writer's barrier. ``checkpointing``: ``torch_checkpointing``'s
+``CheckpointManager``: the block is in its writer process, writing an item's file.
 
 Instrumented (not ``--plain``): spans go to ``DIR/traces/rank-R.jsonl`` (the checkpoint
 processes: ``process-R.jsonl``) through a batch processor, as a job's would; metrics are
@@ -102,9 +103,15 @@ def checkpointer_process_init(instrumented: bool) -> None:
         trace.set_tracer_provider(provider("process"))
 
 
+def checkpointing_process_init(instrumented: bool) -> None:
+    """``subprocess_init_fn`` of torch_checkpointing's writer process: its spans (its barrier uses the job's store)."""
+    if instrumented:
+        trace.set_tracer_provider(provider("process"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("save", "process", "checkpointer"), required=True)
+    parser.add_argument("--mode", choices=("save", "process", "checkpointer", "checkpointing"), required=True)
     parser.add_argument("--plain", action="store_true", help="without dcp-otel, for comparison")
     parser.add_argument("--otlp", default="", help="push metrics over OTLP/HTTP to this URL too")
     args = parser.parse_args()
@@ -138,6 +145,20 @@ def main() -> None:
             writer.hang = name == "second"
             dcp.async_save(state, storage_writer=writer,
                            async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()  # fmt: skip
+    elif args.mode == "checkpointing":
+        from torch_checkpointing import CheckpointManager
+
+        from tests.workers.checkpointing_storage import FaultyStorageConfig
+
+        storage = FaultyStorageConfig(use_direct_io=False, rank=rank, fault_rank=HANG_RANK, fault_in="second",
+                                      fault="hang")  # fmt: skip
+        manager = CheckpointManager(CheckpointManager.Config(storage_config=storage,
+                                                             subprocess_init_fn=checkpointing_process_init,
+                                                             subprocess_init_args=(not args.plain,)))  # fmt: skip
+        for name in ("first", "second"):
+            written = manager.save(str(ckpt / name), {"model": state})
+            assert written is not None
+            written.result()
     else:
         from torch.distributed.checkpoint._experimental import (
             CheckpointerConfig,
