@@ -446,3 +446,64 @@ def test_a_hung_experimental_checkpoint_process_is_reported_and_ends_as_without_
     assert lines[1].startswith(f"UNFINISHED  {operation} ")
     assert f"rank 1 never finished {semconv.CHECKPOINTER_WRITE} in the checkpoint process" in lines[1]
     assert "rank 0 waited for it in barrier" in lines[1]
+
+
+# --- 4. torch_checkpointing's writer process ------------------------------------------------------------
+def test_a_hung_torch_checkpointing_write_is_a_stall_with_its_stack_in_prometheus_and_the_report(tmp_path: Path) -> None:
+    """Rank 1's writer process blocks writing an item's file (its storage hangs); rank 0's waits at the barrier.
+    A real Prometheus scrapes both ranks' endpoints (the writer processes' metrics relayed there)."""
+    operation, items = semconv.CHECKPOINTING_ASYNC_SAVE, "write_items"
+    base = free_port_range(2)
+    targets = tmp_path / "targets"
+    targets.mkdir()
+    config = {"global": {"scrape_interval": "1s"},
+              "scrape_configs": [{"job_name": "train", "file_sd_configs": [{"files": [str(targets / "rank-*.json")]}]}]}
+
+    def ready(out: Path) -> bool:
+        traces = out / "traces"
+        return bool(stall(traces / f"process-{HUNG}.jsonl", items)
+                    and stall(traces / f"process-{WAITING}.jsonl", semconv.CHECKPOINTER_BARRIER))  # fmt: skip
+
+    with PrometheusServer(config, tmp_path / "prometheus") as prom:
+
+        def while_hung(wait_for: Until) -> dict[str, Any]:
+            seen: dict[str, Any] = {}
+
+            def prometheus_has_it() -> bool:
+                seen["in_progress"] = prom.query(f'{semconv.METRIC_IN_PROGRESS}{{operation="{operation}"}}')
+                seen["stalls"] = prom.query(f'{semconv.METRIC_STALLS}_total{{operation="{operation}"}}')
+                seen["saved"] = prom.query(f'{semconv.METRIC_OPERATIONS}_total{{operation="{operation}",status="success"}}')
+                seen["written"] = prom.query(f"{semconv.METRIC_WRITTEN_BYTES}_total")
+                counted = {(r["metric"]["rank"], r["metric"]["step"]) for r in seen["stalls"]}
+                return (len(seen["in_progress"]) == 2 and len(seen["written"]) == 2
+                        and {(str(HUNG), items), (str(WAITING), semconv.CHECKPOINTER_BARRIER)} <= counted)  # fmt: skip
+
+            wait_for(prometheus_has_it, "both ranks' open save, its stalls and the first save's bytes in Prometheus")
+            return seen
+
+        env = {semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1",
+               semconv.ENV_FILE_SD_DIR: str(targets)}  # fmt: skip
+        traced = run_hung(tmp_path, "checkpointing", plain=False, ready=ready, env=env, while_hung=while_hung)
+    plain = run_hung(tmp_path, "checkpointing", plain=True, ready=lambda out: True)
+    seen = traced.seen
+    where = {r["metric"]["rank"]: r["metric"]["step"] for r in seen["in_progress"]}
+    assert where == {str(HUNG): items, str(WAITING): semconv.CHECKPOINTER_BARRIER}
+    counted = {(r["metric"]["rank"], r["metric"]["step"]) for r in seen["stalls"] if float(r["value"][1]) >= 1}
+    assert {(str(HUNG), items), (str(WAITING), semconv.CHECKPOINTER_BARRIER)} <= counted
+    # The first checkpoint finished before: counted, with its bytes (relayed from the writer processes).
+    assert {r["metric"]["rank"] for r in seen["saved"] if float(r["value"][1]) == 1} == {"0", "1"}
+    assert all(float(r["value"][1]) > 0 for r in seen["written"])
+    # The stall report names the blocked frame: the storage's wait.
+    hung = stall(traced.out / "traces" / f"process-{HUNG}.jsonl", items)
+    assert hung is not None and hung.attributes[semconv.ATTR_STALL_WHERE] == "checkpoint process"
+    assert "NEVER.wait()" in hung.attributes[semconv.ATTR_CODE_STACKTRACE]
+    assert "in stream_write" in hung.attributes[semconv.ATTR_CODE_STACKTRACE]
+    write = interrupted(traced.evidence, f"dcp.{items}", HUNG)
+    assert write.status_message == f"terminated by SIGTERM during {items} in the checkpoint process"
+    upload = interrupted(traced.evidence, semconv.SPAN_ASYNC_UPLOAD, HUNG)
+    assert upload.trace_id == write.trace_id
+    assert_ends_as_without_dcp_otel(traced, plain)
+    lines = report(traced.out / "traces", traced.out / "spool").splitlines()
+    assert lines[1].startswith(f"UNFINISHED  {operation} ")
+    assert f"rank 1 never finished {items} in the checkpoint process" in lines[1]
+    assert "rank 0 waited for it in barrier" in lines[1]

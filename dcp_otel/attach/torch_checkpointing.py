@@ -51,6 +51,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
@@ -214,6 +215,8 @@ class _ItemTimes(list[tuple[int, str, bool]]):
 
 #: On a ``CheckpointWriter`` while it writes: the checkpoint's path, its items' times, the files they went to.
 _PATH, _ITEM_TIMES, _FILES = "_dcp_otel_path", "_dcp_otel_item_times", "_dcp_otel_files"
+#: ... and while its items are written, the ``ckpt-write`` threads writing one (their stacks join its stall reports).
+_HELPERS = "_dcp_otel_helpers"
 
 
 def write(hooks: Hooks) -> Wrapper:
@@ -244,7 +247,7 @@ def write_items(hooks: Hooks) -> Wrapper:
 
     Its summary is told while the step is still open, whether the items were written or one failed.
     """
-    on_call_facts = hooks.recorder.on_call_facts
+    on_call_facts, lend_threads = hooks.recorder.on_call_facts, hooks.recorder.lend_threads
     slowest = hooks.recorder.options.slowest_keys
     timed = logged_call(hooks.feed, WRITE_ITEMS)
 
@@ -254,6 +257,7 @@ def write_items(hooks: Hooks) -> Wrapper:
         state[_ITEM_TIMES] = times
 
         def run(*args: Any, **kwargs: Any) -> Any:
+            state[_HELPERS] = lend_threads()  # (inside the step: its ckpt-write threads' stacks join its stalls)
             try:
                 result = wrapped(*args, **kwargs)
             except BaseException:
@@ -270,6 +274,7 @@ def write_items(hooks: Hooks) -> Wrapper:
             return timed(run, instance, args, kwargs)
         finally:
             state.pop(_ITEM_TIMES, None)
+            state.pop(_HELPERS, None)
 
     return wrapper
 
@@ -308,12 +313,17 @@ def write_item(hooks: Hooks) -> Wrapper:
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         started = time.perf_counter_ns()
+        helpers, me = vars(instance).get(_HELPERS), threading.get_ident()
+        if isinstance(helpers, set):
+            helpers.add(me)
         failed = True
         try:
             result = wrapped(*args, **kwargs)
             failed = False
             return result
         finally:
+            if isinstance(helpers, set):
+                helpers.discard(me)
             times = vars(instance).get(_ITEM_TIMES)
             if isinstance(times, _ItemTimes):
                 times.append((time.perf_counter_ns() - started, str(args[0] if args else kwargs.get("key")), failed))

@@ -91,3 +91,15 @@ def collective(frame: FrameType | None) -> tuple[str, str | None] | None:
 
 def _qualname(code: CodeType) -> str:
     return getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11+
+
+
+def with_helpers(stack: ThreadStack, helpers: list[int]) -> ThreadStack:
+    """``stack`` (a thread waiting for a pool's work: its futures), with the stacks of the pool's threads working
+    for it after its own; their innermost frames (and collective) first, since that is where the time goes."""
+    others = [found for found in (thread_stack(ident) for ident in helpers) if found is not None]
+    if not others:
+        return stack
+    text = stack.text + "".join(f"\nWorking for it, thread {o.thread_name}:\n{o.text}" for o in others)
+    frames = tuple(f for o in others for f in o.frames) + stack.frames
+    collective = next((o.collective for o in others if o.collective is not None), stack.collective)
+    return ThreadStack(stack.thread_id, stack.thread_name, text, frames, collective)

@@ -40,7 +40,7 @@ from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report as report_problem
 from dcp_otel.live.progress import Progress
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
-from dcp_otel.live.stacks import ThreadStack, thread_stack
+from dcp_otel.live.stacks import ThreadStack, thread_stack, with_helpers
 from dcp_otel.live.status import board
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.redact import redact_text
@@ -79,6 +79,9 @@ class StallReporter:
         try:
             now_ns = now_ns if now_ns is not None else time.time_ns()
             stack = thread_stack(p.thread_id) if p.thread_id is not None else None
+            helpers = p.call.helpers
+            if stack is not None and helpers:  # (a set's copy is one step of the interpreter)
+                stack = with_helpers(stack, list(helpers))
             record = self._recorder.record
             if stack is not None and record is not None:  # a survivor ends this call with it, should the process die
                 self._stacks[p.call.span_id] = redact_text(stack.text)

@@ -90,6 +90,19 @@ class CallFacts:
                 extra = call.extra
                 call.extra = attributes if extra is None else {**extra, **attributes}
 
+    def lend_threads(self) -> set[int] | None:
+        """The innermost open call on this thread (a step) will have threads of a pool working for it: the set
+        they put their idents in while they do (its stall reports add their stacks). ``None``: nothing open."""
+        try:
+            stack = self._local.stack
+        except AttributeError:
+            return None
+        if not stack or not stack[-1].span_id:
+            return None
+        helpers: set[int] = set()
+        stack[-1].helpers = helpers
+        return helpers
+
     def on_staging(self, stager: object, state_dict: object) -> None:
         """An async save's stager is given ``state_dict`` to copy (on the caller's thread, before the copy)."""
         try:

@@ -116,6 +116,7 @@ class Call:
     sent_bytes: int = 0  # a collective's: the bytes torch pickled for it on this rank, and unpickled
     received_bytes: int = 0
     arrivals: list[tuple[int, int]] | None = None  # the coordinator's write gather: (rank, since_ns) each sent
+    helpers: set[int] | None = None  # threads working for it now (a pool's), whose stacks a stall report adds
 
     def __init__(
         self,
