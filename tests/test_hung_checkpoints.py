@@ -479,6 +479,7 @@ def test_a_hung_torch_checkpointing_write_is_a_stall_with_its_stack_in_prometheu
                         and {(str(HUNG), items), (str(WAITING), semconv.CHECKPOINTER_BARRIER)} <= counted)  # fmt: skip
 
             wait_for(prometheus_has_it, "both ranks' open save, its stalls and the first save's bytes in Prometheus")
+            seen["status"] = status("--targets", str(targets))
             return seen
 
         env = {semconv.ENV_METRICS_PORT: str(base), semconv.ENV_METRICS_ADDR: "127.0.0.1",
@@ -507,3 +508,15 @@ def test_a_hung_torch_checkpointing_write_is_a_stall_with_its_stack_in_prometheu
     assert lines[1].startswith(f"UNFINISHED  {operation} ")
     assert f"rank 1 never finished {items} in the checkpoint process" in lines[1]
     assert "rank 0 waited for it in barrier" in lines[1]
+    # dcp-otel status, from the ranks' endpoints: the stuck rank first, its writer thread's stack.
+    done = seen["status"]
+    assert done.returncode == 1, done.stdout + done.stderr  # 1: a checkpoint is stalled
+    lines = done.stdout.splitlines()
+    assert f"{operation}: 2 rank(s) open, 1 waiting for the others - STALLED: 1 rank(s) stuck in a step" in lines[0]
+    stuck, waiting = lines[2].split(), lines[3].split()
+    assert stuck[0] == str(HUNG) and stuck[2] == items and stuck[-1] == "STALLED", done.stdout
+    assert waiting[0] == str(WAITING) and waiting[2] == semconv.CHECKPOINTER_BARRIER, done.stdout
+    # The writer process's stall report, relayed to its rank's endpoint: the ckpt-write thread that hangs.
+    at = lines.index(next(line for line in lines if line.startswith(f"  last stall report of rank {HUNG} on ")))
+    stack = "\n".join(lines[at + 1:])
+    assert "in _write_key" in stack and "NEVER.wait()" in stack, done.stdout

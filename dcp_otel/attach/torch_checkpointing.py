@@ -165,9 +165,11 @@ def latency_attribute(metric_name: str) -> str | None:
 def event_logger(hooks: Hooks) -> Replacer:
     """``EventLogger.__call__`` (every event it logs, on the thread logging it): its latency onto the open span.
 
-    A hot patch (a plain replacement, one frame): a save logs a handful on the training thread.
+    A hot patch (a plain replacement, one frame): a save logs a dozen on the caller's thread. Each metric
+    name's attribute is worked out once (:data:`_ATTRIBUTES`).
     """
     on_call_facts = hooks.recorder.on_call_facts
+    attributes = _ATTRIBUTES
 
     def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
         def replacement(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -175,13 +177,14 @@ def event_logger(hooks: Hooks) -> Replacer:
             try:
                 if type(metadata) is dict:
                     if not metadata.keys() <= KNOWN_FIELDS or metadata.get("log_type_name") not in KNOWN_EVENTS:
-                        report("library_schema", "dcp_otel: torch_checkpointing logged an event type or field it "
-                               "does not know (ignored): %s", sorted(set(metadata) - KNOWN_FIELDS) or
-                               metadata.get("log_type_name"))  # fmt: skip
-                    name, value = metadata.get("metric_name"), metadata.get("value")
-                    if type(name) is str and type(value) in (int, float):
-                        attribute = latency_attribute(name)
-                        if attribute is not None:
+                        _unknown(metadata)
+                    name = metadata.get("metric_name")
+                    if name is not None:
+                        attribute: Any = attributes.get(name, _UNSEEN)
+                        if attribute is _UNSEEN:
+                            attribute = _learn(name)
+                        value = metadata.get("value")
+                        if attribute is not None and type(value) in _NUMBERS:
                             on_call_facts({attribute: value})
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks the call
                 reraise_if_signalled(exc)
@@ -191,6 +194,26 @@ def event_logger(hooks: Hooks) -> Replacer:
         return replacement
 
     return replacer
+
+
+#: Metric name -> its span attribute (``None``: none), learnt as events come; bounded (names with an item's key in
+#: them are not kept).
+_ATTRIBUTES: dict[str, str | None] = {}
+_MAX_ATTRIBUTES: Final = 256
+_UNSEEN: Final = object()
+_NUMBERS: Final = (int, float)
+
+
+def _learn(name: object) -> str | None:
+    attribute = latency_attribute(name) if isinstance(name, str) else None
+    if isinstance(name, str) and len(_ATTRIBUTES) < _MAX_ATTRIBUTES:
+        _ATTRIBUTES[name] = attribute
+    return attribute
+
+
+def _unknown(metadata: dict[str, Any]) -> None:
+    report("library_schema", "dcp_otel: torch_checkpointing logged an event type or field it does not know "
+           "(ignored): %s", sorted(set(metadata) - KNOWN_FIELDS) or metadata.get("log_type_name"))  # fmt: skip
 
 
 # --- steps --------------------------------------------------------------------------------------------
@@ -208,15 +231,32 @@ def staged_copy(hooks: Hooks) -> After:
     return after
 
 
-class _ItemTimes(list[tuple[int, str, bool]]):
+class ItemTimes(list[tuple[int, str, bool]]):
     """The items one ``_write_keys`` call wrote: (nanoseconds, key, failed), appended by its ``ckpt-write``
-    threads (``list.append`` is atomic)."""
+    threads (``list.append`` is atomic); summarized by the builder, off the caller's thread."""
+
+    def __init__(self, slowest: int) -> None:
+        super().__init__()
+        self.slowest = slowest
+
+    def to_attributes(self) -> dict[str, Any]:
+        """How many items, the slowest (and their seconds), the one that failed."""
+        done = list(self)
+        if not done:
+            return {}
+        ordered = sorted(done, reverse=True)[: self.slowest]
+        facts: dict[str, Any] = {semconv.ATTR_ITEMS: len(done), semconv.ATTR_ITEMS_SLOWEST: [k for _, k, _ in ordered],
+                                 semconv.ATTR_ITEMS_SLOWEST_SECONDS: [ns / 1e9 for ns, _, _ in ordered]}  # fmt: skip
+        failed = next((key for _, key, bad in done if bad), None)
+        if failed is not None:
+            facts[semconv.ATTR_ITEMS_FAILED] = failed
+        return facts
 
 
-#: On a ``CheckpointWriter`` while it writes: the checkpoint's path, its items' times, the files they went to.
-_PATH, _ITEM_TIMES, _FILES = "_dcp_otel_path", "_dcp_otel_item_times", "_dcp_otel_files"
-#: ... and while its items are written, the ``ckpt-write`` threads writing one (their stacks join its stall reports).
-_HELPERS = "_dcp_otel_helpers"
+#: On a ``CheckpointWriter`` while it writes: the checkpoint's path, the files its items went to; while its items are
+#: written, their times and the ``ckpt-write`` threads writing one (their stacks join the step's stall reports).
+_PATH, _FILES = "_dcp_otel_path", "_dcp_otel_files"
+_ITEM_TIMES, _HELPERS = "_dcp_otel_item_times", "_dcp_otel_helpers"
 
 
 def write(hooks: Hooks) -> Wrapper:
@@ -243,31 +283,26 @@ def write(hooks: Hooks) -> Wrapper:
 
 
 def write_items(hooks: Hooks) -> Wrapper:
-    """``CheckpointWriter._write_keys(save_items, state_dict)``: ``dcp.write_items``, its files and items.
-
-    Its summary is told while the step is still open, whether the items were written or one failed.
-    """
-    on_call_facts, lend_threads = hooks.recorder.on_call_facts, hooks.recorder.lend_threads
+    """``CheckpointWriter._write_keys(save_items, state_dict)``: ``dcp.write_items``, its files and items (listed,
+    sized and summarized by the builder: on the caller's thread only references are kept)."""
+    innermost_call = hooks.recorder.innermost_call
     slowest = hooks.recorder.options.slowest_keys
     timed = logged_call(hooks.feed, WRITE_ITEMS)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        times = _ItemTimes()
         state = vars(instance)
-        state[_ITEM_TIMES] = times
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            state[_HELPERS] = lend_threads()  # (inside the step: its ckpt-write threads' stacks join its stalls)
-            try:
-                result = wrapped(*args, **kwargs)
-            except BaseException:
-                _tell(on_call_facts, times, slowest)
-                raise
-            _tell(on_call_facts, times, slowest)
+            call = innermost_call()  # (inside the step: this is it)
+            if call is not None:
+                state[_ITEM_TIMES] = call.summary = ItemTimes(slowest)
+                state[_HELPERS] = call.helpers = set()
+            result = wrapped(*args, **kwargs)
             items = args[0] if args else kwargs.get("save_items", ())
-            paths = tuple(os.fspath(item[2]) for item in items)
-            if paths:
-                state[_FILES] = CheckpointFile(paths, written=True, moved=_moved(instance, state.get(_PATH)))
+            if items:
+                path, config = state.get(_PATH), getattr(getattr(instance, "_args", None), "config", None)
+                state[_FILES] = CheckpointFile(lambda: tuple(os.fspath(item[2]) for item in items), written=True,
+                                               moved=lambda: _moved(config, path))  # fmt: skip
             return result
 
         try:
@@ -279,28 +314,9 @@ def write_items(hooks: Hooks) -> Wrapper:
     return wrapper
 
 
-def _tell(on_call_facts: Callable[[dict[str, Any]], None], times: _ItemTimes, slowest: int) -> None:
-    """The items on the open ``dcp.write_items``: how many, the slowest (and their seconds), the one that failed."""
-    try:
-        if not times:
-            return
-        done = list(times)
-        ordered = sorted(done, reverse=True)[:slowest]
-        facts: dict[str, Any] = {semconv.ATTR_ITEMS: len(done), semconv.ATTR_ITEMS_SLOWEST: [k for _, k, _ in ordered],
-                                 semconv.ATTR_ITEMS_SLOWEST_SECONDS: [ns / 1e9 for ns, _, _ in ordered]}  # fmt: skip
-        failed = next((key for _, key, bad in done if bad), None)
-        if failed is not None:
-            facts[semconv.ATTR_ITEMS_FAILED] = failed
-        on_call_facts(facts)
-    except Exception as exc:  # noqa: BLE001 - telemetry never breaks the write
-        reraise_if_signalled(exc)
-        report("recorder_error", "dcp_otel failed to summarize torch_checkpointing's items", exc_info=True)
-
-
-def _moved(writer: Any, path: object) -> tuple[str, str] | None:
+def _moved(config: Any, path: object) -> tuple[str, str] | None:
     """The writer's temporary folder and the checkpoint's path it is renamed onto, if it writes to one (as
     ``torch_checkpointing``'s ``_temp_dir_path``: ``<parent>/<temp_dir_prefix><name>``)."""
-    config = getattr(getattr(writer, "_args", None), "config", None)
     prefix = getattr(config, "temp_dir_prefix", None)
     if not isinstance(path, str) or not getattr(config, "write_to_temp_dir", False) or not isinstance(prefix, str):
         return None
@@ -325,7 +341,7 @@ def write_item(hooks: Hooks) -> Wrapper:
             if isinstance(helpers, set):
                 helpers.discard(me)
             times = vars(instance).get(_ITEM_TIMES)
-            if isinstance(times, _ItemTimes):
+            if isinstance(times, ItemTimes):
                 times.append((time.perf_counter_ns() - started, str(args[0] if args else kwargs.get("key")), failed))
 
     return wrapper

@@ -65,6 +65,8 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.events import STATE_DICT_FUNCTIONS
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.cut_short import passes_records_along
+from dcp_otel.tracing.light import get_current as light_get_current
+from dcp_otel.tracing.operations import OPERATION_KEY
 
 MODULE: Final = "torch.distributed.checkpoint.state_dict"
 #: The context manager every public function runs in.
@@ -228,7 +230,7 @@ def logged_call(
     """A ``wrapt`` wrapper feeding ``func_name``'s start, end or exception records to ``feed``.
 
     ``starts_operations=False`` for a function only ever called inside another
-    DCP call (its records then skip the ranks). ``checkpoint_id`` reads the
+    DCP call (its records then skip the ranks; so do those of any call made inside an operation). ``checkpoint_id`` reads the
     checkpoint id from the call's arguments, as torch logs one: every rank
     saving the same checkpoint then derives the same trace. ``after`` runs once
     the call returned, while it is still the innermost open call (to tell the
@@ -242,7 +244,9 @@ def logged_call(
         except Exception as exc:  # noqa: BLE001 - arguments torch will reject itself
             reraise_if_signalled(exc)
             ckpt = None
-        record = _start(feed, func_name, starts_operations, ckpt if isinstance(ckpt, (str, os.PathLike)) else None)
+        # Only a call that starts an operation needs the ranks (a step inside one skips torch's lookups of them).
+        with_ranks = starts_operations and light_get_current().get(OPERATION_KEY) is None
+        record = _start(feed, func_name, with_ranks, ckpt if isinstance(ckpt, (str, os.PathLike)) else None)
         if record is None:
             return wrapped(*args, **kwargs)
         try:
@@ -299,21 +303,26 @@ class CheckpointFile:
 
     __slots__ = ("path", "written", "moved")
 
-    def __init__(self, path: str | tuple[str, ...], written: bool, moved: tuple[str, str] | None = None) -> None:
+    def __init__(self, path: str | Callable[[], tuple[str, ...]], written: bool,
+                 moved: Callable[[], tuple[str, str] | None] | None = None) -> None:  # fmt: skip
+        """``path``: one file, or what lists them (called by the builder, off the caller's thread); ``moved``:
+        what says where their folder went."""
         self.path, self.written, self.moved = path, written, moved
 
     def size_in_bytes(self) -> int:
         """The files' size now (0 for a file that is gone, here and where it was moved to)."""
-        return sum(self._size(path) for path in ((self.path,) if isinstance(self.path, str) else self.path))
+        moved = self.moved() if self.moved is not None else None
+        return sum(self._size(path, moved) for path in ((self.path,) if isinstance(self.path, str) else self.path()))
 
-    def _size(self, path: str) -> int:
+    @staticmethod
+    def _size(path: str, moved: tuple[str, str] | None) -> int:
         try:
             return os.stat(path).st_size
         except OSError:
             pass
-        if self.moved is not None and path.startswith(self.moved[0]):
+        if moved is not None and path.startswith(moved[0]):
             try:
-                return os.stat(self.moved[1] + path[len(self.moved[0]):]).st_size
+                return os.stat(moved[1] + path[len(moved[0]):]).st_size
             except OSError:
                 pass
         return 0

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from dcp_otel import semconv
 from dcp_otel.live.status import STALLS_PATH
@@ -205,9 +205,14 @@ def _duration(seconds: float) -> str:
     return f"{hours}h {minutes:02d}m"
 
 
+#: Where a rank is waiting for the others, not stuck in its own work: between DCP's steps (its collectives), or in a
+#: checkpointer's barrier or its wait for the previous write.
+_WAITING: Final = semconv.WAITING_STEPS | semconv.WAIT_STEPS
+
+
 def _order(p: Position, now: float) -> tuple[int, float]:
-    """Stuck in a step first, then in a step, then waiting between steps; the longest without progress first."""
-    in_step = p.step not in semconv.WAITING_STEPS
+    """Stuck in a step first, then in a step, then waiting for the others; the longest without progress first."""
+    in_step = p.step not in _WAITING
     return (0 if in_step and p.stalled(now) else 1 if in_step else 2, -p.age_s(now))
 
 
@@ -221,14 +226,15 @@ def render(snapshot: Snapshot, now: float | None = None, rows: int = ROWS) -> st
     for (job, run, operation), positions in sorted(groups.items()):
         positions.sort(key=lambda p: _order(p, now))
         stalled = [p for p in positions if p.stalled(now)]
-        stuck = [p for p in stalled if p.step not in semconv.WAITING_STEPS]
-        waiting = [p for p in positions if p.step in semconv.WAITING_STEPS]
+        stuck = [p for p in stalled if p.step not in _WAITING]
+        waiting = [p for p in positions if p.step in _WAITING]
+        how = "between steps" if all(p.step in semconv.WAITING_STEPS for p in waiting) else "for the others"
         state = (f"STALLED: {len(stuck)} rank(s) stuck in a step" if stuck else
                  "STALLED: every rank waits between steps (one never reached DCP's collective)" if stalled else
                  "in progress")  # fmt: skip
         named = f"run {run or '(no dcp_run_id label)'}" + (f" (job {job})" if job else "")
         lines.append(f"{named} {operation}: {len(positions)} rank(s) open, "
-                     f"{len(waiting)} waiting between steps - {state}")  # fmt: skip
+                     f"{len(waiting)} waiting {how} - {state}")  # fmt: skip
         lines.append(f"  {'RANK':>6}  {'HOST':<20}  {'STEP':<24}  {'NO PROGRESS FOR':>15}  {'THRESHOLD':>9}  SINCE")
         for p in positions[:rows]:
             limit = _duration(p.threshold_s) if p.threshold_s else "-"
@@ -237,8 +243,8 @@ def render(snapshot: Snapshot, now: float | None = None, rows: int = ROWS) -> st
                          f"{limit:>9}  {time.strftime('%H:%M:%S', time.localtime(p.since))}{mark}")  # fmt: skip
         if len(positions) > rows:
             rest = positions[rows:]
-            lines.append(f"  ... {len(rest)} more rank(s), {sum(p.step in semconv.WAITING_STEPS for p in rest)} of them "
-                         "waiting between steps")  # fmt: skip
+            lines.append(f"  ... {len(rest)} more rank(s), {sum(p.step in _WAITING for p in rest)} of them "
+                         f"waiting {how}")  # fmt: skip
         for p in (stuck or stalled)[:STACKS]:
             report = _latest_report(snapshot, p)
             if report is None:
@@ -274,7 +280,7 @@ def as_json(snapshot: Snapshot, now: float) -> dict[str, Any]:
     for p in sorted(snapshot.positions, key=lambda p: (p.job, p.run, p.operation, _order(p, now))):
         report = _latest_report(snapshot, p)
         ranks.append({"job": p.job, "run": p.run, "operation": p.operation, "rank": p.rank, "host": p.host,
-                      "instance": p.instance, "step": p.step, "waiting": p.step in semconv.WAITING_STEPS,
+                      "instance": p.instance, "step": p.step, "waiting": p.step in _WAITING,
                       "since": p.since, "seconds_without_progress": round(p.age_s(now), 3),
                       "threshold_seconds": p.threshold_s, "stalled": p.stalled(now), "stall_report": report})  # fmt: skip
     return {"time": now, "asked": snapshot.asked, "ranks": ranks,

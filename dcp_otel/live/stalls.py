@@ -89,10 +89,16 @@ class StallReporter:
                     self._stacks.pop(next(iter(self._stacks)))
                 record.stacks(self._stacks)
             self._log(p, threshold_s, number, stack, now_ns)
-            board().record(operation=p.op.name, step=p.step, rank=p.op.rank_label, seconds=p.age_s(now_ns),
-                           threshold_s=threshold_s, stack=stack.text if stack is not None else None,
-                           collective=stack.collective[0] if stack is not None and stack.collective else None,
-                           where=self._where)  # fmt: skip
+            posted: dict[str, Any] = {
+                "operation": p.op.name, "step": p.step, "rank": p.op.rank_label, "seconds": p.age_s(now_ns),
+                "threshold_s": threshold_s, "stack": stack.text if stack is not None else None,
+                "collective": stack.collective[0] if stack is not None and stack.collective else None,
+                "where": self._where,
+            }  # fmt: skip
+            board().record(**posted)
+            relayed = getattr(self._metrics, "stall_report", None)  # a checkpoint process's: to its rank's board too
+            if relayed is not None:
+                relayed(posted)
             if number == 1 and self._metrics is not None:
                 self._metrics.stalled(p.op.name, p.step, p.op.rank_label)
                 if self._after_count is not None:

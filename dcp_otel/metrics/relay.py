@@ -32,6 +32,7 @@ from typing import Any
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.live.status import board
 from dcp_otel.metrics.prometheus import ForwardingSink, LiveEntry, MetricsSink
 
 #: The observations a daemon can make (the operation itself belongs to the rank).
@@ -41,6 +42,11 @@ RELAYED = frozenset(
 )  # fmt: skip
 #: Not a metric: where the daemon's open operations are now (its live progress), replacing the last one sent.
 PROGRESS = "progress"
+#: Not a metric: a stall report of the daemon's, for the rank's board (``dcp-otel status`` reads it from the rank).
+STALL_REPORT = "stall_report"
+#: The innermost part of a relayed report's stack that is kept (it must fit in one message).
+MAX_RELAYED_STACK = 2800
+_REPORT_FIELDS = ("operation", "step", "rank", "seconds", "threshold_s", "stack", "collective", "where")
 #: Below POSIX PIPE_BUF (4096 on Linux) with room for the connection's 4-byte header.
 MAX_MESSAGE_BYTES = 3800
 #: Observations waiting to be sent; past it the oldest ones are dropped and counted.
@@ -72,6 +78,14 @@ class MetricsRelay(ForwardingSink):
     def progress(self, where: str, entries: list[LiveEntry]) -> None:
         """Queue where this process's open operations are now (``[]``: none); :meth:`send` ships it."""
         self._forward(PROGRESS, where, [list(entry) for entry in entries])
+
+    def stall_report(self, report: dict[str, Any]) -> None:
+        """Queue a stall report (:meth:`~dcp_otel.live.status.StallBoard.record`'s fields) for the rank's board; a long
+        stack keeps its innermost frames."""
+        stack = report.get("stack")
+        if isinstance(stack, str) and len(stack) > MAX_RELAYED_STACK:
+            report = {**report, "stack": "...\n" + stack[-MAX_RELAYED_STACK:]}
+        self._forward(STALL_REPORT, report)
 
     def send(self) -> None:
         """Ship everything queued to the rank; never blocks, never raises."""
@@ -126,6 +140,10 @@ def drain(reader: Connection, metrics: MetricsSink | None,
                 if name == PROGRESS:
                     if on_progress is not None and len(observation) == 3:
                         on_progress(str(observation[1]), [tuple(e) for e in observation[2] if len(e) == 5])
+                    continue
+                if name == STALL_REPORT:  # onto this process's board, served beside its metrics
+                    if len(observation) == 2 and isinstance(observation[1], dict):
+                        board().record(**{k: v for k, v in observation[1].items() if k in _REPORT_FIELDS})
                     continue
                 if metrics is None:
                     continue

@@ -341,6 +341,8 @@ class _Emitter:
             attributes[semconv.ATTR_COLLECTIVE_RECEIVED_BYTES] = call.received_bytes
         if call.keys is not None:
             attributes.update(call.keys.to_attributes())
+        if call.summary is not None:
+            attributes.update(call.summary.to_attributes())
         failure = call.failure
         if failure is not None and failure.failed_ranks is not None:
             attributes[semconv.ATTR_FAILED_RANKS] = failure.failed_ranks

@@ -90,18 +90,14 @@ class CallFacts:
                 extra = call.extra
                 call.extra = attributes if extra is None else {**extra, **attributes}
 
-    def lend_threads(self) -> set[int] | None:
-        """The innermost open call on this thread (a step) will have threads of a pool working for it: the set
-        they put their idents in while they do (its stall reports add their stacks). ``None``: nothing open."""
+    def innermost_call(self) -> Call | None:
+        """The innermost open call on this thread (not a per-key one), for a wrapper inside it to tell it what its
+        pool's threads do (``helpers``: their stacks join its stall reports) and what it did (``summary``)."""
         try:
             stack = self._local.stack
         except AttributeError:
             return None
-        if not stack or not stack[-1].span_id:
-            return None
-        helpers: set[int] = set()
-        stack[-1].helpers = helpers
-        return helpers
+        return stack[-1] if stack and stack[-1].span_id else None
 
     def on_staging(self, stager: object, state_dict: object) -> None:
         """An async save's stager is given ``state_dict`` to copy (on the caller's thread, before the copy)."""

@@ -117,6 +117,7 @@ class Call:
     received_bytes: int = 0
     arrivals: list[tuple[int, int]] | None = None  # the coordinator's write gather: (rank, since_ns) each sent
     helpers: set[int] | None = None  # threads working for it now (a pool's), whose stacks a stall report adds
+    summary: Any = None  # what it did, summarized by the builder (``summary.to_attributes()``): a library's items
 
     def __init__(
         self,
