@@ -200,3 +200,21 @@ def test_signal_exceptions_prints_what_the_agent_loop_and_an_error_path_pay() ->
     assert loop is not None and _is_ratio_of_printed(loop.group(2), loop.group(1), loop.group(3)), done.stdout
     error = re.search(r"without the check ([\d.]+) us, with reraise_if_signalled ([\d.]+) us \(x([\d.]+);", done.stdout)
     assert error is not None and _is_ratio_of_printed(error.group(2), error.group(1), error.group(3)), done.stdout
+
+
+def test_checkpointing_calls_prints_torch_checkpointings_bill_in_bare_spans_and_its_times() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/checkpointing_calls.py", "--quick"], capture_output=True,
+                          text=True, timeout=600, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    bare = re.search(r"a bare span: (\d+)\)", done.stdout)
+    assert bare is not None and 500 < int(bare.group(1)) < 5000, done.stdout
+    for call in ("sync save", "load", "async save \\(returns\\)"):
+        row = re.search(rf"^{call} +(\d+) +(\d+) +(-?\d+) +(-?[\d.]+)$", done.stdout, re.M)
+        assert row is not None, (call, done.stdout)
+        plain, traced, added, spans = row.groups()
+        assert int(traced) > int(plain) and int(added) == int(traced) - int(plain)
+        assert abs(float(spans) - int(added) / int(bare.group(1))) <= 0.005
+    times = done.stdout.partition("plain us")[2]
+    for call in ("sync save", "load", "async save \\(returns\\)", "  its caller's CPU", "async save \\(durable\\)"):
+        row = re.search(rf"^{call} +([\d.]+) +([\d.]+) +(-?[\d.]+) +([\d.]+)$", times, re.M)
+        assert row is not None and _is_ratio_of_printed(row.group(2), row.group(1), row.group(4)), (call, done.stdout)

@@ -229,3 +229,38 @@ def test_without_torch_checkpointing_instrument_says_nothing_about_it(tmp_path: 
     assert "instrumented" in done.stdout and "torch_checkpointing" not in done.stdout + done.stderr
     assert "Missing" not in done.stdout + done.stderr
 
+
+
+def test_opentelemetry_instrument_torchrun_traces_it_with_no_code_in_the_script_or_its_writer_process(
+    tmp_path: Path,
+) -> None:
+    """Zero code: ``opentelemetry-instrument torchrun`` and OTEL_* alone; spans over real OTLP/HTTP to a loopback
+    receiver, the writer processes' included (their tracer provider built from the OTEL_* they inherit)."""
+    from tests.otlp_receiver import OtlpReceiver
+    from tests.ranks import WORKERS
+
+    bindir = Path(sys.executable).parent
+    with OtlpReceiver() as receiver:
+        env = {**rank_env(), "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+               "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_METRICS_EXPORTER": "none",
+               "OTEL_LOGS_EXPORTER": "none", "OTEL_SERVICE_NAME": "zero-code-checkpointing",
+               "CKPT": str(tmp_path / "c")}  # fmt: skip
+        run = subprocess.run([str(bindir / "opentelemetry-instrument"), str(bindir / "torchrun"), "--standalone",
+                              "--nproc-per-node", "2", str(WORKERS / "checkpointing_train.py")],
+                             capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    spans = receiver.spans
+    saves = [s for s in spans if s.name == f"dcp.{ASYNC_SAVE}"]
+    assert sorted(s.attributes["dcp.rank"] for s in saves) == [0, 1] and len({s.trace_id for s in saves}) == 1
+    assert all(s.attributes[semconv.ATTR_TRAINING_STEP] == 100 for s in saves)  # from its id, step-100
+    in_trace = [s for s in spans if s.trace_id == saves[0].trace_id]
+    by_id = {s.span_id: s for s in in_trace}
+    assert [s.name for s in in_trace].count(semconv.SPAN_CHECKPOINT) == 1
+    assert all(s.parent_id in by_id for s in in_trace if s.name != semconv.SPAN_CHECKPOINT)  # no orphans
+    writes = [s for s in in_trace if s.name == WRITE]
+    assert sorted(by_id[s.parent_id].attributes["dcp.rank"] for s in writes) == [0, 1]
+    assert all(by_id[s.parent_id].name == semconv.SPAN_ASYNC_UPLOAD for s in writes)  # in the writer process
+    assert [s.name for s in in_trace].count(FINALIZE) == 1
+    loads = [s for s in spans if s.name == f"dcp.{LOAD}"]
+    assert sorted(s.attributes["dcp.rank"] for s in loads) == [0, 1]
+    assert all(s.resource["service.name"] == "zero-code-checkpointing" for s in spans)
