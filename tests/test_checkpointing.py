@@ -20,6 +20,7 @@ import pytest
 
 from dcp_otel import _selftelemetry, semconv
 from dcp_otel.attach.torch_checkpointing import LATENCY_PREFIX, latency_attribute
+from dcp_otel.otlp_file import read_spans
 from dcp_otel.report import build
 from tests.checkpointer_job import CheckpointerRun, assert_the_second_save_waited_for_the_first_write, per_rank
 from tests.ranks import REPO, Job, rank_env, run_ranks
@@ -264,3 +265,69 @@ def test_opentelemetry_instrument_torchrun_traces_it_with_no_code_in_the_script_
     loads = [s for s in spans if s.name == f"dcp.{LOAD}"]
     assert sorted(s.attributes["dcp.rank"] for s in loads) == [0, 1]
     assert all(s.resource["service.name"] == "zero-code-checkpointing" for s in spans)
+
+
+def test_its_logging_contexts_step_is_its_own_operations_training_step_and_not_dcps(tmp_path: Path) -> None:
+    """``checkpoint_logging_context.update(step=5)`` says the step of torch_checkpointing's saves; a ``dcp.save``
+    beside them keeps reading its own (none in ``latest``)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.checkpoint_writer import CheckpointWriterConfig
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.logging_utils import checkpoint_logging_context
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    import dcp_otel
+
+    provider, exported = TracerProvider(), InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    writer = CheckpointWriterConfig(barrier_config=None, write_to_temp_dir=False)  # one process, no process group
+    dcp_otel.instrument(tracer_provider=provider)
+    try:
+        manager = CheckpointManager(CheckpointManager.Config(save=SyncCheckpointSaverConfig(writer_config=writer),
+                                                             storage_config=LocalFileSystemStorageConfig(use_direct_io=False)))  # fmt: skip
+        checkpoint_logging_context.update(step=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (DCP: "assuming the intent is to save in a single process")
+            dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "latest"))
+        manager.save(str(tmp_path / "latest-items"), {"model": {"w": torch.ones(4)}})
+        manager.close()
+        assert dcp_otel.flush(timeout_s=30, tracer_provider=provider)
+    finally:
+        checkpoint_logging_context.update(step=None)
+        dcp_otel.uninstrument()
+    spans = {s.name: s for s in exported.get_finished_spans()}
+    assert semconv.ATTR_TRAINING_STEP not in spans["dcp.save"].attributes
+    assert spans[f"dcp.{SAVE}"].attributes[semconv.ATTR_TRAINING_STEP] == 5
+
+
+def test_a_writer_process_killed_mid_write_is_reported_by_its_rank_in_the_checkpoints_trace(tmp_path: Path) -> None:
+    """SIGKILL runs no Python in the writer process: what it had open comes from its record, sent by the rank (its
+    parent's survivor), in the trace of the save it was writing. The caller sees what it sees without dcp-otel."""
+    from tests.ranks import WORKERS
+
+    seen = {}
+    for arm in ("plain", "traced"):
+        out = tmp_path / arm
+        out.mkdir()
+        env = rank_env(DCP_OTEL_SPOOL_DIR=str(out / "spool"), DCP_OTEL_RUN_ID=f"killed-writer-{arm}")
+        done = subprocess.run([sys.executable, str(WORKERS / "checkpointing_killed_writer.py"), str(out),
+                               *(["--plain"] if arm == "plain" else [])], capture_output=True, text=True,
+                              timeout=240, cwd=REPO, env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[arm] = json.loads((out / "result.json").read_text())
+    assert seen["traced"].pop("reported") is True
+    assert seen["traced"] == seen["plain"] == {"first": {"returned": "NoneType"}, "second": {"raised": "RuntimeError"}}
+    spans = read_spans([tmp_path / "traced" / "traces" / "rank-0.jsonl"])
+    second = [s for s in spans if str(s.attributes.get(semconv.ATTR_CHECKPOINT_ID, "")).endswith("second")]
+    by_name = {s.name: s for s in second}
+    write, items, upload = by_name[WRITE], by_name[ITEMS], by_name[semconv.SPAN_ASYNC_UPLOAD]
+    assert items.status_message == "terminated by SIGKILL during write_items in the checkpoint process"
+    assert write.error and items.parent_id == write.span_id and write.parent_id == upload.span_id
+    assert upload.error and len({s.trace_id for s in second}) == 1

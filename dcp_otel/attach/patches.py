@@ -359,8 +359,13 @@ def install(
         else:
             installed.restore_entries.append(restore)
     if present[torch_checkpointing.PACKAGE]:
-        training_step.library_steps[:] = [torch_checkpointing.logging_step]
-        installed.restore_entries.append(training_step.library_steps.clear)
+        step_of = torch_checkpointing.logging_step()
+        if step_of is None:
+            installed.library_missing.append(f"{torch_checkpointing.LOGGING_MODULE}.checkpoint_logging_context "
+                                             "(the training step from its path only)")  # fmt: skip
+        else:
+            training_step.library_steps[:] = [step_of]
+            installed.restore_entries.append(training_step.library_steps.clear)
         torch_checkpointing.say_instrumented(library_missing)
     if installed.missing:
         logger.warning(

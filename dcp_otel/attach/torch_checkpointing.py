@@ -138,10 +138,17 @@ def process_class() -> Any:
     return getattr(importlib.import_module(PROCESS_MODULE), PROCESS_CLASS)
 
 
-def logging_step() -> object:
-    """The step in ``torch_checkpointing``'s logging context (what ``checkpoint_logging_context.update(step=...)``
-    said on this thread), read as each of its operations starts."""
-    return importlib.import_module(LOGGING_MODULE).checkpoint_logging_context.get("step")
+def logging_step() -> Callable[[], object] | None:
+    """What reads the step in ``torch_checkpointing``'s logging context (what
+    ``checkpoint_logging_context.update(step=...)`` said in this context), as each of its operations starts;
+    ``None`` where it has no such context (a release that moved it: the step then comes from the path)."""
+    try:
+        context = getattr(importlib.import_module(LOGGING_MODULE), "checkpoint_logging_context", None)
+    except Exception as exc:  # noqa: BLE001 - a release without that module
+        reraise_if_signalled(exc)
+        return None
+    get = getattr(context, "get", None)
+    return (lambda: get("step")) if callable(get) else None
 
 
 # --- its events ---------------------------------------------------------------------------------------

@@ -77,6 +77,11 @@ class _Environment(NamedTuple):
                    os.environ.get(semconv.ENV_GENERATION, "").strip(), _env_int("RANK", 0), _env_int("WORLD_SIZE", 1))  # fmt: skip
 
 
+#: Operations of a checkpointing library whose own context may say their training step (torch_checkpointing's).
+_LIBRARY_OPERATIONS = frozenset({semconv.CHECKPOINTING_SAVE, semconv.CHECKPOINTING_ASYNC_SAVE,
+                                 semconv.CHECKPOINTING_LOAD})  # fmt: skip
+
+
 class OperationStarter:
     """Begins operations for one recorder.
 
@@ -200,7 +205,7 @@ class OperationStarter:
         if generation:
             attributes[semconv.ATTR_GENERATION] = generation
         self.last_attributes = attributes
-        training_step = current_step(checkpoint_id, self._options.step_pattern)
+        training_step = current_step(checkpoint_id, self._options.step_pattern, event.func_name in _LIBRARY_OPERATIONS)
         if training_step is not None:
             attributes[semconv.ATTR_TRAINING_STEP] = training_step
         if fields.backend:

@@ -121,17 +121,19 @@ def step_from_id(checkpoint_id: str | None, pattern: str) -> int | None:
     return int(text) if text is not None and text.isdigit() else None
 
 
-#: Where a checkpointing library keeps the step its caller said (``torch_checkpointing``'s logging context):
-#: read after the step said to dcp-otel, before the checkpoint id. Set by :mod:`dcp_otel.attach.patches`.
+#: Where a checkpointing library keeps the step its caller said (``torch_checkpointing``'s logging context): read for
+#: that library's operations, after the step said to dcp-otel, before the checkpoint id. Set by
+#: :mod:`dcp_otel.attach.patches`.
 library_steps: list[Callable[[], object]] = []
 
 
-def current_step(checkpoint_id: str | None, pattern: str) -> int | None:
-    """What an operation on ``checkpoint_id`` says: the training loop's step, else its library's, else the id's."""
+def current_step(checkpoint_id: str | None, pattern: str, library: bool = False) -> int | None:
+    """What an operation on ``checkpoint_id`` says: the training loop's step, else (``library``: an operation of a
+    checkpointing library) the one its library's context says, else the id's."""
     explicit = _explicit
     if explicit is not None:
         return explicit
-    for read in library_steps:
+    for read in library_steps if library else ():
         try:
             said = read()
         except Exception as exc:  # noqa: BLE001 - a library's context that changed shape: no step from it
