@@ -331,3 +331,33 @@ def test_a_writer_process_killed_mid_write_is_reported_by_its_rank_in_the_checkp
     assert items.status_message == "terminated by SIGKILL during write_items in the checkpoint process"
     assert write.error and items.parent_id == write.span_id and write.parent_id == upload.span_id
     assert upload.error and len({s.trace_id for s in second}) == 1
+
+
+def test_its_own_wait_timeout_a_relative_path_and_a_prewarm_copy_come_out_as_without_dcp_otel(tmp_path: Path) -> None:
+    """``wait_timeout_secs`` still bounds a save's wait for the previous write (torch_checkpointing's own
+    RuntimeError, timed as ``dcp.wait_previous_checkpoint``); ``./relative`` has its bytes counted where rank 0
+    renamed its folder; a ``prewarm_staging`` copy is no operation."""
+    from tests.ranks import WORKERS
+
+    seen = {}
+    for arm in ("plain", "traced"):
+        out = tmp_path / arm
+        out.mkdir()
+        done = subprocess.run([sys.executable, str(WORKERS / "checkpointing_edges.py"), str(out),
+                               *(["--plain"] if arm == "plain" else [])], capture_output=True, text=True,
+                              timeout=240, cwd=REPO, env=rank_env(DCP_OTEL_RUN_ID=f"edges-{arm}"))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[arm] = json.loads((out / "result.json").read_text())
+    assert seen["traced"] == seen["plain"]
+    assert seen["plain"]["next"]["raised"] == "RuntimeError" and "lock" in seen["plain"]["next"]["message"]
+    spans = read_spans([tmp_path / "traced" / "traces" / "rank-0.jsonl"])
+    (wait,) = [s for s in spans if s.name == "dcp.wait_previous_checkpoint"]
+    (nxt,) = [s for s in spans if s.name == f"dcp.{ASYNC_SAVE}" and str(s.attributes[semconv.ATTR_CHECKPOINT_ID]) == "next"]
+    assert wait.parent_id == nxt.span_id and wait.error and "Failed to acquire" in wait.status_message
+    # Its own timeout (1 s): it gave up before the slow write (4 s) ended.
+    (slow_upload,) = [s for s in spans if s.name == semconv.SPAN_ASYNC_UPLOAD and s.trace_id != nxt.trace_id]
+    assert wait.duration_s >= 0.9 and wait.end_ns < slow_upload.end_ns
+    (relative,) = [s for s in spans if s.name == f"dcp.{SAVE}"]
+    files = tmp_path / "traced" / "ckpt" / "relative"
+    assert relative.attributes[semconv.ATTR_WRITTEN_BYTES] == sum(p.stat().st_size for p in files.glob("*_0.pt")) > 0
+    assert {s.attributes.get(semconv.ATTR_OPERATION) for s in spans} == {SAVE, ASYNC_SAVE}  # no prewarm operation

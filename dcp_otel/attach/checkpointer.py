@@ -77,49 +77,38 @@ CARRIER_KEY = "_dcp_otel_operation"
 Wrapper = Callable[..., Any]
 
 
-def _path(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+def path_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """The ``path`` of ``save(path, ...)``, ``load(path, ...)``, ``write(path, ...)``, ``read(path, ...)``."""
     return args[0] if args else kwargs.get("path")
 
 
 def operation(name: str) -> Callable[[Hooks], Wrapper]:
     """A checkpointer's ``save`` or ``load``: an operation whose checkpoint id is its path."""
-    return lambda hooks: logged_call(hooks.feed, name, checkpoint_id=_path)
+    return lambda hooks: logged_call(hooks.feed, name, checkpoint_id=path_of)
 
 
 def async_save(hooks: Hooks) -> Wrapper:
-    """``AsyncCheckpointer.save``: see :func:`async_save_named`."""
-    return async_save_named(semconv.CHECKPOINTER_ASYNC_SAVE)(hooks)
-
-
-def async_save_named(name: str) -> Callable[[Hooks], Wrapper]:
-    """An async checkpointer's ``save`` (its ``_write_future``: the previous write): an operation ``name``,
-    whose wait for the previous checkpoint's write is a step; for ``torch_checkpointing``'s
-    ``AsyncCheckpointSaver`` too, whose staging lock waits for that write.
+    """``AsyncCheckpointer.save``: an operation, whose wait for the previous checkpoint's write is a step.
 
     torch's ``save`` first waits for the previous write (``result()``), so a slow
     upload holds up the next checkpoint, and the training loop with it. When that
     write is still running, the wait happens here, as ``dcp.wait_previous_checkpoint``,
-    with ``futures.wait`` (which never raises): torch's own ``result()`` then
-    returns or raises at once, exactly as it would have.
+    with ``futures.wait`` (which never raises): torch's own ``result()`` (unbounded as
+    well) then returns or raises at once, exactly as it would have.
     """
+    operation_call = logged_call(hooks.feed, semconv.CHECKPOINTER_ASYNC_SAVE, checkpoint_id=path_of)
+    waited = logged_call(hooks.feed, semconv.CHECKPOINTER_WAIT_PREVIOUS, starts_operations=False)
 
-    def for_hooks(hooks: Hooks) -> Wrapper:
-        operation_call = logged_call(hooks.feed, name, checkpoint_id=_path)
-        waited = logged_call(hooks.feed, semconv.CHECKPOINTER_WAIT_PREVIOUS, starts_operations=False)
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def save(*args: Any, **kwargs: Any) -> Any:
+            previous = getattr(instance, "_write_future", None)
+            if isinstance(previous, Future) and not previous.done():
+                waited(futures.wait, None, ([previous],), {})
+            return wrapped(*args, **kwargs)
 
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            def save(*args: Any, **kwargs: Any) -> Any:
-                previous = getattr(instance, "_write_future", None)
-                if isinstance(previous, Future) and not previous.done():
-                    waited(futures.wait, None, ([previous],), {})
-                return wrapped(*args, **kwargs)
+        return operation_call(save, instance, args, kwargs)
 
-            return operation_call(save, instance, args, kwargs)
-
-        return wrapper
-
-    return for_hooks
+    return wrapper
 
 
 def step(name: str, after: Callable[[Hooks], After] | None = None) -> Callable[[Hooks], Wrapper]:
@@ -144,7 +133,7 @@ def rank_file(written: bool) -> Callable[[Hooks], After]:
         on_gathered = hooks.recorder.on_gathered
 
         def after(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            path, rank = _path(args, kwargs), getattr(getattr(instance, "_rank_info", None), "global_rank", None)
+            path, rank = path_of(args, kwargs), getattr(getattr(instance, "_rank_info", None), "global_rank", None)
             if isinstance(path, (str, os.PathLike)) and isinstance(rank, int):
                 on_gathered(CheckpointFile(os.path.join(os.fspath(path), RANK_FILE.format(rank=rank)), written))
 

@@ -22,8 +22,8 @@ report as ``dcp.save``:
   its bytes, devices, pinned/shared memory and rate), ``CheckpointProcess.write``
   (``dcp.hand_off_checkpoint``), then in the writer process (or the caller, for
   a sync save) ``CheckpointWriter.write`` (``dcp.write_checkpoint``), inside it
-  ``_write_keys`` (``dcp.write_items``: every item's file, with their bytes,
-  count and the slowest items), ``_write_metadata`` (``dcp.write_metadata``),
+  ``_write_keys`` (``dcp.write_items``: every item's file; their count, the
+  slowest items and the one that failed; their bytes go on ``dcp.write_checkpoint``), ``_write_metadata`` (``dcp.write_metadata``),
   the barrier (``dcp.barrier``) and, on role rank 0, the rename of the
   temporary folder onto the checkpoint's path (``dcp.finalize_checkpoint``:
   the moment the checkpoint became durable); ``CheckpointReader.read``
@@ -51,9 +51,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import pathlib
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Final
 
 from dcp_otel import semconv
@@ -62,6 +64,8 @@ from dcp_otel.attach import checkpointer, releases
 from dcp_otel.attach.unlogged_calls import After, CheckpointFile, logged_call
 from dcp_otel.attach.wrapping import Replacer
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.tracing.light import get_current as light_get_current
+from dcp_otel.tracing.operations import OPERATION_KEY
 
 if TYPE_CHECKING:
     from dcp_otel.attach.patches import Hooks
@@ -76,6 +80,7 @@ READER_MODULE: Final = PACKAGE + ".checkpoint_reader"
 BARRIERS_MODULE: Final = PACKAGE + ".barriers"
 STORAGE_MODULE: Final = PACKAGE + ".storage.filesystem"
 LOGGING_MODULE: Final = PACKAGE + ".logging_utils"
+LOCK_MODULE: Final = PACKAGE + ".lock"
 PROCESS_MODULE: Final = PACKAGE + ".checkpoint_process"
 PROCESS_CLASS: Final = "CheckpointProcess"
 PROCESS_ENTRY: Final = "_subprocess"
@@ -223,6 +228,51 @@ def _unknown(metadata: dict[str, Any]) -> None:
            "(ignored): %s", sorted(set(metadata) - KNOWN_FIELDS) or metadata.get("log_type_name"))  # fmt: skip
 
 
+# --- the async save and its wait for the previous write -------------------------------------------------
+#: The staging lock's write handle the save on this thread will wait at for the previous checkpoint's write (set
+#: by :func:`async_save` only while that write is still running).
+_pending = threading.local()
+
+
+def async_save(hooks: Hooks) -> Wrapper:
+    """``AsyncCheckpointSaver.save``: an operation; where the previous checkpoint's write is still running, the
+    save's wait for it at its staging lock is ``dcp.wait_previous_checkpoint`` (:func:`lock_wait`): torch_checkpointing's
+    own wait, with its own timeout (``wait_timeout_secs``) and its own exception when that passes."""
+    operation_call = logged_call(hooks.feed, semconv.CHECKPOINTING_ASYNC_SAVE, checkpoint_id=checkpointer.path_of)
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def save(*args: Any, **kwargs: Any) -> Any:
+            previous = getattr(instance, "_write_future", None)
+            if isinstance(previous, Future) and not previous.done():
+                _pending.handle = getattr(getattr(instance, "_staging_lock", None), "write", None)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                _pending.handle = None
+
+        return operation_call(save, instance, args, kwargs)
+
+    return wrapper
+
+
+def lock_wait(hooks: Hooks) -> Replacer:
+    """``_LockHandle.acquire_or_raise``: the one an async save marked (:func:`async_save`) is timed as the step
+    ``dcp.wait_previous_checkpoint``. A hot patch: ``with manager.lock():`` around every optimizer step calls it
+    too, and then it only reads a thread-local."""
+    waited = logged_call(hooks.feed, semconv.CHECKPOINTER_WAIT_PREVIOUS, starts_operations=False)
+
+    def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
+        def replacement(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(_pending, "handle", None) is not self:
+                return original(self, *args, **kwargs)
+            _pending.handle = None
+            return waited(original, None, (self, *args), kwargs)
+
+        return replacement
+
+    return replacer
+
+
 # --- steps --------------------------------------------------------------------------------------------
 def staged_copy(hooks: Hooks) -> After:
     """After ``DefaultStager._stage(state_dict, stream_ready, keys_not_requiring_copy)``: what it copied."""
@@ -236,6 +286,20 @@ def staged_copy(hooks: Hooks) -> After:
         on_staging(instance, state_dict)
 
     return after
+
+
+def stage(hooks: Hooks) -> Wrapper:
+    """``DefaultStager._stage``: the copy, ``dcp.stage_checkpoint``, inside a save (on the ``ckpt-staging`` thread,
+    the save's context copied there by torch_checkpointing); a ``prewarm_staging`` copy outside one is no
+    checkpoint, and goes untraced."""
+    timed = logged_call(hooks.feed, semconv.CHECKPOINTER_STAGE, staged_copy(hooks), starts_operations=False)
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if light_get_current().get(OPERATION_KEY) is None:
+            return wrapped(*args, **kwargs)
+        return timed(wrapped, instance, args, kwargs)
+
+    return wrapper
 
 
 class ItemTimes(list[tuple[int, str, bool]]):
@@ -322,13 +386,13 @@ def write_items(hooks: Hooks) -> Wrapper:
 
 
 def _moved(config: Any, path: object) -> tuple[str, str] | None:
-    """The writer's temporary folder and the checkpoint's path it is renamed onto, if it writes to one (as
-    ``torch_checkpointing``'s ``_temp_dir_path``: ``<parent>/<temp_dir_prefix><name>``)."""
+    """The writer's temporary folder and the checkpoint's path it is renamed onto, if it writes to one: as
+    ``torch_checkpointing``'s ``_temp_dir_path`` makes them (``Path``: ``./ck`` and ``ck/.`` are ``ck``)."""
     prefix = getattr(config, "temp_dir_prefix", None)
     if not isinstance(path, str) or not getattr(config, "write_to_temp_dir", False) or not isinstance(prefix, str):
         return None
-    parent, name = os.path.split(path.rstrip(os.sep))
-    return os.path.join(parent, prefix + name), path.rstrip(os.sep)
+    final = pathlib.Path(path)
+    return os.fspath(final.parent / f"{prefix}{final.name}"), os.fspath(final)
 
 
 def write_item(hooks: Hooks) -> Wrapper:
@@ -383,14 +447,14 @@ _step = checkpointer.step
 POINTS: tuple[tuple[str, str, str, Callable[[Hooks], Any], bool], ...] = (
     (SAVER_MODULE, "SyncCheckpointSaver.save", f"no dcp.{semconv.CHECKPOINTING_SAVE} span",
      checkpointer.operation(semconv.CHECKPOINTING_SAVE), False),
-    (SAVER_MODULE, "AsyncCheckpointSaver.save", f"no dcp.{semconv.CHECKPOINTING_ASYNC_SAVE} span",
-     checkpointer.async_save_named(semconv.CHECKPOINTING_ASYNC_SAVE), False),
+    (SAVER_MODULE, "AsyncCheckpointSaver.save", f"no dcp.{semconv.CHECKPOINTING_ASYNC_SAVE} span", async_save, False),
+    (LOCK_MODULE, "_LockHandle.acquire_or_raise", f"no dcp.{semconv.CHECKPOINTER_WAIT_PREVIOUS} span", lock_wait, True),
     (LOADER_MODULE, "CheckpointLoader.load", f"no dcp.{semconv.CHECKPOINTING_LOAD} span",
      checkpointer.operation(semconv.CHECKPOINTING_LOAD), False),
     (METADATA_MODULE, "DefaultMetadataManager.compute_metadata", f"no dcp.{semconv.CHECKPOINTING_METADATA} span",
      _step(semconv.CHECKPOINTING_METADATA), False),
     (STAGING_MODULE, "DefaultStager._stage", f"no dcp.{semconv.CHECKPOINTER_STAGE} span, staged bytes or rate",
-     _step(semconv.CHECKPOINTER_STAGE, staged_copy), False),
+     stage, False),
     (WRITER_MODULE, "CheckpointWriter.write", f"no dcp.{semconv.CHECKPOINTER_WRITE} span", write, False),
     (WRITER_MODULE, "CheckpointWriter._write_keys", f"no dcp.{WRITE_ITEMS} span or written bytes", write_items, False),
     (WRITER_MODULE, "CheckpointWriter._write_key", "no per-item times on dcp.write_items", write_item, False),
