@@ -135,7 +135,8 @@ def rank_file(written: bool) -> Callable[[Hooks], After]:
         def after(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             path, rank = path_of(args, kwargs), getattr(getattr(instance, "_rank_info", None), "global_rank", None)
             if isinstance(path, (str, os.PathLike)) and isinstance(rank, int):
-                on_gathered(CheckpointFile(os.path.join(os.fspath(path), RANK_FILE.format(rank=rank)), written))
+                # Absolute: the builder sizes it later, wherever the working directory is by then.
+                on_gathered(CheckpointFile(os.path.abspath(os.path.join(path, RANK_FILE.format(rank=rank))), written))
 
         return after
 

@@ -372,8 +372,10 @@ def write_items(hooks: Hooks) -> Wrapper:
             items = args[0] if args else kwargs.get("save_items", ())
             if items:
                 path, config = state.get(_PATH), getattr(getattr(instance, "_args", None), "config", None)
-                state[_FILES] = CheckpointFile(lambda: tuple(os.fspath(item[2]) for item in items), written=True,
-                                               moved=lambda: _moved(config, path))  # fmt: skip
+                # Relative paths are the working directory's now (the builder sizes them later).
+                here = os.getcwd() if not (isinstance(path, str) and os.path.isabs(path)) else ""
+                state[_FILES] = CheckpointFile(lambda: tuple(os.path.join(here, item[2]) for item in items),
+                                               written=True, moved=lambda: _moved(config, path, here))  # fmt: skip
             return result
 
         try:
@@ -385,13 +387,14 @@ def write_items(hooks: Hooks) -> Wrapper:
     return wrapper
 
 
-def _moved(config: Any, path: object) -> tuple[str, str] | None:
+def _moved(config: Any, path: object, here: str) -> tuple[str, str] | None:
     """The writer's temporary folder and the checkpoint's path it is renamed onto, if it writes to one: as
-    ``torch_checkpointing``'s ``_temp_dir_path`` makes them (``Path``: ``./ck`` and ``ck/.`` are ``ck``)."""
+    ``torch_checkpointing``'s ``_temp_dir_path`` makes them (``Path``: ``./ck`` and ``ck/.`` are ``ck``), under
+    ``here`` (the working directory when it wrote) if relative."""
     prefix = getattr(config, "temp_dir_prefix", None)
     if not isinstance(path, str) or not getattr(config, "write_to_temp_dir", False) or not isinstance(prefix, str):
         return None
-    final = pathlib.Path(path)
+    final = pathlib.Path(here, path)
     return os.fspath(final.parent / f"{prefix}{final.name}"), os.fspath(final)
 
 
@@ -426,7 +429,7 @@ def read_file(hooks: Hooks) -> Wrapper:
         result = wrapped(*args, **kwargs)
         path = args[0] if args else kwargs.get("file_path")
         if isinstance(path, (str, os.PathLike)):
-            on_gathered(CheckpointFile(os.fspath(path), written=False))
+            on_gathered(CheckpointFile(os.path.abspath(path), written=False))  # (sized later, wherever the cwd is)
         return result
 
     return wrapper

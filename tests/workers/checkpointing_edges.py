@@ -1,6 +1,7 @@
 """torch_checkpointing's edges, in one process (a gloo world of one), plain (``--plain``) or instrumented.
 
-1. A sync save to a relative path (``./relative``): the files, and (instrumented) their bytes.
+1. A sync save to a relative path (``./relative``), then a change of working directory: the files, and
+   (instrumented) their bytes.
 2. An async manager whose lock gives up after ``wait_timeout_secs=1``: a save while the previous checkpoint's
    write takes 4 s more (a slow storage) raises torch_checkpointing's own ``RuntimeError``.
 3. ``prewarm_staging`` before a save: a copy, no checkpoint.
@@ -58,6 +59,8 @@ def main() -> None:
     sync = CheckpointManager(CheckpointManager.Config(save=SyncCheckpointSaverConfig(), storage_config=storage))
     result["relative"] = outcome(lambda: sync.save("./relative", state))
     sync.close()
+    (out / "other").mkdir()
+    os.chdir(out / "other")  # (before its bytes are counted: they are still the ones of ckpt/relative)
 
     manager = CheckpointManager(CheckpointManager.Config(save=AsyncCheckpointSaverConfig(wait_timeout_secs=1),
                                                          storage_config=storage))  # fmt: skip
@@ -67,7 +70,8 @@ def main() -> None:
     result["next"] = outcome(lambda: manager.save("next", state))  # the previous write takes 4 s more
     result["slow"] = outcome(slow.result)
     result["close"] = outcome(manager.close)
-    result["files"] = sorted(str(p.relative_to(out / "ckpt")) for p in (out / "ckpt").rglob("*") if p.is_file())
+    result["files"] = sorted(str(p.relative_to(out)) for folder in ("ckpt", "other") for p in (out / folder).rglob("*")
+                             if p.is_file())  # fmt: skip
     if provider is not None:
         import dcp_otel
 
