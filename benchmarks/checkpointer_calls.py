@@ -27,9 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import CollectorRegistry
 from torch.distributed.checkpoint._experimental import (
     CheckpointerConfig,
@@ -41,7 +38,7 @@ from torch.distributed.checkpoint._experimental import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from overhead import DiscardingExporter  # noqa: E402
+from overhead import discarding_provider, init_process  # noqa: E402
 from state_dict_calls import medians, print_side_by_side, traced_vs_plain  # noqa: E402
 
 import dcp_otel  # noqa: E402
@@ -49,17 +46,6 @@ import dcp_otel  # noqa: E402
 RANK = RankInfo(global_world_size=1, global_rank=0)
 STAGING = CheckpointStagerConfig(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
                                  use_non_blocking_copy=False)  # fmt: skip
-
-
-def discarding_provider() -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(DiscardingExporter()))
-    return provider
-
-
-def init_process() -> None:
-    """The checkpoint process's ``subprocess_init_fn``: spans exported, and discarded."""
-    trace.set_tracer_provider(discarding_provider())
 
 
 def state() -> dict[str, object]:

@@ -38,8 +38,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import CollectorRegistry
 from torch_checkpointing import CheckpointManager
 from torch_checkpointing.config import SyncCheckpointSaverConfig
@@ -47,24 +45,13 @@ from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from overhead import DiscardingExporter, bytecode  # noqa: E402
+from overhead import bytecode, discarding_provider, init_process  # noqa: E402
 from state_dict_calls import medians, print_side_by_side  # noqa: E402
 
 import dcp_otel  # noqa: E402
 
 STORAGE = LocalFileSystemStorageConfig(use_direct_io=False)
 KEYS = ("model", "optimizer", "step")
-
-
-def discarding_provider() -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(DiscardingExporter()))
-    return provider
-
-
-def init_process() -> None:
-    """The writer process's ``subprocess_init_fn``: spans exported, and discarded."""
-    trace.set_tracer_provider(discarding_provider())
 
 
 def state() -> dict[str, object]:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -61,6 +62,18 @@ import dcp_otel  # noqa: E402
 class DiscardingExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         return SpanExportResult.SUCCESS
+
+
+def discarding_provider() -> TracerProvider:
+    """A tracer provider whose spans go through a batch processor, then nowhere."""
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(DiscardingExporter()))
+    return provider
+
+
+def init_process() -> None:
+    """A checkpoint (writer) process's ``subprocess_init_fn``: its spans exported, and discarded."""
+    trace.set_tracer_provider(discarding_provider())
 
 
 def scratch_root() -> str:
