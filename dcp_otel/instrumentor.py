@@ -146,6 +146,7 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         from dcp_otel.metrics.prometheus import CheckpointMetrics, FanOut
         from dcp_otel.tracing.drain import DrainOnCollect
         from dcp_otel.tracing.export_queue import QueueFullWatch
+        from dcp_otel.tracing.steps import CLOCK
         from dcp_otel.tracing.tracker import SpanRecorder
 
         untested = releases.untested_release_warning(torch.__version__)
@@ -186,6 +187,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         self._open_spool(options, relay, process_name)
         # The async save daemon's metrics go to this rank's sinks (never back into a relay).
         self._installed = install(self._recorder, options, sink if relay is None else None)
+        if relay is None and CLOCK.install():  # training steps' ends (a checkpoint helper takes none)
+            self._undo.append(CLOCK.remove)
         self._queue_watch = QueueFullWatch()
         self._watch(options, sink, metrics, otel, relay, process_name)
 

@@ -290,6 +290,12 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
     write, read = f'{sc.LABEL_STEP}="write_data"', f'{sc.LABEL_STEP}="read_data"'
     R = RUN_LEGEND
     no_save_s = seconds(cfg.no_save_window)
+    # Shares of wall time (seconds per second) per rank, over the blocked window: what checkpointing cost training.
+    blocked = f"sum by ({RUN}, rank) (rate({sc.METRIC_TRAINING_BLOCKED}_total{s()}[{cfg.blocked_window}]))"
+    interference = f"sum by ({RUN}, rank) (rate({sc.METRIC_TRAINING_INTERFERENCE}_total{s()}[{cfg.blocked_window}]))"
+    # Steps are observed as checkpoints are built, in bursts: over the same long window, not a rate interval.
+    step_time = (f"histogram_quantile(0.5, sum by ({RUN}, {sc.LABEL_OVERLAPS}, le) "
+                 f"(increase({sc.METRIC_TRAINING_STEP}_bucket{s()}[{cfg.blocked_window}])))")  # fmt: skip
 
     def quantile(q: str, metric: str, by: str, extra: str = "") -> str:
         return (f"histogram_quantile({q}, sum by ({RUN}, {by}, le) "
@@ -345,12 +351,21 @@ def checkpoints(cfg: MixinConfig) -> dict[str, Any]:
             "buckets). Is checkpointing getting slower?",
             _query(f"max by ({RUN}, operation) ({sc.METRIC_LAST_DURATION}{s(success)})", "{{operation}} (" + R + ")"), w=24))
         .with_panel(_timeseries(
-            "Training time blocked by checkpointing", "percentunit",
-            f"Per run, the share of wall time the most blocked rank's training thread spent inside checkpoint calls "
-            f"(a save whole, an async save until it returned, a load), over the last {cfg.blocked_window}: what "
-            "checkpointing costs training. It leaves out a copy to the host done in your own code before the call.",
-            _query(f"max by ({RUN}) (sum by ({RUN}, rank) "
-                   f"(rate({sc.METRIC_TRAINING_BLOCKED}_total{s()}[{cfg.blocked_window}])))", R), w=24))
+            "Training time lost to checkpointing", "percentunit",
+            f"Per run, over the last {cfg.blocked_window}, the share of wall time the most affected rank's training "
+            "lost to checkpointing: blocked, its training thread inside checkpoint calls (a save whole, an async "
+            "save until it returned, a load); interference, its training steps slower than usual while an async "
+            "save's upload ran beside them (steps told by torch's optimizer hook; 0 within noise); and the two "
+            "together. It leaves out a copy to the host done in your own code before the call.",
+            _query(f"max by ({RUN}) (({blocked} + {interference}) or {blocked})", "lost (" + R + ")"),
+            _query(f"max by ({RUN}) ({blocked})", "blocked (" + R + ")"),
+            _query(f"max by ({RUN}) ({interference})", "interference (" + R + ")"), w=12))
+        .with_panel(_timeseries(
+            "Training step time, beside a checkpoint or not", "s",
+            "Per run, the median training step (one optimizer step to the next, time blocked in checkpoint calls "
+            "left out) of the selected ranks: steps that an async save's background work overlapped against the "
+            "others. Steps are counted as each checkpoint is built; an exemplar opens the checkpoint beside them.",
+            _query(step_time, "p50 overlaps {{overlaps}} (" + R + ")", exemplar=True), w=12))
         .with_panel(_timeseries(
             "Operations by status", "ops",
             "Checkpoint operations finished per second on the selected ranks, by run, operation and status.",

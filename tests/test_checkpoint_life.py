@@ -132,12 +132,15 @@ def test_the_report_prints_the_generations_and_the_restore(job: LifeJob, report:
     lines = shown.stdout.splitlines()
     (life,) = report.runs
     at = lines.index(next(line for line in lines if line.startswith("generations: 2, ")))
-    assert re.fullmatch(r"generations: 2, [\d.]+ s; blocked by checkpointing [\d.]+%; lost to restarts [\d.]+ s "
+    assert re.fullmatch(r"generations: 2, [\d.]+ s; checkpointing cost [\d.]+% of wall time \(blocked [\d.]+%, interference "
+                        r"not measured\); lost to restarts [\d.]+ s "
                         r"\(work redone [\d.]+ s, down [\d.]+ s\)", lines[at]), lines[at]  # fmt: skip
-    assert re.fullmatch(rf"  generation 1: ranks 0-1, [\d.]+ s, blocked [\d.]+% \([\d.]+ s per rank\); ended: "
+    assert re.fullmatch(rf"  generation 1: ranks 0-1, [\d.]+ s, checkpointing cost [\d.]+% of wall time \(blocked [\d.]+%, "
+                        rf"interference not measured\) \([\d.]+ s blocked per rank\); ended: "
                         rf"rank 0 .*rank {FAILING_RANK} exception \(RuntimeError: rank {FAILING_RANK} failed at step "
                         rf"{FAIL_AT}\)", lines[at + 1]), lines[at + 1]  # fmt: skip
-    assert re.fullmatch(r"  generation 2: ranks 0-1, [\d.]+ s, blocked [\d.]+% \([\d.]+ s per rank\); ended: exit",
+    assert re.fullmatch(r"  generation 2: ranks 0-1, [\d.]+ s, checkpointing cost [\d.]+% of wall time \(blocked [\d.]+%, "
+                        r"interference not measured\) \([\d.]+ s blocked per rank\); ended: exit",
                         lines[at + 2]), lines[at + 2]  # fmt: skip
     restore = life.generations[1].restore
     assert restore is not None and restore.source is not None

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,11 +46,33 @@ def state() -> dict[str, Any]:
     return {"w": torch.ones(1000), "model": torch.nn.Linear(10, 10)}
 
 
+class GatedWriter(dcp.FileSystemWriter):
+    """An upload that waits for its gate: the training loop steps beside it for sure."""
+
+    def __init__(self, path: str, gate: threading.Event) -> None:
+        super().__init__(path)
+        self.gate = gate
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.gate.wait(30)
+        return super().write_data(plan, planner)
+
+
 def every_kind_of_event(tmp_path: Path, handler: OTelMetricHandler) -> None:
-    """A save, a load, an async save, a failed save, and each kind of torchelastic metric (one dropped)."""
+    """A save, a load, an async save with training steps around it, a failed save, and each kind of torchelastic
+    metric (one dropped)."""
     dcp.save(state(), checkpoint_id=str(tmp_path / "c"))
     dcp.load(state(), checkpoint_id=str(tmp_path / "c"))
-    dcp.async_save(state(), checkpoint_id=str(tmp_path / "a")).result()
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    for _ in range(8):  # training steps (told by the optimizer hook), then two beside the upload: interference
+        optimizer.step()
+    gate = threading.Event()
+    future = dcp.async_save(state(), storage_writer=GatedWriter(str(tmp_path / "a"), gate))
+    optimizer.step()
+    optimizer.step()
+    gate.set()
+    future.result()
+    optimizer.step()
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(BaseException):  # noqa: B017 - whatever torch raises for it, unchanged
         dcp.save(state(), checkpoint_id=str(tmp_path / "file" / "c"))

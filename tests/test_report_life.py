@@ -16,7 +16,7 @@ from dcp_otel import semconv
 from dcp_otel.otlp_file import FileSpan
 from dcp_otel.report.life import NO_END, lives
 from dcp_otel.report.model import checkpoints
-from dcp_otel.report.terminal import render_lives
+from dcp_otel.report.terminal import interference_line, render_lives
 
 S = 1_000_000_000  # ns
 _ids = itertools.count(1)
@@ -63,7 +63,7 @@ def test_a_killed_generation_ends_at_its_last_checkpoint_and_has_blocked_seconds
     assert second.blocked_share == pytest.approx(1 / 25)
     assert life.blocked_share == pytest.approx(1 / 25)  # over the ranks whose wall time is known
     text = render_lives([life])
-    assert "  generation 1: ranks 0, 12.0 s, blocked - (3.00 s per rank); ended: rank 0 no end recorded" in text
+    assert "  generation 1: ranks 0, 12.0 s, checkpointing cost - (3.00 s blocked per rank); ended: rank 0 no end recorded" in text
     assert ("    restored /c/step-20 (step 20), saved by generation 1, 18.00 s old at restore; work lost 0.00 s, "
             "down 19.00 s") in text  # fmt: skip
 
@@ -98,9 +98,35 @@ def test_two_runs_in_one_folder_are_two_lives_and_say_which() -> None:
     found = life_of(spans)
     assert [life.run_id for life in found] == ["run-a", "run-b"]
     text = render_lives(found)
-    assert "generations of run run-a: 1, 4.0 s; blocked by checkpointing 25.0%" in text
-    assert "generations of run run-b: 1, 4.0 s; blocked by checkpointing 25.0%" in text
+    assert ("generations of run run-a: 1, 4.0 s; checkpointing cost 25.0% of wall time (blocked 25.0%, "
+            "interference not measured)") in text
+    assert ("generations of run run-b: 1, 4.0 s; checkpointing cost 25.0% of wall time (blocked 25.0%, "
+            "interference not measured)") in text
 
 
 def test_a_run_that_never_restarted_and_said_no_life_adds_nothing() -> None:
     assert render_lives(life_of([op("save", "/c/1", "g1", 1, 2), op("save", "/c/2", "g1", 3, 4)])) == ""
+
+
+def test_what_checkpointing_cost_is_blocked_plus_interference_as_a_share_of_wall_time() -> None:
+    """An async save returned in 1 s, then its upload slowed 12 steps by 3 s: of 40 s, 10% was checkpointing."""
+    save = op("async_save", "/c/step-1000", "g1", 10, 11, step=1000)
+    save.attributes.update({semconv.ATTR_INTERFERENCE_STEPS: 12, semconv.ATTR_USUAL_STEP: 0.43,
+                            semconv.ATTR_INTERFERENCE_RATIO: 1.58, semconv.ATTR_INTERFERENCE_LOST: 3.0})  # fmt: skip
+    (life,) = life_of([save, process("g1", 0, 40, "exit")])
+    assert life.blocked_share == pytest.approx(1 / 40) and life.interference_share == pytest.approx(3 / 40)
+    assert ("generations: 1, 40.0 s; checkpointing cost 10.0% of wall time (blocked 2.5%, interference 7.5%)"
+            in render_lives([life]))  # fmt: skip
+    (ckpt,) = checkpoints([save])
+    assert interference_line(ckpt) == ("while step-1000 uploaded, 12 training steps took 1.58x their usual 0.430 s: "
+                                       "3.00 s lost")  # fmt: skip
+
+
+def test_an_upload_within_noise_says_none_lost_and_a_save_not_measured_says_nothing() -> None:
+    quiet = op("async_save", "/c/step-5", "g1", 1, 2)
+    quiet.attributes.update({semconv.ATTR_INTERFERENCE_STEPS: 3, semconv.ATTR_USUAL_STEP: 0.1,
+                             semconv.ATTR_INTERFERENCE_RATIO: 1.01, semconv.ATTR_INTERFERENCE_LOST: 0.0})  # fmt: skip
+    (ckpt,) = checkpoints([quiet])
+    assert interference_line(ckpt) == "while step-5 uploaded, 3 training steps took 1.01x their usual 0.100 s: none lost beyond noise"
+    (plain,) = checkpoints([op("save", "/c/step-6", "g1", 3, 4)])
+    assert interference_line(plain) is None and plain.interference_s == 0.0

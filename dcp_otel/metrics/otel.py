@@ -121,6 +121,8 @@ class OTelCheckpointMetrics:
         self.stalls = create_instrument(m, semconv.STALLS)
         self.failures = create_instrument(m, semconv.FAILURES)
         self.training_blocked_seconds = create_instrument(m, semconv.TRAINING_BLOCKED)
+        self.training_steps = create_instrument(m, semconv.TRAINING_STEP)
+        self.training_interference_seconds = create_instrument(m, semconv.TRAINING_INTERFERENCE)
         for spec in semconv.LIVE_METRICS:  # observed at each collection, through _ACTIVE (see below)
             create_instrument(m, spec)
         #: Set by the instrumentor: collections wait (bounded) for what it has queued.
@@ -227,6 +229,14 @@ class OTelCheckpointMetrics:
         if seconds > 0:
             self.training_blocked_seconds.add(seconds, {semconv.LABEL_OPERATION: bounded_name(operation),
                                                         semconv.LABEL_RANK: rank})  # fmt: skip
+
+    def training_step(self, overlaps: str, rank: str, seconds: float, exemplar: Exemplar | None) -> None:
+        self.training_steps.record(seconds, {semconv.LABEL_OVERLAPS: overlaps, semconv.LABEL_RANK: rank},
+                                   context=self._context(exemplar))
+
+    def training_interference(self, operation: str, rank: str, seconds: float) -> None:
+        self.training_interference_seconds.add(seconds, {semconv.LABEL_OPERATION: bounded_name(operation),
+                                                         semconv.LABEL_RANK: rank})  # fmt: skip
 
 
 #: The sinks of the instrumentations in force (one, unless several providers were used in turn).

@@ -150,6 +150,10 @@ class MetricsSink(Protocol):
 
     def training_blocked(self, operation: str, rank: str, seconds: float) -> None: ...
 
+    def training_step(self, overlaps: str, rank: str, seconds: float, exemplar: Exemplar | None) -> None: ...
+
+    def training_interference(self, operation: str, rank: str, seconds: float) -> None: ...
+
 
 def multiprocess_mode() -> bool:
     """Whether prometheus_client records into ``$PROMETHEUS_MULTIPROC_DIR``'s files (decided when it was imported)."""
@@ -186,6 +190,8 @@ class CheckpointMetrics:
             self.stalls: Counter = new(semconv.STALLS)
             self.failures: Counter = new(semconv.FAILURES)
             self.training_blocked_seconds: Counter = new(semconv.TRAINING_BLOCKED)
+            self.training_steps: Histogram = new(semconv.TRAINING_STEP)
+            self.training_interference_seconds: Counter = new(semconv.TRAINING_INTERFERENCE)
             #: What is open now; set by the instrumentor (read at every collection).
             self.live: Callable[[], list[LiveEntry]] | None = None
             # In multiprocess mode only the files are served: the watchdog publishes into gauges
@@ -286,6 +292,13 @@ class CheckpointMetrics:
     def training_blocked(self, operation: str, rank: str, seconds: float) -> None:
         if seconds > 0:
             self.training_blocked_seconds.labels(bounded_name(operation), rank).inc(seconds)
+
+    def training_step(self, overlaps: str, rank: str, seconds: float, exemplar: Exemplar | None) -> None:
+        self.training_steps.labels(overlaps, rank).observe(seconds, exemplar)
+
+    def training_interference(self, operation: str, rank: str, seconds: float) -> None:
+        # (0 too: the series exists, so a rate over it reads 0 rather than nothing, once a checkpoint was measured)
+        self.training_interference_seconds.labels(bounded_name(operation), rank).inc(seconds)
 
     def publish_progress(self, entries: list[LiveEntry]) -> None:
         """Multiprocess mode: set the in-progress gauges to ``entries``; those no longer open go to 0.
@@ -394,6 +407,12 @@ class ForwardingSink:
 
     def training_blocked(self, operation: str, rank: str, seconds: float) -> None:
         self._forward("training_blocked", operation, rank, seconds)
+
+    def training_step(self, overlaps: str, rank: str, seconds: float, exemplar: Exemplar | None) -> None:
+        self._forward("training_step", overlaps, rank, seconds, exemplar)
+
+    def training_interference(self, operation: str, rank: str, seconds: float) -> None:
+        self._forward("training_interference", operation, rank, seconds)
 
 
 class FanOut(ForwardingSink):

@@ -33,7 +33,7 @@ from typing import Any
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.live.status import board
-from dcp_otel.metrics.prometheus import ForwardingSink, LiveEntry, MetricsSink
+from dcp_otel.metrics.prometheus import Exemplar, ForwardingSink, LiveEntry, MetricsSink
 
 #: The observations a daemon can make (the operation itself belongs to the rank).
 RELAYED = frozenset(
@@ -74,6 +74,12 @@ class MetricsRelay(ForwardingSink):
 
     def training_blocked(self, operation: str, rank: str, seconds: float) -> None:
         """Not relayed: a checkpoint process's own calls block no training (its rank counts its async save's)."""
+
+    def training_step(self, overlaps: str, rank: str, seconds: float, exemplar: Exemplar | None) -> None:
+        """Not relayed: a checkpoint process takes no training steps (its rank's hook sees them)."""
+
+    def training_interference(self, operation: str, rank: str, seconds: float) -> None:
+        """Not relayed: measured on the rank, from its own steps."""
 
     def progress(self, where: str, entries: list[LiveEntry]) -> None:
         """Queue where this process's open operations are now (``[]``: none); :meth:`send` ships it."""

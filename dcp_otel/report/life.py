@@ -77,6 +77,8 @@ class Generation:
     wall_s: dict[int, float]  # rank -> its process span's length (ranks with one)
     last_step: int | None  # the last training step its process spans said (the training loop's own)
     restore: Restore | None = None
+    #: rank -> seconds its training steps lost to checkpoints' background work (interference), where measured
+    interference_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def duration_s(self) -> float:
@@ -91,6 +93,13 @@ class Generation:
         """Blocked seconds over wall seconds, over the ranks whose wall time is known (``None``: none is)."""
         wall = sum(self.wall_s.values())
         return sum(self.blocked_s.get(r, 0.0) for r in self.wall_s) / wall if wall > 0 else None
+
+    @property
+    def interference_share(self) -> float | None:
+        """Seconds steps lost to background work over wall seconds (``None``: no wall time, or none measured)."""
+        wall = sum(self.wall_s.values())
+        lost = [self.interference_s[r] for r in self.wall_s if r in self.interference_s]
+        return sum(lost) / wall if wall > 0 and lost else None
 
     @property
     def failed(self) -> bool:
@@ -109,6 +118,12 @@ class Life:
         wall = sum(w for g in self.generations for w in g.wall_s.values())
         blocked = sum(g.blocked_s.get(r, 0.0) for g in self.generations for r in g.wall_s)
         return blocked / wall if wall > 0 else None
+
+    @property
+    def interference_share(self) -> float | None:
+        wall = sum(w for g in self.generations for w in g.wall_s.values())
+        lost = [g.interference_s[r] for g in self.generations for r in g.wall_s if r in g.interference_s]
+        return sum(lost) / wall if wall > 0 and lost else None
 
     @property
     def restarts(self) -> list[Restore]:
@@ -169,14 +184,17 @@ def _generation(key: str, ckpts: list[Checkpoint], processes: list[FileSpan]) ->
         if step is not None and step >= 0:
             steps.append(int(step))
     blocked: dict[int, float] = defaultdict(float)
+    interference: dict[int, float] = defaultdict(float)
     for ckpt in ckpts:
         for r in ckpt.ranks:
             blocked[r.rank] += r.duration_s  # the operation span: an async save's until it returned
+            if r.interference is not None:
+                interference[r.rank] += r.interference[3]
             ended_by.setdefault(r.rank, NO_END)
     starts = [s.start_ns for s in processes] + [c.start_ns for c in ckpts]
     ends = [s.end_ns for s in processes] + [c.end_ns for c in ckpts]
     return Generation(0, key, min(starts), max(ends), sorted(ckpts, key=lambda c: c.start_ns), ended_by,
-                      dict(blocked), wall, max(steps, default=None))  # fmt: skip
+                      dict(blocked), wall, max(steps, default=None), interference_s=dict(interference))  # fmt: skip
 
 
 def _durable(ckpt: Checkpoint) -> bool:

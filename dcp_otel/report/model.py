@@ -79,6 +79,9 @@ class RankResult:
     error: str | None = None  # the first error among this rank's spans
     collective_s: float = 0.0  # of wait_s, in DCP's collectives (dcp.collective.* spans, or the summary)
     where: str = ""  # the host it ran on (and its pod or container), from its resource: values.where
+    #: What its background work (an async save's upload) did to the training steps it overlapped, where measured:
+    #: (steps, their usual seconds, their mean over that, seconds lost beyond it: 0 within noise).
+    interference: tuple[int, float, float, float] | None = None
 
     @property
     def work_s(self) -> float:
@@ -216,6 +219,17 @@ class Checkpoint:
             yield rank, span, ancestors
 
     @property
+    def interference(self) -> tuple[int, tuple[int, float, float, float]] | None:
+        """The rank whose training steps lost most to its background work, and what it lost (``None``: none measured)."""
+        measured = [(r.rank, r.interference) for r in self.ranks if r.interference is not None]
+        return max(measured, key=lambda pair: (pair[1][3], pair[1][2], -pair[0]), default=None)
+
+    @property
+    def interference_s(self) -> float:
+        """Seconds lost to its background work, summed over its ranks."""
+        return sum(r.interference[3] for r in self.ranks if r.interference is not None)
+
+    @property
     def straggler(self) -> int | None:
         """The rank busy longest, if it stands out (``STRAGGLER_SKEW`` times the median), else ``None``."""
         if len(self.ranks) < 2:
@@ -308,6 +322,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
             - io_waits,
             collective_s=sum(s.duration_s for s in own_collectives if s.parent_id == op_span.span_id),
             where=where(op_span),
+            interference=_interference(op_span),
         )
         for span in sorted(own_collectives, key=lambda s: s.start_ns):  # the coordinator's first: in their order
             _add_collective(collectives, rank, span)
@@ -365,6 +380,16 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         spans=spans,
         error_detail=cause_detail or root_cause or first_error,
     )
+
+
+def _interference(span: FileSpan) -> tuple[int, float, float, float] | None:
+    said = [as_number(span.attributes.get(key)) for key in (semconv.ATTR_INTERFERENCE_STEPS, semconv.ATTR_USUAL_STEP,
+                                                            semconv.ATTR_INTERFERENCE_RATIO,
+                                                            semconv.ATTR_INTERFERENCE_LOST)]  # fmt: skip
+    if any(v is None or v < 0 for v in said):
+        return None
+    steps, usual, ratio, lost = said
+    return int(steps), float(usual), float(ratio), float(lost)  # type: ignore[arg-type]
 
 
 def _silent(spans: list[FileSpan], is_operation_span: Callable[[FileSpan], bool], heard: set[int]) -> list[int]:

@@ -130,6 +130,13 @@ ATTR_WAIT_SECONDS: Final = "dcp.wait_seconds"  # float: the operation's time out
 ATTR_COLLECTIVE_SECONDS: Final = "dcp.collective_seconds"
 ATTR_THROUGHPUT: Final = "dcp.throughput_bytes_per_second"  # float: bytes / seconds in write_data, read_data
 
+# On an operation span (and its root) whose background work (staging, upload) overlapped training steps, measured
+# against the steps before it (tracing/interference.py); absent where it cannot tell (too few steps, no optimizer).
+ATTR_INTERFERENCE_STEPS: Final = "dcp.interference.steps"  # int: the training steps that overlapped it
+ATTR_INTERFERENCE_RATIO: Final = "dcp.interference.ratio"  # float: their mean time over the usual step's
+ATTR_INTERFERENCE_LOST: Final = "dcp.interference.lost_seconds"  # float: beyond their usual time (0: within noise)
+ATTR_USUAL_STEP: Final = "dcp.training.usual_step_seconds"  # float: the median step before the checkpoint
+
 #: Resource attribute (``TorchDistributedResourceDetector``), beside ATTR_RANK, ATTR_WORLD_SIZE, ATTR_RUN_ID, host.name.
 RESOURCE_LOCAL_RANK: Final = "dcp.local_rank"  # int
 #: Name of the resource detector entry point (OTEL_EXPERIMENTAL_RESOURCE_DETECTORS).

@@ -25,6 +25,8 @@ LABEL_NAME: Final = "name"
 LABEL_REASON: Final = "reason"
 LABEL_ERROR_TYPE: Final = "error_type"
 LABEL_DEVICE: Final = "device"  # a device type: cuda, cpu, ...
+LABEL_OVERLAPS: Final = "overlaps"  # a training step's: OVERLAPS_CHECKPOINT or OVERLAPS_NONE
+OVERLAPS_CHECKPOINT, OVERLAPS_NONE = "checkpoint", "none"
 #: Target labels of every endpoint's series (metrics/file_sd.py), named as the Collector's Prometheus exporter names the
 #: resource's ``dcp.run_id``, ``host.name`` and ``service.name``: one query selects a run, scraped or pushed.
 LABEL_RUN_ID: Final = "dcp_run_id"
@@ -110,6 +112,16 @@ TRAINING_BLOCKED: Final = MetricSpec(
     "dcp_training_blocked_seconds", "dcp.training.blocked", "s", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK),
     "Seconds the calling (training) thread spent blocked in checkpoint calls (an async save until it returned).",
 )  # fmt: skip
+#: Training steps are told by torch's optimizer step hooks (tracing/steps.py); observed as checkpoints are built.
+TRAINING_STEP: Final = MetricSpec(
+    "dcp_training_step_seconds", "dcp.training.step", "s", KIND_HISTOGRAM, (LABEL_OVERLAPS, LABEL_RANK),
+    "Training steps (one optimizer step to the next), by whether a checkpoint's background work overlapped them; "
+    "time blocked in checkpoint calls left out.", DURATION_BUCKETS,
+)  # fmt: skip
+TRAINING_INTERFERENCE: Final = MetricSpec(
+    "dcp_training_interference_seconds", "dcp.training.interference", "s", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK),
+    "Seconds training steps lost, beyond their usual time, while a checkpoint's background work ran (0 within noise).",
+)  # fmt: skip
 FAILURES: Final = MetricSpec(
     "dcp_failures", "dcp.failures", "{failure}", KIND_COUNTER, (LABEL_OPERATION, LABEL_RANK, LABEL_ERROR_TYPE),
     "Failed checkpoint operations counted where the failure started: the rank whose own exception it was.",
@@ -139,6 +151,7 @@ STALLS: Final = MetricSpec(
 CHECKPOINT_METRICS: Final = (
     OPERATION_DURATION, STEP_DURATION, OPERATION_COUNT, WRITTEN_BYTES, READ_BYTES, ASYNC_IN_FLIGHT, ASYNC_PHASE_DURATION,
     STAGED_BYTES, COLLECTIVE_WAIT, LAST_SUCCESS, LAST_DURATION, TELEMETRY_PROBLEMS, FAILURES, TRAINING_BLOCKED,
+    TRAINING_STEP, TRAINING_INTERFERENCE,
 )  # fmt: skip
 #: Read from the open calls when metrics are collected, not recorded: present only while a call is open.
 LIVE_METRICS: Final = (IN_PROGRESS, STALL_THRESHOLD)
@@ -180,6 +193,8 @@ METRIC_COLLECTIVE_WAIT: Final = COLLECTIVE_WAIT.prometheus
 METRIC_LAST_SUCCESS: Final = LAST_SUCCESS.prometheus
 METRIC_LAST_DURATION: Final = LAST_DURATION.prometheus
 METRIC_TRAINING_BLOCKED: Final = TRAINING_BLOCKED.prometheus  # dcp_training_blocked_seconds_total
+METRIC_TRAINING_STEP: Final = TRAINING_STEP.prometheus
+METRIC_TRAINING_INTERFERENCE: Final = TRAINING_INTERFERENCE.prometheus  # dcp_training_interference_seconds_total
 METRIC_TELEMETRY_PROBLEMS: Final = TELEMETRY_PROBLEMS.prometheus  # dcp_otel_telemetry_problems_total
 METRIC_IN_PROGRESS: Final = IN_PROGRESS.prometheus
 METRIC_STALL_THRESHOLD: Final = STALL_THRESHOLD.prometheus

@@ -46,21 +46,28 @@ from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.spool.encoding import encode
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.detail import DetailPolicy, named_straggler, summary_attributes
+from dcp_otel.tracing.interference import StepLedger, assess, wait_until_ns
 from dcp_otel.tracing.measure import count_bytes, measure
 from dcp_otel.tracing.outcome import at_risk
 from dcp_otel.tracing.records import (
     KIND_COLLECTIVE,
     KIND_OPERATION,
+    KIND_STAGING,
     KIND_STEP,
+    KIND_UPLOAD,
     MAX_STATUS_TEXT,
     Call,
     DurationHistory,
     Operation,
 )
+from dcp_otel.tracing.steps import CLOCK
 from dcp_otel.tracing.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
 
 #: The attributes a summary-only operation span keeps of its operation's.
-_SUMMARY_ONLY_KEEP = (semconv.ATTR_OPERATION, semconv.ATTR_RANK)
+_SUMMARY_ONLY_KEEP = (semconv.ATTR_OPERATION, semconv.ATTR_RANK, semconv.ATTR_INTERFERENCE_STEPS,
+                      semconv.ATTR_USUAL_STEP, semconv.ATTR_INTERFERENCE_RATIO, semconv.ATTR_INTERFERENCE_LOST)  # fmt: skip
+#: The background work of an async save: what runs beside training once the caller's call returned.
+_BACKGROUND = frozenset({KIND_UPLOAD, KIND_STAGING})
 
 
 def _yield() -> None:
@@ -77,6 +84,8 @@ class SpanBuilder:
         self._tracers: dict[int, Any] = {}  # id(tracer) -> (tracer, its chosen-ids twin or None)
         #: Each operation's recent successful durations: what the stall watchdog's thresholds start from.
         self.history = DurationHistory()
+        #: The training steps observed so far, and the checkpoints' background windows (tracing/interference.py).
+        self.ledger = StepLedger()
         #: The process's record (its operations written ahead) and where built spans wait for an exporter's
         #: confirmation (dcp_otel.spool): set by the instrumentor, None where nothing is written ahead.
         self.record: ProcessRecord | None = None
@@ -95,6 +104,8 @@ class SpanBuilder:
         self._thread: threading.Thread | None = None
         self._running: threading.Thread | None = None  # the thread that is in _run (see _start_thread)
         self._closed = False
+        # Set by drain() and close(): build now, with the training steps seen so far (not waiting for the next one).
+        self._hurry = threading.Event()
         self.peak_depth = 0
         self.busy_ns = 0
         self.built = 0
@@ -160,6 +171,7 @@ class SpanBuilder:
         """
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
+        self._hurry.set()
         with self._lock:
             queued = bool(self._queue)
             self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
@@ -176,6 +188,7 @@ class SpanBuilder:
         Work submitted later still gets built, by a thread started for it that
         ends again when it is done.
         """
+        self._hurry.set()
         with self._lock:
             self._closed = True
             self._cond.notify_all()
@@ -192,8 +205,11 @@ class SpanBuilder:
                     if self._closed:
                         self._thread = None
                         return
+                    self._hurry.clear()  # (every drain so far has what it waited for)
                     self._cond.wait()
                 op, calls = self._queue.popleft()
+            if calls is op.calls and CLOCK.count:  # (training steps seen: an optimizer stepped in this process)
+                self._steps(op, calls)
             started = time.thread_time_ns()  # CPU time: not the waits for the interpreter lock
             self._record_metrics(op, calls)
             with self._lock:
@@ -226,6 +242,45 @@ class SpanBuilder:
                 self.busy_ns += time.thread_time_ns() - started
                 self.built += 1
                 self._cond.notify_all()
+
+    def _steps(self, op: Operation, calls: list[Call]) -> None:
+        try:
+            self._await_step(op, calls)
+            self._interference(op)
+        except Exception as exc:  # noqa: BLE001 - telemetry never raises, not even here
+            reraise_if_signalled(exc)
+            report("metrics_error", "dcp_otel failed to measure the training steps around a checkpoint", exc_info=True)
+
+    def _await_step(self, op: Operation, calls: list[Call]) -> None:
+        """Wait, bounded, for the training step an async save's background work ended in to end too."""
+        op_call = next((c for c in calls if c.kind == KIND_OPERATION), None)
+        if op_call is None or not op_call.end_ns or not any(c.kind in _BACKGROUND for c in calls):
+            return
+        op.background = (op_call.end_ns, max(op.end_ns, op_call.end_ns))
+        until = wait_until_ns(CLOCK.ends()[0], op.background[1])
+        while until and time.time_ns() < until and not self._hurry.is_set():
+            if CLOCK.ends()[0][-1:] >= [op.background[1]]:
+                return
+            self._hurry.wait(0.05)  # (polled: the training thread's hook never wakes anyone)
+
+    def _interference(self, op: Operation) -> None:
+        """The operation's interference with training, on its spans and in the metrics; the steps since the last."""
+        ends, first = CLOCK.ends()
+        blocked = list(CLOCK.blocked)
+        ledger, metrics = self.ledger, self._metrics
+        window, upto = op.background, op.end_ns
+        if window is not None:
+            found = assess(ends, window, blocked, ledger.windows)
+            ledger.windows.append(window)
+            upto = next((end for end in ends if end >= window[1]), upto)
+            if found is not None:
+                op.attributes = {**op.attributes, **found.attributes()}  # (replaced, never mutated: shared)
+                if metrics is not None:
+                    metrics.training_interference(op.name, op.rank_label, found.lost_s)
+        if metrics is not None:  # a step beside this checkpoint's work links to its trace
+            for seconds, overlaps in ledger.new_steps(ends, first, upto, blocked):
+                exemplar = op.exemplar if overlaps == semconv.OVERLAPS_CHECKPOINT and window is not None else None
+                metrics.training_step(overlaps, op.rank_label, seconds, exemplar)
 
     def _record_metrics(self, op: Operation, calls: list[Call]) -> None:
         try:

@@ -26,6 +26,7 @@ from dcp_otel.spool.layout import I64, OFF_ENTRY_END
 from dcp_otel.tracing.failures import Failure
 from dcp_otel.tracing.light import detach as light_detach
 from dcp_otel.tracing.records import KIND_COLLECTIVE, KIND_OPERATION, Call, Operation, failure_of
+from dcp_otel.tracing.steps import CLOCK
 
 if TYPE_CHECKING:
     from dcp_otel.spool.record import ProcessRecord
@@ -141,6 +142,7 @@ class CallEnds:
         end_ns = call.end_ns
         if call.kind == KIND_OPERATION:
             op.start_ns = call.start_ns
+            CLOCK.blocked_call(call.start_ns, end_ns)  # its caller's step was not slowed by this: it waited in it
             waited_ns = end_ns - call.start_ns - call.children_ns
             if op.name in _WAITING_IN_STEPS:  # the checkpointer waits in steps of its own
                 waited_ns += sum(c.end_ns - c.start_ns for c in op.calls if c.func_name in _WAIT_STEPS)

@@ -234,6 +234,7 @@ class Operation:
         "attributes", "step_attributes", "root_span_id", "caller", "pending", "failed", "end_ns", "start_ns",
         "wait_s", "lock", "storage", "exemplar_span_id", "_exemplar", "calls", "gathered", "submitted", "adopted", "span_id", "interrupted",
         "group", "collective_error", "staging", "released_ns", "rec_serial", "rec_slot", "start_uuid", "queued",
+        "background",
     )  # fmt: skip
 
     def __init__(
@@ -286,6 +287,7 @@ class Operation:
         self.rec_slot = -1
         self.start_uuid = ""  # the call that began it (a start cut short drops it: dcp_otel.tracing.cut_short)
         self.queued = False  # handed to the builder (or dropped there): once
+        self.background: tuple[int, int] | None = None  # when its background work ran beside training (builder)
         self.lock = threading.Lock()
 
     @property

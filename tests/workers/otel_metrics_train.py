@@ -1,7 +1,7 @@
 """A training script under ``opentelemetry-instrument dcp-otel-run``, metrics pushed over OTLP.
 
-It checkpoints as users do (a save, a load, an async save in torch's
-checkpoint daemon process, and a save that fails on every rank) and reports to torchelastic's metrics API through
+It trains and checkpoints as users do (a save, a load, an async save in torch's
+checkpoint daemon process with optimizer steps around it, and a save that fails on every rank) and reports to torchelastic's metrics API through
 ``OTelMetricHandler``: a timed phase (``@prof``), a counted event, and one
 value that is not a number (dropped and counted). It writes
 ``$OUT_DIR/rank-<rank>.json``: what each call returned, and whether any
@@ -43,9 +43,14 @@ if __name__ == "__main__":
     metrics.put_metric("bad_value", float("nan"), "trainer")
     loaded = state(0.0)
     dcp.load(loaded, checkpoint_id=ckpt)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    for _ in range(8):  # training steps, told by torch's optimizer hook: the async save's are measured against them
+        optimizer.step()
     response = dcp.async_save(state(1.0), checkpoint_id=ckpt + "-async",
                               async_checkpointer_type=AsyncCheckpointerType.PROCESS)  # fmt: skip
+    optimizer.step()  # the step it was called in ends beside its upload
     uploaded = getattr(response, "upload_completion", response).result(timeout=120)
+    optimizer.step()
     # A save that fails on every rank, each on its own (its folder is a file): counted where it started.
     if rank == 0:
         with open(ckpt + "-a-file", "w") as blocker:

@@ -1,0 +1,139 @@
+"""What a checkpoint's background work cost the training steps around it, measured by the builder.
+
+An async save returns once its state dict is staged; its upload (and, with an
+asynchronous stager, its staging) then runs beside training, competing for the
+interpreter lock, the CPU, memory bandwidth and the network. The training
+thread's time *inside* checkpoint calls is counted as blocked
+(``dcp_training_blocked_seconds``); this module measures the rest: how much
+slower the steps that overlapped the background work ran than the steps before.
+
+For one operation with a background window ``(returned, durable)``:
+
+- **step times** come from :mod:`dcp_otel.tracing.steps` (one optimizer step to
+  the next), each less the time the training thread spent blocked in checkpoint
+  calls inside it, so a step that contains the save is not counted twice;
+- the **usual step** is the median of the last :data:`BASELINE` steps that ended
+  before the window and overlapped no other checkpoint's (at least
+  :data:`MIN_BASELINE` of them, else nothing is said);
+- the **overlapping steps** are those that overlapped the window, the step it
+  ended in included (the builder waits, bounded, for that step to end);
+- the **ratio** is their mean over the usual step, and the **seconds lost** are
+  their excess over it, said only when the excess is beyond noise: more than
+  :data:`NOISE_SIGMAS` robust deviations (1.4826 x the MAD) for that many steps,
+  and more than :data:`NOISE_FLOOR` of their usual time. Otherwise 0.
+
+Usage::
+
+    found = assess(ends, window=(returned_ns, durable_ns), blocked=[(call_start_ns, call_end_ns)])
+    found.ratio, found.lost_s        # -> 2.3, 6.2 (12 steps took 2.3x their usual 0.43 s)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Final
+
+from dcp_otel import semconv
+
+#: Steps before a checkpoint that make its usual step, at most and at least.
+BASELINE: Final = 32
+MIN_BASELINE: Final = 5
+#: The excess over the usual time said as lost only beyond this many robust deviations (for that many steps) ...
+NOISE_SIGMAS: Final = 3.0
+#: ... and beyond this share of the steps' usual time: smaller slowdowns are not told from a busy machine.
+NOISE_FLOOR: Final = 0.10
+#: How long the builder waits for the step a window ended in to end: this many usual steps, within the bounds.
+WAIT_STEPS: Final = 3.0
+WAIT_BOUNDS_S: Final = (0.2, 30.0)
+
+Interval = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Interference:
+    """What one checkpoint's background work did to the training steps it overlapped."""
+
+    steps: int  # steps that overlapped it
+    usual_s: float  # the median step before it
+    ratio: float  # the overlapping steps' mean over usual_s
+    lost_s: float  # their time beyond usual_s; 0 where that is within noise
+
+    def attributes(self) -> dict[str, int | float]:
+        return {semconv.ATTR_INTERFERENCE_STEPS: self.steps, semconv.ATTR_USUAL_STEP: round(self.usual_s, 6),
+                semconv.ATTR_INTERFERENCE_RATIO: round(self.ratio, 4),
+                semconv.ATTR_INTERFERENCE_LOST: round(self.lost_s, 6)}  # fmt: skip
+
+
+def _overlap(a: Interval, b: Interval) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def step_seconds(step: Interval, blocked: Sequence[Interval]) -> float:
+    """A step's seconds less the time blocked in checkpoint calls inside it."""
+    return max(0, step[1] - step[0] - sum(_overlap(step, b) for b in blocked)) / 1e9
+
+
+def assess(ends: Sequence[int], window: Interval, blocked: Sequence[Interval] = (),
+           busy: Iterable[Interval] = ()) -> Interference | None:  # fmt: skip
+    """The interference of background work over ``window`` with the steps ending at ``ends`` (oldest first).
+
+    ``blocked``: the training thread's checkpoint calls; ``busy``: other checkpoints' windows, whose steps
+    are no baseline. ``None`` where it cannot tell: too few steps before, or none overlapping.
+    """
+    busy = list(busy)
+    usual: list[float] = []
+    overlapping: list[float] = []
+    for start, end in pairwise(ends):
+        if end <= window[0]:
+            if not any(_overlap((start, end), b) for b in busy):
+                usual.append(step_seconds((start, end), blocked))
+        elif start < window[1]:
+            overlapping.append(step_seconds((start, end), blocked))
+    usual = usual[-BASELINE:]
+    if len(usual) < MIN_BASELINE or not overlapping:
+        return None
+    median = statistics.median(usual)
+    if median <= 0:
+        return None
+    sigma = 1.4826 * statistics.median(abs(u - median) for u in usual)
+    n = len(overlapping)
+    excess = sum(overlapping) - n * median
+    noise = max(NOISE_SIGMAS * sigma * math.sqrt(n), NOISE_FLOOR * n * median)
+    return Interference(n, median, sum(overlapping) / (n * median), excess if excess > noise else 0.0)
+
+
+def wait_until_ns(ends: Sequence[int], window_end: int) -> int:
+    """Until when to wait for the step ``window_end`` fell in to end (0: it has, or there are no steps)."""
+    if len(ends) < 2 or ends[-1] >= window_end:
+        return 0
+    recent = [b - a for a, b in pairwise(ends[-9:])]
+    low, high = WAIT_BOUNDS_S
+    return window_end + int(min(max(WAIT_STEPS * statistics.median(recent) / 1e9, low), high) * 1e9)
+
+
+class StepLedger:
+    """The builder's side: which steps it has observed, and the background windows of the checkpoints it built."""
+
+    def __init__(self) -> None:
+        self.observed = 0  # the number of the next step to observe into the histogram
+        self.windows: deque[Interval] = deque(maxlen=64)
+
+    def new_steps(self, ends: Sequence[int], first: int, upto_ns: int,
+                  blocked: Sequence[Interval] = ()) -> list[tuple[float, str]]:  # fmt: skip
+        """The steps ended by ``upto_ns`` not observed yet (seconds less ``blocked``), each with whether a
+        checkpoint's window overlapped it."""
+        found: list[tuple[float, str]] = []
+        start = max(self.observed, first + 1)
+        for number in range(start, first + len(ends)):
+            step = (ends[number - first - 1], ends[number - first])
+            if step[1] > upto_ns:
+                break
+            overlaps = any(_overlap(step, w) for w in self.windows)
+            found.append((step_seconds(step, blocked), semconv.OVERLAPS_CHECKPOINT if overlaps else semconv.OVERLAPS_NONE))
+            self.observed = number + 1
+        return found

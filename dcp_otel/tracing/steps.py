@@ -1,0 +1,114 @@
+"""Where training steps end, with no change to the training loop: torch's global optimizer step hook.
+
+``torch.optim.optimizer.register_optimizer_step_post_hook`` runs a hook after
+every optimizer's ``step()`` in the process, whatever drives it (a plain loop,
+Lightning, torchtitan, a ``GradScaler``). The hook is the hot path of every
+training step, so it only writes ``time.time_ns()`` (the clock DCP's records
+use) into a ring; the builder reads the ring off the training thread when a
+checkpoint is built (:mod:`dcp_otel.tracing.interference`). Nothing touches a
+device, synchronizes, or allocates per step.
+
+One training step is one step of the *pace* optimizer: the first one seen.
+With several optimizers stepping together (a GAN's two) only the pace
+optimizer's steps count; when another keeps stepping while the pace one does
+not (an LR finder's optimizer that was thrown away), it becomes the pace.
+
+The training thread's time blocked in checkpoint calls is kept beside the
+steps (:meth:`StepClock.blocked_call`, one per operation call, from the
+tracker): a step that contains a blocking save is not slowed by interference.
+
+Usage::
+
+    CLOCK.install()            # instrument(): the hook is registered
+    ends, first = CLOCK.ends() # the step ends still in the ring, oldest first, and the number of the first
+    CLOCK.remove()             # uninstrument(): no hook remains
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Final
+
+#: Step ends kept: a baseline before a checkpoint and the steps its upload overlapped, at 10 steps/s for 6 minutes.
+RING: Final = 4096
+_MASK: Final = RING - 1
+#: Steps another optimizer takes in a row without the pace optimizer stepping before it becomes the pace.
+_SWITCH_AFTER: Final = 3
+
+
+class StepClock:
+    """The ends of the process's training steps, in a ring written by one optimizer hook."""
+
+    def __init__(self) -> None:
+        self._ring = [0] * RING
+        self.count = 0  # steps seen; the ring holds the last min(count, RING) ends
+        self._pace = 0  # id() of the pace optimizer
+        self._others = 0
+        #: (start_ns, end_ns) of the training thread's operation calls (a save, an async save until it returned).
+        self.blocked: deque[tuple[int, int]] = deque(maxlen=256)
+        self._handle: Any = None
+        self._lock = threading.Lock()
+
+    def _hook(self, optimizer: object, args: object, kwargs: object) -> None:
+        # The hot path: every training step. A step of the pace optimizer is one list store and one int store.
+        if id(optimizer) != self._pace:  # (its id: a reference would keep a discarded optimizer's state alive)
+            self._other(optimizer)
+            return
+        n = self.count
+        self._ring[n & _MASK] = time.time_ns()
+        self.count = n + 1
+        self._others = 0
+
+    def _other(self, optimizer: object) -> None:
+        if not self._pace:
+            self._pace = id(optimizer)
+            self._hook(optimizer, None, None)
+            return
+        self._others += 1
+        if self._others >= _SWITCH_AFTER:
+            self._pace, self._others = id(optimizer), 0
+            self._hook(optimizer, None, None)
+
+    def blocked_call(self, start_ns: int, end_ns: int) -> None:
+        """An operation call the training thread spent blocked in (deque.append: atomic, no lock)."""
+        self.blocked.append((start_ns, end_ns))
+
+    def ends(self) -> tuple[list[int], int]:
+        """The step ends in the ring, oldest first, and the number of the oldest (read off the training thread).
+
+        The oldest few slots are left out: the hook may be overwriting them while they are read.
+        """
+        count = self.count
+        ring = self._ring
+        first = max(0, count - RING + 16)
+        return [ring[i & _MASK] for i in range(first, count)], first
+
+    def install(self) -> bool:
+        """Register the hook (once); ``False`` where this torch has no global optimizer hooks."""
+        with self._lock:
+            if self._handle is not None:
+                return True
+            self._pace = self._others = 0  # the first optimizer to step from now on sets the pace
+            try:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+            except ImportError:
+                return False
+            self._handle = register_optimizer_step_post_hook(self._hook)
+            return True
+
+    def remove(self) -> None:
+        """Remove the hook; the steps seen are kept (a checkpoint still uploading is measured against them)."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
+
+    @property
+    def installed(self) -> bool:
+        return self._handle is not None
+
+
+#: The process's clock: one hook, whichever instrumentation installed it.
+CLOCK: Final = StepClock()

@@ -1,0 +1,126 @@
+"""What a checkpoint's background work costs the training steps around it: the arithmetic, and the step clock.
+
+The steps come from torch's global optimizer step hook (``dcp_otel.tracing.steps``): registered by
+``instrument()``, gone after ``uninstrument()``. The arithmetic (``dcp_otel.tracing.interference``) compares the
+steps that overlapped an upload with the median step before it, the time blocked in checkpoint calls left out,
+and says seconds lost only beyond noise. The 2-rank job with real uploads is ``test_interference_job.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks
+
+import dcp_otel
+from dcp_otel.tracing.interference import MIN_BASELINE, StepLedger, assess, wait_until_ns
+from dcp_otel.tracing.steps import CLOCK, StepClock
+from tests.conftest import Traced
+
+MS = 1_000_000
+
+
+def ends_of(durations_ms: list[float], start: int = 0) -> list[int]:
+    ends, now = [start], start
+    for d in durations_ms:
+        now += int(d * MS)
+        ends.append(now)
+    return ends
+
+
+def test_steps_twice_their_usual_time_during_an_upload_lost_what_they_took_beyond_it() -> None:
+    """20 steps of 100 ms (one 1 ms either side), then 6 of 200 ms while the upload ran: 2x, 0.6 s lost."""
+    ends = ends_of([99, 100, 101] * 7 + [200] * 6 + [100] * 5)
+    window = (ends[21], ends[27] - 50 * MS)  # returned at step 21's end, durable inside step 27
+    found = assess(ends, window)
+    assert found is not None
+    assert found.steps == 6 and found.usual_s == 0.1
+    assert abs(found.ratio - 2.0) < 1e-9 and abs(found.lost_s - 0.6) < 1e-9
+
+
+def test_within_noise_no_seconds_are_lost_and_the_ratio_is_still_said() -> None:
+    """Steps 3% slower during the upload, on steps that vary by 1%: below the 10% floor, nothing lost."""
+    ends = ends_of([99, 100, 101] * 7 + [103] * 10)
+    found = assess(ends, (ends[21], ends[-1] - MS))
+    assert found is not None and found.steps == 10 and found.lost_s == 0.0 and 1.02 < found.ratio < 1.04
+
+
+def test_noisy_steps_need_a_larger_slowdown_to_count() -> None:
+    """Steps that vary by +-40 ms around 100 ms: a 15% slowdown of 4 steps is within 3 robust deviations."""
+    ends = ends_of([60, 100, 140] * 7 + [115] * 4)
+    found = assess(ends, (ends[21], ends[-1] - MS))
+    assert found is not None and found.lost_s == 0.0
+    steady = assess(ends_of([99, 100, 101] * 7 + [115] * 4), (ends[21], ends[-1] - MS))
+    assert steady is not None and abs(steady.lost_s - 0.06) < 1e-6  # the same slowdown on steady steps: said
+
+
+def test_the_time_blocked_in_the_save_itself_is_no_interference() -> None:
+    """The step that called async_save took 1.1 s, 1 s of it inside the call: 0.1 s, its usual time."""
+    ends = ends_of([100] * 10 + [1100, 100, 100])
+    call = (ends[10] + 50 * MS, ends[10] + 1050 * MS)
+    found = assess(ends, (call[1], ends[12] - MS), blocked=[call])
+    assert found is not None and found.steps == 2 and found.lost_s == 0.0 and abs(found.ratio - 1.0) < 1e-9
+
+
+def test_it_says_nothing_without_enough_steps_before_or_none_during() -> None:
+    ends = ends_of([100] * (MIN_BASELINE - 1) + [300, 300])
+    assert assess(ends, (ends[MIN_BASELINE - 1], ends[-1])) is None  # too few steps to know the usual one
+    ends = ends_of([100] * 10)
+    assert assess(ends, (ends[-1] + MS, ends[-1] + 2 * MS)) is None  # no step overlapped it (yet)
+    assert assess([], (1, 2)) is None
+
+
+def test_steps_under_another_checkpoints_upload_are_no_baseline() -> None:
+    """The 10 steps before were slowed by the previous upload: the usual step comes from the 10 before those."""
+    ends = ends_of([100] * 10 + [300] * 10 + [300] * 5)
+    found = assess(ends, (ends[20], ends[-1] - MS), busy=[(ends[10], ends[20])])
+    assert found is not None and found.usual_s == 0.1 and found.ratio == 3.0
+
+
+def test_the_builder_waits_for_the_step_an_upload_ended_in_bounded_by_a_few_usual_steps() -> None:
+    ends = ends_of([100] * 10)
+    assert wait_until_ns(ends, ends[-1]) == 0  # that step has ended
+    assert wait_until_ns(ends, ends[-1] + MS) == ends[-1] + MS + 300 * MS  # 3 usual steps
+    assert wait_until_ns(ends_of([10] * 10), 10**12) == 10**12 + 200 * MS  # at least 0.2 s
+    assert wait_until_ns([], 5) == 0
+
+
+def test_each_step_is_observed_once_with_whether_a_checkpoint_overlapped_it() -> None:
+    ledger = StepLedger()
+    ends = ends_of([100] * 6)
+    ledger.windows.append((ends[3] + MS, ends[4] - MS))
+    seen = ledger.new_steps(ends, 0, upto_ns=ends[5])
+    assert [o for _, o in seen] == ["none", "none", "none", "checkpoint", "none"]
+    assert ledger.new_steps(ends, 0, upto_ns=ends[5]) == []  # once
+    more = ends_of([100] * 8)
+    assert [round(s, 3) for s, _ in ledger.new_steps(more, 0, upto_ns=more[-1])] == [0.1, 0.1, 0.1]
+
+
+def test_only_the_pace_optimizers_steps_are_training_steps_until_another_keeps_stepping_alone() -> None:
+    clock = StepClock()
+    a, b = object(), object()
+    for _ in range(4):
+        clock._hook(a, (), {})
+        clock._hook(b, (), {})  # a GAN's two optimizers: one training step each time
+    assert clock.count == 4
+    clock._hook(b, (), {})  # a was thrown away (an LR finder's): b steps alone
+    assert clock.count == 4
+    clock._hook(b, (), {})  # its third step since a's last: b is the pace from this one on
+    clock._hook(b, (), {})
+    ends, first = clock.ends()
+    assert clock.count == 6 and len(ends) == 6 and ends == sorted(ends) and first == 0
+
+
+def test_instrument_registers_one_optimizer_hook_and_uninstrument_leaves_none(traced: Traced) -> None:
+    """Every optimizer's step is seen while instrumented; after uninstrument() torch has no hook of ours."""
+    assert CLOCK._hook in list(_global_optimizer_post_hooks.values())
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = CLOCK.count
+    for _ in range(3):
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+    assert CLOCK.count == before + 3
+    dcp_otel.uninstrument()
+    assert CLOCK._hook not in list(_global_optimizer_post_hooks.values()) and not CLOCK.installed
+    optimizer.step()
+    assert CLOCK.count == before + 3
