@@ -41,6 +41,7 @@ from dcp_otel.report.values import (
     collective_key,
     collective_label,
     count,
+    interference_of,
     rank_of,
     where,
 )
@@ -322,7 +323,7 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
             - io_waits,
             collective_s=sum(s.duration_s for s in own_collectives if s.parent_id == op_span.span_id),
             where=where(op_span),
-            interference=_interference(op_span),
+            interference=interference_of(op_span),
         )
         for span in sorted(own_collectives, key=lambda s: s.start_ns):  # the coordinator's first: in their order
             _add_collective(collectives, rank, span)
@@ -380,16 +381,6 @@ def _checkpoint(trace_id: str, spans: list[FileSpan]) -> Checkpoint:
         spans=spans,
         error_detail=cause_detail or root_cause or first_error,
     )
-
-
-def _interference(span: FileSpan) -> tuple[int, float, float, float] | None:
-    said = [as_number(span.attributes.get(key)) for key in (semconv.ATTR_INTERFERENCE_STEPS, semconv.ATTR_USUAL_STEP,
-                                                            semconv.ATTR_INTERFERENCE_RATIO,
-                                                            semconv.ATTR_INTERFERENCE_LOST)]  # fmt: skip
-    if any(v is None or v < 0 for v in said):
-        return None
-    steps, usual, ratio, lost = said
-    return int(steps), float(usual), float(ratio), float(lost)  # type: ignore[arg-type]
 
 
 def _silent(spans: list[FileSpan], is_operation_span: Callable[[FileSpan], bool], heard: set[int]) -> list[int]:

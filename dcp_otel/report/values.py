@@ -57,3 +57,14 @@ def where(span: FileSpan) -> str:
     found = [str(v)[:12] if key == "container.id" else str(v) for key in _WHERE
              if isinstance(v := span.resource.get(key), (str, int)) and str(v)]  # fmt: skip
     return "/".join(found[:2])
+
+
+def interference_of(span: FileSpan) -> tuple[int, float, float, float] | None:
+    """(steps, usual step seconds, ratio, seconds lost) of an async save's interference, where all four are said."""
+    said = [as_number(span.attributes.get(key)) for key in (semconv.ATTR_INTERFERENCE_STEPS, semconv.ATTR_USUAL_STEP,
+                                                            semconv.ATTR_INTERFERENCE_RATIO,
+                                                            semconv.ATTR_INTERFERENCE_LOST)]  # fmt: skip
+    if any(v is None or v < 0 for v in said):
+        return None
+    steps, usual, ratio, lost = said
+    return int(steps), float(usual), float(ratio), float(lost)  # type: ignore[arg-type]
