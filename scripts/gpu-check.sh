@@ -2,7 +2,8 @@
 # dcp-otel on one NVIDIA GPU: CUDA state dicts through dcp.save, dcp.load, dcp.async_save (pinned staging) and
 # the process-based async save, over NCCL (a world of one) and 2 gloo ranks sharing the GPU; span names against
 # CPU tensors, the staging's GB/s, device synchronisations plain vs instrumented, and timings plain vs
-# instrumented (interleaved medians). About 2 minutes on an H100. Options go to benchmarks/gpu_check.py
+# instrumented (interleaved medians); then a training loop that async-saves (benchmarks/training_loop.py), its steps
+# and time-to-return plain vs instrumented. About 2 minutes on an H100, plus the loop's. Options go to benchmarks/gpu_check.py
 # (--gib 2 --reps 3 --dir /dev/shm/dcp-otel-gpu; --cpu runs the GPU-independent parts anywhere).
 #
 # Needs python3 (3.10+) with a CUDA build of torch (2.11 or newer) already installed; no network. The packages
@@ -28,4 +29,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DCP_OTEL_RUN_ID=${DCP_OTEL_RUN_ID:-gpu-check}
-exec "$PY" benchmarks/gpu_check.py "$@"
+"$PY" benchmarks/gpu_check.py "$@"
+# Then what dcp-otel costs a training loop there: steps beside an upload and async_save's time-to-return, plain vs
+# instrumented, with the noise row and the rounds it needs to resolve 1% (LOOP_ROUNDS; --cpu: a short one).
+if [[ " $* " == *" --cpu "* ]]; then
+    "$PY" benchmarks/training_loop.py --device cpu --cases 10:16 --steps 20 --every 5 --rounds "${LOOP_ROUNDS:-1}" --reps 2
+else
+    "$PY" benchmarks/training_loop.py --device cuda --dim 4096 --reps 20 --cases 10:1024,10000:256 --steps 60 \
+        --rounds "${LOOP_ROUNDS:-4}"
+fi

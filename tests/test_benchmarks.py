@@ -154,6 +154,11 @@ def test_the_gpu_check_runs_as_printed_on_cpu_tensors(tmp_path: Path) -> None:
     for call in ("save", "async_save", "load"):
         assert re.search(rf"  {call} +plain +[\d.]+ ms +instrumented +[\d.]+ ms \([\d.]+\) +plain again", out), out
     assert "one trace for the save across ranks: True" in out and "FAILED" not in out, out
+    # Then the training loop, plain vs instrumented: each measure's ratio, the noise row and the rounds it needs.
+    assert "training loop on cpu: 20 steps, async_save every 5" in out, out
+    for measure in ("step_around_ms", "step_quiet_ms", "return_ms", "loop_s"):
+        assert re.search(rf"10 tensors, 16 MiB +instrumented +{measure} +[\d.]+ +[\d.]+ +[\d.]+", out), out
+    assert re.search(r"noise: plain again strays [\d.]+ at most; rounds to resolve 1%: \d+", out), out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-check.sh is run on one by hand)")
