@@ -28,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,7 +40,7 @@ class Arm:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def run_job(job: str, arm: Arm, timeout_s: float = 600.0) -> dict[str, float]:
+def run_job(job: str, arm: Arm, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run ``job`` once as ``arm`` in a fresh interpreter; its last stdout line, parsed."""
     import os
 

@@ -21,6 +21,7 @@ Usage::
 
     .venv/bin/python benchmarks/training_loop.py            # 3 rounds; 10, 100 and 10,000 tensors
     .venv/bin/python benchmarks/training_loop.py --quick    # 2 rounds; 10 and 10,000 tensors, fewer steps
+    .venv/bin/python benchmarks/training_loop.py --in-process --rounds 9   # each round one process, arms as its blocks
     python benchmarks/training_loop.py --device cuda --dim 4096 --reps 20 --rounds 6   # scripts/gpu-check.sh's
 """
 
@@ -32,16 +33,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ab import Arm, ratio_rows, rounds_to_resolve, run_rounds  # noqa: E402
+from ab import Arm, ratio_rows, rounds_to_resolve, run_job, run_rounds  # noqa: E402
 
 JOB = r"""
 import json, os, shutil, statistics, sys, tempfile, time, warnings
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 warnings.simplefilter("ignore")
-instrumented, tensors, mb, steps, every, reps, dim = sys.argv[1] == "1", *map(int, sys.argv[2:8])
-device = sys.argv[8]
+mode, (tensors, mb, steps, every, reps, dim), device = sys.argv[1], map(int, sys.argv[2:8]), sys.argv[8]
 torch.set_num_threads(1)
-if instrumented:
+provider = None
+if mode != "0":
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
     class Discard(SpanExporter):
@@ -49,7 +50,6 @@ if instrumented:
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(Discard()))
     import dcp_otel
-    dcp_otel.instrument(tracer_provider=provider)
 folder = tempfile.mkdtemp(prefix="dcp-otel-bench-")
 backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
 if device == "cuda":
@@ -68,28 +68,40 @@ def step():
     optimizer.zero_grad()
     if device == "cuda":
         torch.cuda.synchronize()  # (the step's time is the device's too; both arms alike)
-future, previous, around, quiet, returns = None, None, [], [], []
-started = time.perf_counter()
-for s in range(steps):
-    t0 = time.perf_counter()
-    step()
-    took = time.perf_counter() - t0
-    (around if future is not None and not future.done() else quiet).append(took)
-    if s % every == every - 1:
-        if future is not None:
-            future.result()
-            shutil.rmtree(previous, ignore_errors=True)
-        previous = f"{folder}/{s}"
-        t1 = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=previous)
-        returns.append(time.perf_counter() - t1)
-future.result()
-loop_s = time.perf_counter() - started
+ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # (no step beside an upload: said as nan)
+def block(instrumented):
+    if instrumented:
+        dcp_otel.instrument(tracer_provider=provider)
+    future, previous, around, quiet, returns = None, None, [], [], []
+    started = time.perf_counter()
+    for s in range(steps):
+        t0 = time.perf_counter()
+        step()
+        took = time.perf_counter() - t0
+        (around if future is not None and not future.done() else quiet).append(took)
+        if s % every == every - 1:
+            if future is not None:
+                future.result()
+                shutil.rmtree(previous, ignore_errors=True)
+            previous = f"{folder}/{s}-{time.monotonic_ns()}"
+            t1 = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=previous)
+            returns.append(time.perf_counter() - t1)
+    future.result()
+    loop_s = time.perf_counter() - started
+    shutil.rmtree(previous, ignore_errors=True)
+    if instrumented:
+        dcp_otel.flush(timeout_s=60)
+        dcp_otel.uninstrument()
+    return {"step_around_ms": ms(around), "step_quiet_ms": ms(quiet), "return_ms": ms(returns[1:]), "loop_s": loop_s}
+if mode in ("0", "1"):  # one arm, this whole process
+    out = block(mode == "1")
+else:  # "alt:<order>": every arm a block of this one process, in that order (p plain, q plain again, i instrumented)
+    names = {"p": "plain", "q": "plain again", "i": "instrumented"}
+    out = {names[c]: block(c == "i") for c in mode.split(":")[1]}
 dist.destroy_process_group()
 shutil.rmtree(folder, ignore_errors=True)
-ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # (no step beside an upload: said as nan)
-print(json.dumps({"step_around_ms": ms(around), "step_quiet_ms": ms(quiet), "return_ms": ms(returns[1:]),
-                  "loop_s": loop_s}))
+print(json.dumps(out))
 """
 
 MEASURES = ["step_around_ms", "step_quiet_ms", "return_ms", "loop_s"]
@@ -106,18 +118,29 @@ def main() -> None:
     parser.add_argument("--cases", default=None, help="tensors:MiB,... (default 10:64,100:256,10000:64)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--in-process", action="store_true",
+                        help="every arm a block of one process a round: the same heap and caches, less noise; "
+                             "the heap's state between saves is shared (what fresh processes measure is not)")
     args = parser.parse_args()
     default = "10:64,10000:64" if args.quick else "10:64,100:256,10000:64"
     cases = [(int(t), int(m)) for t, m in (c.split(":") for c in (args.cases or default).split(","))]
     steps, every = args.steps or (60 if args.quick else 120), args.every
     rounds = args.rounds or (2 if args.quick else 3)
     print(f"training loop on {args.device}: {steps} steps, async_save every {every} (torch's default stager), "
-          f"{rounds} rounds, interleaved fresh processes; ratio = median over rounds of arm / plain in the same round")
+          f"{rounds} rounds, {'arms as blocks of one process' if args.in_process else 'interleaved fresh processes'}; "
+          "ratio = median over rounds of arm / plain in the same round")
     print(f"{'case':<22}{'arm':<14}{'measure':<16}{'arm':>10}{'plain':>10}{'ratio':>8}  goal")
     for tensors, mb in cases:
         common = [str(tensors), str(mb), str(steps), str(every), str(args.reps), str(args.dim), args.device]
-        arms = [Arm("plain", ["0", *common]), Arm("plain again", ["0", *common]), Arm("instrumented", ["1", *common])]
-        results = run_rounds(JOB, arms, rounds)
+        if args.in_process:  # one process a round, every arm a block of it (the order rotating)
+            results: dict[str, list[dict[str, float]]] = {"plain": [], "plain again": [], "instrumented": []}
+            for n in range(rounds):
+                order = "pqi"[n % 3:] + "pqi"[: n % 3]
+                for arm, measures in run_job(JOB, Arm("alternating", [f"alt:{order}", *common])).items():
+                    results[arm].append(measures)
+        else:
+            arms = [Arm("plain", ["0", *common]), Arm("plain again", ["0", *common]), Arm("instrumented", ["1", *common])]
+            results = run_rounds(JOB, arms, rounds)
         case = f"{tensors} tensors, {mb} MiB"
         noise: dict[str, float] = {}
         for arm, measure, mine, theirs, r in ratio_rows(results, "plain", MEASURES):

@@ -223,3 +223,21 @@ def test_checkpointing_calls_prints_torch_checkpointings_bill_in_bare_spans_and_
     for call in ("sync save", "load", "async save \\(returns\\)", "  its caller's CPU", "async save \\(durable\\)"):
         row = re.search(rf"^{call} +([\d.]+) +([\d.]+) +(-?[\d.]+) +([\d.]+)$", times, re.M)
         assert row is not None and _is_ratio_of_printed(row.group(2), row.group(1), row.group(4)), (call, done.stdout)
+
+
+def test_the_ab_harness_compares_arms_round_by_round_and_says_the_rounds_noise_needs() -> None:
+    """benchmarks/ab.py: a ratio is the median of per-round ratios (a round with nothing measured, nan, left out),
+    and the rounds needed to resolve 1% grow with the square of the noise."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import ab
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    results = {"plain": [{"t": 10.0}, {"t": 20.0}, {"t": 10.0}], "instrumented": [{"t": 11.0}, {"t": 20.0}, {"t": float("nan")}]}
+    assert ab.ratio(results, "instrumented", "plain", "t") == pytest.approx(1.05)  # rounds 1 and 2: 1.1 and 1.0
+    assert ab.median(results, "instrumented", "t") == pytest.approx(15.5)
+    assert ab.ratio_rows(results, "plain", ["t"]) == [("instrumented", "t", pytest.approx(15.5), 10.0, pytest.approx(1.05))]
+    assert ab.rounds_to_resolve(0.0) == 1 and ab.rounds_to_resolve(0.004) == 1
+    assert ab.rounds_to_resolve(0.02) == 25 and ab.rounds_to_resolve(0.04) == 4 * ab.rounds_to_resolve(0.02)
+    done = ab.run_job("import json, sys; print('noise'); print(json.dumps({'argv': sys.argv[1:]}))", ab.Arm("a", ["x"]))
+    assert done == {"argv": ["x"]}

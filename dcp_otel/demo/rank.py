@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")  # DCP's own warnings about overwriting and planners
     Storage.slow_rank, Storage.slow_s, Storage.fail_rank = args.slow_rank, args.slow_seconds, args.fail_rank
 
-    provider = tracing(args.out)
+    tracing(args.out)  # the global tracer provider: dcp-otel uses it
     dcp_otel.instrument()
     endpoint = dcp_otel.start_metrics_server()  # $DCP_OTEL_METRICS_PORT (default 9710) + LOCAL_RANK
     if endpoint is not None:
@@ -158,9 +158,10 @@ def main(argv: list[str] | None = None) -> None:
             f"load {time.perf_counter() - started:.2f} s")  # fmt: skip
     dcp_otel.flush(timeout_s=30)
     dist.destroy_process_group()
-    provider.shutdown()
     if endpoint is not None:
         endpoint.close()
+    # The provider is left to the exit: dcp-otel's exit flush first sends this process's dcp.process span (its
+    # wall time: what the report's cost of checkpointing is a share of), then the SDK shuts it down.
 
 
 def _wait(pending: tuple[Any, str]) -> str | None:
