@@ -49,6 +49,10 @@ def test_the_demo_trains_checkpoints_resumes_and_reports_the_slow_rank(tmp_path:
     assert any(line.startswith("FAILED  save ") and line.endswith("on rank 0:") for line in last), last
     assert any("OSError: [Errno 28] No space left on device" in line for line in last), last
     assert any(line.startswith("straggler: rank 1 was the slowest in ") for line in last), last
+    # ...and what checkpointing cost the run: blocked plus what the uploads did to the steps beside them (with a
+    # checkpoint every 2 steps, too few steps before each to know the usual one: not measured, and said so).
+    assert any(re.fullmatch(r"generations: 1, [\d.]+ s; checkpointing cost [\d.]+% of wall time \(blocked [\d.]+%, "
+                            r"interference (not measured|[\d.]+%)\)", line) for line in last), last  # fmt: skip
     # The command it prints runs as printed, from where the demo ran.
     (again,) = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("again, from the files:")]
     rerun = subprocess.run(again, shell=True, capture_output=True, text=True, timeout=120, cwd=REPO)  # noqa: S602

@@ -37,7 +37,7 @@ class Report:
     checkpoints: list[Checkpoint]
     #: What a killed writer left in the files, read past (an empty file, a last line cut short).
     damaged: list[str] = field(default_factory=list)
-    #: Each run across its generations: restarts, what they restored and lost, the time blocked by checkpointing.
+    #: Each run across its generations: restarts, what they restored and lost, what checkpointing cost them.
     runs: list[Life] = field(default_factory=list)
 
     def text(self, limit: int | None = DETAIL_LIMIT) -> str:
@@ -47,10 +47,12 @@ class Report:
         return render(self.checkpoints, limit, self.runs)
 
     def summary_text(self) -> str:
+        """The summary, then the runs' generations and what checkpointing cost them (where their spans say)."""
         from dcp_otel.report.summary import summarize
-        from dcp_otel.report.terminal import render_summary
+        from dcp_otel.report.terminal import render_lives, render_summary
 
-        return render_summary(summarize(self.checkpoints))
+        life = render_lives(self.runs)
+        return render_summary(summarize(self.checkpoints)) + (f"\n{life}" if life else "")
 
     def details_text(self, limit: int | None = DETAIL_LIMIT) -> str:
         from dcp_otel.report.terminal import render_details
