@@ -38,19 +38,19 @@ def test_steps_twice_their_usual_time_during_an_upload_lost_what_they_took_beyon
 
 
 def test_within_noise_no_seconds_are_lost_and_the_ratio_is_still_said() -> None:
-    """Steps 3% slower during the upload, on steps that vary by 1%: below the 10% floor, nothing lost."""
+    """Steps 3% slower during the upload, on steps that vary by 1%: below the 15% floor, nothing lost."""
     ends = ends_of([99, 100, 101] * 7 + [103] * 10)
     found = assess(ends, (ends[21], ends[-1] - MS))
     assert found is not None and found.steps == 10 and found.lost_s == 0.0 and 1.02 < found.ratio < 1.04
 
 
 def test_noisy_steps_need_a_larger_slowdown_to_count() -> None:
-    """Steps that vary by +-40 ms around 100 ms: a 15% slowdown of 4 steps is within 3 robust deviations."""
-    ends = ends_of([60, 100, 140] * 7 + [115] * 4)
+    """Steps that vary by +-40 ms around 100 ms: a 25% slowdown of 4 steps is within 3 robust deviations."""
+    ends = ends_of([60, 100, 140] * 7 + [125] * 4)
     found = assess(ends, (ends[21], ends[-1] - MS))
-    assert found is not None and found.lost_s == 0.0
-    steady = assess(ends_of([99, 100, 101] * 7 + [115] * 4), (ends[21], ends[-1] - MS))
-    assert steady is not None and abs(steady.lost_s - 0.06) < 1e-6  # the same slowdown on steady steps: said
+    assert found is not None and found.lost_s == 0.0 and found.ratio == 1.25
+    steady = assess(ends_of([99, 100, 101] * 7 + [125] * 4), (ends[21], ends[-1] - MS))
+    assert steady is not None and abs(steady.lost_s - 0.1) < 1e-6  # the same slowdown on steady steps: said
 
 
 def test_the_time_blocked_in_the_save_itself_is_no_interference() -> None:

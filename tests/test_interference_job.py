@@ -70,7 +70,7 @@ def test_a_burning_upload_slowed_the_steps_it_overlapped_on_every_rank_and_says_
         # Every step the upload overlapped: the one that called async_save, those while it ran, the one it ended in
         # (the loop's count is off by one either way: the future is done a moment after the upload's end).
         assert during - 1 <= a[semconv.ATTR_INTERFERENCE_STEPS] <= during + 1, (a, during)
-        assert a[semconv.ATTR_INTERFERENCE_RATIO] > 1.3 and a[semconv.ATTR_INTERFERENCE_LOST] > 0.3, a
+        assert a[semconv.ATTR_INTERFERENCE_RATIO] > 1.15 and a[semconv.ATTR_INTERFERENCE_LOST] > 0.1, a  # (1.2 to 1.6 here)
         assert 0 < a[semconv.ATTR_USUAL_STEP] < 1.0, a
         # The seconds lost are the overlapping steps' time beyond the usual one: what their ratio says.
         steps, usual, ratio = a[semconv.ATTR_INTERFERENCE_STEPS], a[semconv.ATTR_USUAL_STEP], a[semconv.ATTR_INTERFERENCE_RATIO]

@@ -46,7 +46,7 @@ MIN_BASELINE: Final = 5
 #: The excess over the usual time said as lost only beyond this many robust deviations (for that many steps) ...
 NOISE_SIGMAS: Final = 3.0
 #: ... and beyond this share of the steps' usual time: smaller slowdowns are not told from a busy machine.
-NOISE_FLOOR: Final = 0.10
+NOISE_FLOOR: Final = 0.15
 #: How long the builder waits for the step a window ended in to end: this many usual steps, within the bounds.
 WAIT_STEPS: Final = 3.0
 WAIT_BOUNDS_S: Final = (0.2, 30.0)

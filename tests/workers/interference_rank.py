@@ -1,7 +1,8 @@
 """One rank of a training loop whose async save's upload slows its steps, or does not (gloo on CPU).
 
 Each step is a fixed amount of Python work (it holds the interpreter lock, as a
-training loop's Python does between kernels) and an optimizer step: dcp-otel
+training loop's Python does between kernels), a wait as long as a GPU step's
+kernels (the training thread waits them out) and an optimizer step: dcp-otel
 sees the steps through torch's optimizer hook, with no change to this loop.
 After ``BASELINE`` steps the rank calls ``async_save`` with a storage writer
 whose ``write_data`` first spends ``UPLOAD_S`` seconds, on the upload thread of
@@ -33,7 +34,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from tests.workers import rank_parser
 
-BASELINE, AFTER, UPLOAD_S, WORK = 20, 4, 1.5, 600_000
+BASELINE, AFTER, UPLOAD_S, WORK, DEVICE_S = 24, 4, 2.0, 300_000, 0.02
 
 
 class SlowUpload(dcp.FileSystemWriter):
@@ -75,8 +76,9 @@ def main() -> None:
 
     def step() -> None:
         total = 0
-        for i in range(WORK):  # the step's own work: a fixed amount of Python
+        for i in range(WORK):  # the step's own work on this thread: a fixed amount of Python (~10 ms)
             total += i
+        time.sleep(DEVICE_S)  # (not a synchronisation: the step's device time, which the training thread waits out)
         model(torch.ones(1, 64)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
