@@ -8,6 +8,8 @@ and says seconds lost only beyond noise. The 2-rank job with real uploads is ``t
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
@@ -124,3 +126,14 @@ def test_instrument_registers_one_optimizer_hook_and_uninstrument_leaves_none(tr
     assert CLOCK._hook not in list(_global_optimizer_post_hooks.values()) and not CLOCK.installed
     optimizer.step()
     assert CLOCK.count == before + 3
+
+
+def test_only_the_training_threads_checkpoint_calls_are_its_blocked_time() -> None:
+    """A save the application runs on a thread of its own does not block the steps: it is left out of them."""
+    clock = StepClock()
+    clock._hook(object(), (), {})  # the training thread (this one) steps
+    elsewhere = threading.Thread(target=clock.blocked_call, args=(1, 2))
+    elsewhere.start()
+    elsewhere.join()
+    clock.blocked_call(3, 4)
+    assert list(clock.blocked) == [(3, 4)]

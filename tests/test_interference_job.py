@@ -4,14 +4,16 @@
 async-saves once; its storage writer's upload either burns the interpreter lock on the training process for
 1.5 s or sleeps as long. dcp-otel sees the steps through torch's optimizer hook. The burning upload's slowdown
 and lost seconds are on each rank's ``dcp.async_save`` span and the checkpoint's root, in the metrics as a
-real Prometheus scraped them, and in ``dcp-otel report``; the sleeping one reports none lost; and the job does
-the same with and without dcp-otel.
+real Prometheus scraped them, and in ``dcp-otel report``; for the sleeping one dcp-otel's ratio is the loop's own
+and nothing is lost where the loop's own clock saw its steps within noise; and the job does the same with and
+without dcp-otel. Each ratio dcp-otel says is checked against the loop's own clock (perf_counter per step).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +72,8 @@ def test_a_burning_upload_slowed_the_steps_it_overlapped_on_every_rank_and_says_
         # Every step the upload overlapped: the one that called async_save, those while it ran, the one it ended in
         # (the loop's count is off by one either way: the future is done a moment after the upload's end).
         assert during - 1 <= a[semconv.ATTR_INTERFERENCE_STEPS] <= during + 1, (a, during)
-        assert a[semconv.ATTR_INTERFERENCE_RATIO] > 1.15 and a[semconv.ATTR_INTERFERENCE_LOST] > 0.1, a  # (1.2 to 1.6 here)
+        assert a[semconv.ATTR_INTERFERENCE_RATIO] > 1.15 and a[semconv.ATTR_INTERFERENCE_LOST] > 0.1, a  # (1.3 to 1.6 here)
+        assert a[semconv.ATTR_INTERFERENCE_RATIO] == pytest.approx(own_ratio(burned["results"][rank]), abs=0.05)
         assert 0 < a[semconv.ATTR_USUAL_STEP] < 1.0, a
         # The seconds lost are the overlapping steps' time beyond the usual one: what their ratio says.
         steps, usual, ratio = a[semconv.ATTR_INTERFERENCE_STEPS], a[semconv.ATTR_USUAL_STEP], a[semconv.ATTR_INTERFERENCE_RATIO]
@@ -106,17 +109,30 @@ def test_the_report_says_what_the_upload_cost_the_steps(burned: dict[str, Any]) 
     assert float(said.group(5)) == pytest.approx(worst.attributes[semconv.ATTR_INTERFERENCE_LOST], abs=0.006)
 
 
+def own_ratio(result: dict[str, Any]) -> float:
+    """What the loop measured itself (perf_counter around each step): its steps beside the upload, mean over the
+    median of the steps before."""
+    took = result["took_ms"]
+    return statistics.mean(took[BASELINE : BASELINE + result["during"]]) / statistics.median(took[:BASELINE])
+
+
 def test_a_sleeping_upload_costs_no_step_and_the_job_is_the_same_plain(tmp_path: Path) -> None:
+    """The loop's own clock and dcp-otel's agree; where the loop's steps beside the upload were within 10% of their
+    usual time, nothing is lost. (This 2-core machine sometimes moves a process's steps by 5 ms, the interpreter's
+    switch interval, with or without dcp-otel: the loop's own clock then says so, and so does dcp-otel.)"""
     out, instrumented = job(tmp_path / "quiet", "quiet", ckpt=tmp_path / "ckpt")
     ops, _ = saves(out)
     for rank, span in ops.items():
-        a = span.attributes
-        assert a[semconv.ATTR_INTERFERENCE_LOST] == 0.0 and a[semconv.ATTR_INTERFERENCE_RATIO] < 1.1, a
+        a, own = span.attributes, own_ratio(instrumented[rank])
+        assert a[semconv.ATTR_INTERFERENCE_RATIO] == pytest.approx(own, abs=0.05), (a, instrumented[rank]["took_ms"])
+        if own < 1.1:
+            assert a[semconv.ATTR_INTERFERENCE_LOST] == 0.0, a
         assert a[semconv.ATTR_INTERFERENCE_STEPS] >= instrumented[rank]["during"]
     shown = subprocess.run([sys.executable, "-m", "dcp_otel", "report", str(out / "traces")],
                            capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
-    assert re.search(rf"while step-{BASELINE} uploaded, \d+ training steps on rank \d took [\d.]+x their usual [\d.]+ s: "
-                     r"none lost beyond noise", shown.stdout), shown.stdout  # fmt: skip
+    if all(s.attributes[semconv.ATTR_INTERFERENCE_LOST] == 0 for s in ops.values()):
+        assert re.search(rf"while step-{BASELINE} uploaded, \d+ training steps on rank \d took [\d.]+x their usual "
+                         r"[\d.]+ s: none lost beyond noise", shown.stdout), shown.stdout  # fmt: skip
     _, plain = job(tmp_path / "plain", "quiet", plain=True, ckpt=tmp_path / "ckpt")  # (the same checkpoint id)
     for mine, theirs in zip(instrumented, plain, strict=True):  # the same result and the same bytes on disk
         assert (same(mine["result"]), mine["files"]) == (same(theirs["result"]), theirs["files"])

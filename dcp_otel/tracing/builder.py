@@ -258,9 +258,7 @@ class SpanBuilder:
             return
         op.background = (op_call.end_ns, max(op.end_ns, op_call.end_ns))
         until = wait_until_ns(CLOCK.ends()[0], op.background[1])
-        while until and time.time_ns() < until and not self._hurry.is_set():
-            if CLOCK.ends()[0][-1:] >= [op.background[1]]:
-                return
+        while until and time.time_ns() < until and not self._hurry.is_set() and CLOCK.last_end() < op.background[1]:
             self._hurry.wait(0.05)  # (polled: the training thread's hook never wakes anyone)
 
     def _interference(self, op: Operation) -> None:

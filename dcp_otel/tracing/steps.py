@@ -46,6 +46,7 @@ class StepClock:
         self.count = 0  # steps seen; the ring holds the last min(count, RING) ends
         self._pace = 0  # id() of the pace optimizer
         self._others = 0
+        self.thread = 0  # the thread the pace optimizer steps on (0: none yet)
         #: (start_ns, end_ns) of the training thread's operation calls (a save, an async save until it returned).
         self.blocked: deque[tuple[int, int]] = deque(maxlen=256)
         self._handle: Any = None
@@ -62,18 +63,19 @@ class StepClock:
         self._others = 0
 
     def _other(self, optimizer: object) -> None:
-        if not self._pace:
-            self._pace = id(optimizer)
+        if not self._pace or self._others + 1 >= _SWITCH_AFTER:
+            self._pace, self._others = id(optimizer), 0
+            self.thread = threading.get_ident()  # the training thread: its checkpoint calls are its blocked time
             self._hook(optimizer, None, None)
             return
         self._others += 1
-        if self._others >= _SWITCH_AFTER:
-            self._pace, self._others = id(optimizer), 0
-            self._hook(optimizer, None, None)
 
     def blocked_call(self, start_ns: int, end_ns: int) -> None:
-        """An operation call the training thread spent blocked in (deque.append: atomic, no lock)."""
-        self.blocked.append((start_ns, end_ns))
+        """An operation call that ended on this thread: the training thread's is time it spent blocked (a save a
+        thread of the application's own runs beside training is not). deque.append: atomic, no lock."""
+        thread = self.thread
+        if not thread or thread == threading.get_ident():
+            self.blocked.append((start_ns, end_ns))
 
     def ends(self) -> tuple[list[int], int]:
         """The step ends in the ring, oldest first, and the number of the oldest (read off the training thread).
@@ -84,6 +86,11 @@ class StepClock:
         ring = self._ring
         first = max(0, count - RING + 16)
         return [ring[i & _MASK] for i in range(first, count)], first
+
+    def last_end(self) -> int:
+        """When the last step seen ended (0: none yet)."""
+        count = self.count
+        return self._ring[(count - 1) & _MASK] if count else 0
 
     def install(self) -> bool:
         """Register the hook (once); ``False`` where this torch has no global optimizer hooks."""
