@@ -104,10 +104,9 @@ def test_only_the_pace_optimizers_steps_are_training_steps_until_another_keeps_s
         clock._hook(a, (), {})
         clock._hook(b, (), {})  # a GAN's two optimizers: one training step each time
     assert clock.count == 4
-    clock._hook(b, (), {})  # a was thrown away (an LR finder's): b steps alone
-    assert clock.count == 4
-    clock._hook(b, (), {})  # its third step since a's last: b is the pace from this one on
-    clock._hook(b, (), {})
+    clock._hook(b, (), {})  # a was thrown away (an LR finder's): b steps a second time since a's last
+    assert clock.count == 5
+    clock._hook(b, (), {})  # b is the pace from now on
     ends, first = clock.ends()
     assert clock.count == 6 and len(ends) == 6 and ends == sorted(ends) and first == 0
 
@@ -137,3 +136,39 @@ def test_only_the_training_threads_checkpoint_calls_are_its_blocked_time() -> No
     elsewhere.join()
     clock.blocked_call(3, 4)
     assert list(clock.blocked) == [(3, 4)]
+
+
+def test_steps_under_two_uploads_at_once_are_charged_to_one_of_them_never_twice() -> None:
+    """A second async save while the first still uploads: the steps both overlapped stay with the first."""
+    ends = ends_of([100] * 10 + [200] * 10)
+    first = (ends[10], ends[18] - MS)
+    second = (ends[15] - MS, ends[20] - MS)
+    charged = assess(ends, first)
+    later = assess(ends, second, busy=[first])
+    assert charged is not None and later is not None
+    assert charged.steps == 8 and later.steps == 2  # steps 16-18 overlap both: the first's
+
+
+def test_a_dozen_optimizers_stepping_in_turn_are_one_training_step_each_turn() -> None:
+    """One optimizer per model part (pipeline stages, optimizers in backward): the first sets the pace; when its
+    model is thrown away and another dozen take over, the first of them to step twice does."""
+    clock = StepClock()
+    for model in range(2):
+        parts = [object() for _ in range(12)]
+        for _ in range(30):
+            for part in parts:
+                clock._hook(part, (), {})
+        assert clock.count == 30 * (model + 1) - model  # (the new pace is known at its second step)
+
+
+def test_instrumenting_again_starts_a_new_clock() -> None:
+    """Steps seen by an earlier instrumentation, and the time between, are never counted again."""
+    clock = StepClock()
+    clock._hook(object(), (), {})
+    clock.blocked_call(1, 2)
+    assert clock.install()
+    try:
+        assert clock.count == 0 and not clock.blocked and clock.ends() == ([], 0)
+    finally:
+        clock.remove()
+    assert not clock.installed and clock.removed_ns > 0

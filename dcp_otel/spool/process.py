@@ -81,7 +81,8 @@ class ProcessSpool:
         self._where = where
         self.record = ProcessRecord(spool_dir, self._identity)
         timeout = float(flush_timeout_s or 10)
-        self.keep = SpanSpool(self.record, recorder.provider, recorder.drain, timeout)
+        # (Its confirmations never hurry the builder: an async save's measurement waits for its training step.)
+        self.keep = SpanSpool(self.record, recorder.provider, lambda t: recorder.builder.drain(t, hurry=False), timeout)
         self.survivor = Survivor(spool_dir, Delivery(recorder.provider, timeout), job_key(),
                                  own=lambda: self.record.directory)  # fmt: skip
         recorder.record = recorder.builder.record = self.record

@@ -124,7 +124,7 @@ class SpanSpool:
             timeout = self._timeout_s if timeout_s is None else timeout_s
             deadline = time.monotonic() + timeout
             self._drain(timeout)
-            self._flush = BoundedFlush(self._provider(), "span", deadline, quiet=True)
+            self._flush = BoundedFlush(self._provider(), "span", deadline, quiet=True, hurry=False)
             if self._flush.wait() is not True:
                 return False
             with self._lock:

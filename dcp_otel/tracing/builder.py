@@ -8,8 +8,11 @@ daemon thread per process (``dcp-otel-builder``) then, per operation:
 
 1. records its metrics (step and operation histograms with their exemplars,
    byte counters: the byte counts are summed here, not on the caller's thread);
-2. asks the :class:`~dcp_otel.tracing.detail.DetailPolicy` how much to export;
-3. emits ordinary SDK spans with the recorded start and end times and the ids
+2. for an async save in a process whose optimizer steps are seen, waits (bounded, polled, cut short by a
+   flush) for the training step its upload ended in, and measures what it cost the steps beside it
+   (:mod:`dcp_otel.tracing.interference`): onto its spans, into the metrics;
+3. asks the :class:`~dcp_otel.tracing.detail.DetailPolicy` how much to export;
+4. emits ordinary SDK spans with the recorded start and end times and the ids
    chosen on the hot path (so spans that a storage plugin started inside a step
    nest under it), with the same names, attributes, events, links and statuses.
 
@@ -60,7 +63,7 @@ from dcp_otel.tracing.records import (
     DurationHistory,
     Operation,
 )
-from dcp_otel.tracing.steps import CLOCK
+from dcp_otel.tracing.steps import CLOCK, HURRY
 from dcp_otel.tracing.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
 
 #: The attributes a summary-only operation span keeps of its operation's.
@@ -163,15 +166,19 @@ class SpanBuilder:
             thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-builder", daemon=True)
         start_elsewhere((thread,))  # (at an operation's end, on the application's thread)
 
-    def drain(self, timeout_s: float, metrics_only: bool = False) -> bool:
+    def drain(self, timeout_s: float, metrics_only: bool = False, hurry: bool = True) -> bool:
         """Wait until every queued operation is built; ``False`` past ``timeout_s``.
 
         ``metrics_only``: until their metrics are recorded, which never waits
         for a span exporter (the async save process relays them per save).
+        ``hurry``: an async save waiting for the training step its upload ended
+        in is built now, with the steps seen so far (``False``: dcp-otel's own
+        background confirmations, which must not cut the measurement short).
         """
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
-        self._hurry.set()
+        if hurry and getattr(threading.current_thread(), HURRY, True):
+            self._hurry.set()
         with self._lock:
             queued = bool(self._queue)
             self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
@@ -208,13 +215,13 @@ class SpanBuilder:
                     self._hurry.clear()  # (every drain so far has what it waited for)
                     self._cond.wait()
                 op, calls = self._queue.popleft()
-            if calls is op.calls and CLOCK.count:  # (training steps seen: an optimizer stepped in this process)
-                self._steps(op, calls)
-            started = time.thread_time_ns()  # CPU time: not the waits for the interpreter lock
+            started = time.thread_time_ns()  # CPU time: not the waits for the interpreter lock, nor the step's
             self._record_metrics(op, calls)
             with self._lock:
                 self._unmeasured -= 1
                 self._cond.notify_all()
+            if calls is op.calls and CLOCK.count:  # (training steps seen: an optimizer stepped in this process)
+                self._steps(op, calls)  # after its metrics: a wait for the training step never holds them up
             if calls is op.calls and op.failed is None and op.end_ns:
                 first = op.start_ns or min((c.start_ns for c in calls), default=op.end_ns)
                 checkpoint_id = str(op.attributes.get(semconv.ATTR_CHECKPOINT_ID, ""))
@@ -267,6 +274,8 @@ class SpanBuilder:
         blocked = list(CLOCK.blocked)
         ledger, metrics = self.ledger, self._metrics
         window, upto = op.background, op.end_ns
+        if window is not None and not CLOCK.installed and CLOCK.removed_ns < window[1]:
+            window = None  # uninstrumented while it uploaded: the steps after that are unseen, nothing is said
         if window is not None:
             found = assess(ends, window, blocked, ledger.windows)
             ledger.windows.append(window)

@@ -32,6 +32,7 @@ from opentelemetry import trace
 
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.tracing.steps import HURRY
 
 if TYPE_CHECKING:  # (a survivor flushes with no recorder: an agent imports no torch for it)
     from dcp_otel.metrics.otel import OTelCheckpointMetrics
@@ -47,7 +48,7 @@ class BoundedFlush:
     the interpreter alive either.
     """
 
-    def __init__(self, provider: object, what: str, deadline: float, quiet: bool = False) -> None:
+    def __init__(self, provider: object, what: str, deadline: float, quiet: bool = False, hurry: bool = True) -> None:
         self.provider = provider
         self._what = what
         self._deadline = deadline
@@ -57,6 +58,8 @@ class BoundedFlush:
         self._thread: threading.Thread | None = None
         if self._force_flush is not None:
             self._thread = threading.Thread(target=self._run, name="dcp-otel-flush", daemon=True)
+            # (hurry False: the builder, drained by the provider's flush, is not cut short; see SpanBuilder.drain)
+            setattr(self._thread, HURRY, hurry)
             self._thread.start()
 
     def _run(self) -> None:

@@ -30,6 +30,7 @@ Usage::
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -78,23 +79,36 @@ def step_seconds(step: Interval, blocked: Sequence[Interval]) -> float:
     return max(0, step[1] - step[0] - sum(_overlap(step, b) for b in blocked)) / 1e9
 
 
+def _near(intervals: Iterable[Interval], low: int, high: int) -> list[Interval]:
+    """Those of ``intervals`` that overlap ``[low, high]``: each step is checked against a few, not all."""
+    return [i for i in intervals if i[1] > low and i[0] < high]
+
+
 def assess(ends: Sequence[int], window: Interval, blocked: Sequence[Interval] = (),
            busy: Iterable[Interval] = ()) -> Interference | None:  # fmt: skip
     """The interference of background work over ``window`` with the steps ending at ``ends`` (oldest first).
 
-    ``blocked``: the training thread's checkpoint calls; ``busy``: other checkpoints' windows, whose steps
-    are no baseline. ``None`` where it cannot tell: too few steps before, or none overlapping.
+    ``blocked``: the training thread's checkpoint calls; ``busy``: other checkpoints' windows, whose steps are
+    no baseline, and no step of this one either (charged to that one already, never twice). ``None`` where it
+    cannot tell: too few steps before, or none overlapping. Reads only the steps near the window: at most
+    :data:`BASELINE` x 4 before it, however long the ring.
     """
-    busy = list(busy)
+    i = bisect.bisect_right(ends, window[0])  # ends[i]: the first step end after the window began
+    j = bisect.bisect_left(ends, window[1], lo=i)  # ends[j]: the first at or after it ended (its step overlaps it)
+    lo = max(1, i - 4 * BASELINE)
+    if lo >= len(ends):
+        return None
+    near_busy = _near(busy, ends[lo - 1], ends[min(j, len(ends) - 1)])
+    near_blocked = _near(blocked, ends[lo - 1], ends[min(j, len(ends) - 1)])
     usual: list[float] = []
-    overlapping: list[float] = []
-    for start, end in pairwise(ends):
-        if end <= window[0]:
-            if not any(_overlap((start, end), b) for b in busy):
-                usual.append(step_seconds((start, end), blocked))
-        elif start < window[1]:
-            overlapping.append(step_seconds((start, end), blocked))
-    usual = usual[-BASELINE:]
+    for k in range(min(i, len(ends)) - 1, lo - 1, -1):  # newest first, until enough
+        step = (ends[k - 1], ends[k])
+        if not any(_overlap(step, b) for b in near_busy):
+            usual.append(step_seconds(step, near_blocked))
+            if len(usual) == BASELINE:
+                break
+    overlapping = [step_seconds((ends[k - 1], ends[k]), near_blocked) for k in range(max(i, 1), min(j + 1, len(ends)))
+                   if not any(_overlap((ends[k - 1], ends[k]), b) for b in near_busy)]  # fmt: skip
     if len(usual) < MIN_BASELINE or not overlapping:
         return None
     median = statistics.median(usual)
@@ -129,11 +143,15 @@ class StepLedger:
         checkpoint's window overlapped it."""
         found: list[tuple[float, str]] = []
         start = max(self.observed, first + 1)
+        if start >= first + len(ends):
+            return found
+        low = ends[start - first - 1]
+        windows, blocked = _near(self.windows, low, upto_ns), _near(blocked, low, upto_ns)
         for number in range(start, first + len(ends)):
             step = (ends[number - first - 1], ends[number - first])
             if step[1] > upto_ns:
                 break
-            overlaps = any(_overlap(step, w) for w in self.windows)
+            overlaps = any(_overlap(step, w) for w in windows)
             found.append((step_seconds(step, blocked), semconv.OVERLAPS_CHECKPOINT if overlaps else semconv.OVERLAPS_NONE))
             self.observed = number + 1
         return found

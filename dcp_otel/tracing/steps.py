@@ -9,9 +9,10 @@ checkpoint is built (:mod:`dcp_otel.tracing.interference`). Nothing touches a
 device, synchronizes, or allocates per step.
 
 One training step is one step of the *pace* optimizer: the first one seen.
-With several optimizers stepping together (a GAN's two) only the pace
-optimizer's steps count; when another keeps stepping while the pace one does
-not (an LR finder's optimizer that was thrown away), it becomes the pace.
+With several optimizers stepping in turn (a GAN's two, one per pipeline stage,
+one per parameter) only the pace optimizer's steps count; when another steps a
+second time while the pace one has not stepped since (the pace one was thrown
+away, as an LR finder's is; or it steps less often), that one becomes the pace.
 
 The training thread's time blocked in checkpoint calls is kept beside the
 steps (:meth:`StepClock.blocked_call`, one per operation call, from the
@@ -34,8 +35,6 @@ from typing import Any, Final
 #: Step ends kept: a baseline before a checkpoint and the steps its upload overlapped, at 10 steps/s for 6 minutes.
 RING: Final = 4096
 _MASK: Final = RING - 1
-#: Steps another optimizer takes in a row without the pace optimizer stepping before it becomes the pace.
-_SWITCH_AFTER: Final = 3
 
 
 class StepClock:
@@ -45,7 +44,8 @@ class StepClock:
         self._ring = [0] * RING
         self.count = 0  # steps seen; the ring holds the last min(count, RING) ends
         self._pace = 0  # id() of the pace optimizer
-        self._others = 0
+        self._others: set[int] = set()  # id() of the other optimizers that stepped since the pace one did
+        self.removed_ns = 0  # when the hook was last removed (steps after it are not seen)
         self.thread = 0  # the thread the pace optimizer steps on (0: none yet)
         #: (start_ns, end_ns) of the training thread's operation calls (a save, an async save until it returned).
         self.blocked: deque[tuple[int, int]] = deque(maxlen=256)
@@ -60,15 +60,19 @@ class StepClock:
         n = self.count
         self._ring[n & _MASK] = time.time_ns()
         self.count = n + 1
-        self._others = 0
+        if self._others:
+            self._others.clear()
 
     def _other(self, optimizer: object) -> None:
-        if not self._pace or self._others + 1 >= _SWITCH_AFTER:
-            self._pace, self._others = id(optimizer), 0
-            self.thread = threading.get_ident()  # the training thread: its checkpoint calls are its blocked time
-            self._hook(optimizer, None, None)
+        key = id(optimizer)
+        if self._pace and key not in self._others:  # (others stepping in turn with the pace one: once each)
+            self._others.add(key)
             return
-        self._others += 1
+        # The first optimizer, or one stepping a second time while the pace one did not: the pace one is gone.
+        self._pace = key
+        self._others.clear()
+        self.thread = threading.get_ident()  # the training thread: its checkpoint calls are its blocked time
+        self._hook(optimizer, None, None)
 
     def blocked_call(self, start_ns: int, end_ns: int) -> None:
         """An operation call that ended on this thread: the training thread's is time it spent blocked (a save a
@@ -97,7 +101,11 @@ class StepClock:
         with self._lock:
             if self._handle is not None:
                 return True
-            self._pace = self._others = 0  # the first optimizer to step from now on sets the pace
+            # A new clock: the first optimizer to step from now on sets the pace, and no step of an earlier
+            # instrumentation (nor the time between them) is counted again.
+            self._pace = self.count = self.thread = 0
+            self._others.clear()
+            self.blocked.clear()
             try:
                 from torch.optim.optimizer import register_optimizer_step_post_hook
             except ImportError:
@@ -111,11 +119,16 @@ class StepClock:
             handle, self._handle = self._handle, None
         if handle is not None:
             handle.remove()
+            self.removed_ns = time.time_ns()
 
     @property
     def installed(self) -> bool:
         return self._handle is not None
 
+
+#: A thread attribute: ``False`` on dcp-otel's own flush threads, which must not cut short the builder's wait for a
+#: training step (the spool's confirmations flush the provider, whose DrainOnFlush drains the builder).
+HURRY: Final = "dcp_otel_hurry"
 
 #: The process's clock: one hook, whichever instrumentation installed it.
 CLOCK: Final = StepClock()
