@@ -91,12 +91,16 @@ def stalls() -> float:
                if s.name.endswith("_total"))  # fmt: skip
 
 
-def checkpoint(kind: str, model: torch.nn.Module, path: str) -> None:
+def checkpoint(kind: str, model: torch.nn.Module, path: str, optim: torch.optim.Optimizer) -> None:
     state = {"model": model.state_dict()}
     if kind == "load":
         dcp.load(state, storage_reader=Reader(path))
     elif kind == "async_save":
-        dcp.async_save(state, storage_writer=Writer(path)).result(timeout=SCRAPE_TIMEOUT_S)
+        future = dcp.async_save(state, storage_writer=Writer(path))
+        for _ in range(2):  # training goes on beside the upload: the steps it overlapped, and what they lost
+            train_step(model, optim)
+        future.result(timeout=SCRAPE_TIMEOUT_S)
+        train_step(model, optim)  # (the step the upload ended in has ended: measured before the flush below)
     elif kind == "failing_save":
         Writer.full = True
         try:
@@ -127,7 +131,7 @@ def main() -> None:
     for kind in PLAN:
         for _ in range(3):
             train_step(model, optim)
-        checkpoint(kind, model, path)
+        checkpoint(kind, model, path, optim)
         dcp_otel.flush(timeout_s=SCRAPE_TIMEOUT_S)  # an async save's upload metrics are in before the scrape
         for _ in range(2):
             if not endpoint.wait_for_scrape(SCRAPE_TIMEOUT_S):
