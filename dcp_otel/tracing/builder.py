@@ -220,8 +220,6 @@ class SpanBuilder:
             with self._lock:
                 self._unmeasured -= 1
                 self._cond.notify_all()
-            if calls is op.calls and CLOCK.count:  # (training steps seen: an optimizer stepped in this process)
-                self._steps(op, calls)  # after its metrics: a wait for the training step never holds them up
             if calls is op.calls and op.failed is None and op.end_ns:
                 first = op.start_ns or min((c.start_ns for c in calls), default=op.end_ns)
                 checkpoint_id = str(op.attributes.get(semconv.ATTR_CHECKPOINT_ID, ""))
@@ -230,6 +228,10 @@ class SpanBuilder:
                     self.record.recovery(op.end_ns, checkpoint_id)
             elif calls is op.calls and op.failed is not None:
                 at_risk(op, calls, self.history.last_success_ns(semconv.SAVE_OPERATIONS))
+            if calls is op.calls and CLOCK.count:  # (training steps seen: an optimizer stepped in this process)
+                # After its metrics, its history and the recovery point in the record: a wait for the training
+                # step never holds them up (a death meanwhile still has its durable save).
+                self._steps(op, calls)
             try:
                 self._build(op, calls, late=calls is not op.calls)
             except Exception as exc:  # noqa: BLE001

@@ -50,7 +50,7 @@ NOISE_SIGMAS: Final = 3.0
 NOISE_FLOOR: Final = 0.15
 #: How long the builder waits for the step a window ended in to end: this many usual steps, within the bounds.
 WAIT_STEPS: Final = 3.0
-WAIT_BOUNDS_S: Final = (0.2, 30.0)
+WAIT_BOUNDS_S: Final = (0.2, 2.0)
 
 Interval = tuple[int, int]
 
