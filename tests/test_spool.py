@@ -56,6 +56,7 @@ def blocked(traced: Traced, tmp_path: Path) -> Iterator[Blocked]:
     """A save on another thread, blocked in write_data until the test releases it."""
     writer = Blocked(str(tmp_path / "step-7"))
     dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "step-6"))  # a finished one first
+    assert dcp_otel.flush()  # (its recovery point is the builder's to write, off this thread: written before it is read)
 
     def save() -> None:
         dcp.save({"w": torch.ones(4)}, storage_writer=writer)
