@@ -127,7 +127,7 @@ def test_a_stall_is_reported_at_its_threshold_and_again_at_two_and_four_times_it
 ) -> None:
     """Driven tick by tick with chosen clocks (a watchdog of its own, never started, beside the instrumentor's)."""
     instrumentor = dcp_otel.DCPInstrumentor()
-    assert instrumentor.watchdog is not None and instrumentor.watchdog.running  # started by the save
+    assert instrumentor.watchdog is not None and instrumentor.watchdog.wait_running(60)  # started by the save
     live = instrumentor.watchdog.live
     ticks = Watchdog(live, instrumentor.watchdog.reporter)
     (progress,) = live.progress()

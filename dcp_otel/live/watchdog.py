@@ -75,6 +75,7 @@ class Watchdog:
         self._pid = 0
         self._stopped = False
         self._wake = threading.Event()
+        self._started = threading.Event()  # set by the thread itself (a helper starts it: see ensure_running)
         # (id(op), id(call), since_ns) -> (reports made, the age at which the next one is due)
         self._stalls: dict[tuple[int, int, int], tuple[int, float]] = {}
         self._published: list[LiveEntry] | None = None
@@ -90,7 +91,7 @@ class Watchdog:
             if self._pid == os.getpid() or self._stopped:
                 return
             self._stalls, self._published = {}, None  # (a forked child: nothing of the parent's)
-            self._wake = threading.Event()
+            self._wake, self._started = threading.Event(), threading.Event()
             thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-watchdog", daemon=True)
             self._pid = os.getpid()
             start_elsewhere((thread,))  # (the first operation's start, on the application's thread)
@@ -98,6 +99,11 @@ class Watchdog:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._pid == os.getpid()
+
+    def wait_running(self, timeout_s: float) -> bool:
+        """Whether the thread runs in this process, waiting up to ``timeout_s`` for one that is being started
+        (``ensure_running`` hands the start to a helper thread, so it returns before the thread runs)."""
+        return self._pid == os.getpid() and self._started.wait(timeout_s) and self.running
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (on uninstrument); never raises."""
@@ -108,6 +114,7 @@ class Watchdog:
             join_started(thread, timeout_s)
 
     def _run(self) -> None:
+        self._started.set()
         while not self._stopped:
             try:
                 self.check()
