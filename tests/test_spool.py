@@ -183,6 +183,33 @@ def test_a_pid_names_a_death_only_with_its_start_its_namespace_and_its_parent(sp
     assert sent and {s.resource.attributes.get("process.pid") for s in sent} == {999_993}
 
 
+def test_a_dead_record_is_read_once_however_often_the_survivor_looks_and_is_still_judged_anew(
+        spool: Path, blocked: Blocked, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Every rank looks every second; other jobs' dead records stay for a week. Read again each look, 13 of them
+    cost a rank 7 ms of CPU a second (benchmarks/own_share.py); a dead process writes nothing more, so its
+    record is read once, and what the survivor learns later (how it died) still decides."""
+    import dcp_otel.spool.survivor as survivor_module
+
+    data = (own_record(spool) / layout.RECORD_FILE).read_bytes()
+    dead = spool / layout.directory_name(layout.host_name(), 999_989, 1)
+    dead.mkdir()
+    (dead / layout.RECORD_FILE).write_bytes(data)
+    reads: list[str] = []
+
+    def counted(path: str):  # type: ignore[no-untyped-def]
+        reads.append(os.path.basename(path))
+        return read_record(path)
+
+    monkeypatch.setattr(survivor_module, "read_record", counted)
+    sent: list[ReadableSpan] = []
+    survivor = Survivor(str(spool), lambda spans: sent.extend(spans) or True, job="another job")
+    assert [survivor.scan() for _ in range(5)] == [0] * 5  # not its job's: left alone
+    assert reads == [dead.name] and dead.exists()
+    survivor.expect({(999_989, 1): -9}, time.time_ns())  # then told how it died: its to report
+    assert survivor.scan() == 1 and sent
+    assert not dead.exists() and (spool / f"{dead.name}.{layout.REPORTED}" / layout.DEATH_FILE).exists()
+
+
 def test_a_process_without_a_checkpoint_of_its_own_never_waits_at_exit_on_a_dead_peers_spans(
     spool: Path, blocked: Blocked
 ) -> None:
