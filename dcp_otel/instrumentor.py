@@ -248,8 +248,15 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
                                              before=bridge.drain if bridge is not None and relay is None else None)  # fmt: skip
         survivor = spool.survivor if spool is not None and relay is None else None
 
+        builder, keep = recorder.builder, spool.keep if spool is not None else None
+
         def on_operation() -> None:  # (the tracker calls it as an operation starts: cheap once running)
+            # Every thread of dcp-otel's starts here, with the first checkpoint, and none ends before uninstrument():
+            # a thread started or ended later could crash a faulthandler dump that lands meanwhile (cpython#116008).
             watchdog.ensure_running()
+            builder.ensure_thread()
+            if keep is not None:
+                keep.start()
             if survivor is not None and not survivor.started:
                 survivor.start()
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dcp_otel import semconv
 from dcp_otel.otlp_file import FileSpan, read_spans
+from tests.conftest import Traced
 from tests.ports import free_port_range
 from tests.ranks import REPO, WORKERS, rank_env
 from tests.spans_io import named
@@ -226,6 +227,44 @@ def test_faulthandler_registered_for_sigterm_dumps_the_stacks_and_the_process_go
     stacks = (tmp_path / "instrumented" / "faulthandler" / "0" / "stacks.txt").read_text()
     assert "Thread" in stacks or "Stack" in stacks, stacks  # faulthandler's own dump, in both
     assert len(named(instrumented.spans, "dcp.save")) == 2 and errors(instrumented.spans) == []
+
+
+def test_no_thread_of_dcp_otels_starts_or_ends_around_checkpoints_after_the_first_starts(
+    tmp_path: Path, traced: Traced
+) -> None:
+    """A faulthandler dump of all threads (registered for SIGTERM or SIGUSR1, to see where a hung job is) can
+    crash CPython 3.11+ when a thread starts or ends while it walks them (cpython#116008): the SEGV above. So
+    dcp-otel's threads start as the first checkpoint starts and run until uninstrument(); the spool's
+    confirmations flush on their own thread instead of a new thread for each."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import dcp_otel
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "first"))  # dcp-otel's threads start with it
+    spool = dcp_otel.DCPInstrumentor()._spool
+    assert spool is not None
+    assert traced.recorder().drain(30) and spool.keep.wait_idle(30)  # (their helpers have started them)
+    watchdog, survivor = dcp_otel.DCPInstrumentor().watchdog, spool.survivor._thread
+    assert watchdog is not None and watchdog.wait_running(30) and survivor is not None and survivor._started.wait(30)
+    ours = {t for t in threading.enumerate() if t.name.startswith("dcp-otel")}
+    assert {t.name for t in ours} >= {"dcp-otel-builder", "dcp-otel-watchdog", "dcp-otel-spool-confirm", "dcp-otel-survivor"}
+    started: list[str] = []
+
+    def first_call(frame, event, arg):  # type: ignore[no-untyped-def]  # threading's profile hook: a new thread
+        started.append(threading.current_thread().name)
+        sys.setprofile(None)
+
+    threading.setprofile(first_call)
+    try:
+        for n in range(3):
+            dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / f"sync-{n}"))
+            dcp.async_save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / f"async-{n}")).result(timeout=60)
+        assert traced.recorder().drain(30) and spool.keep.wait_idle(30)  # built, kept and confirmed: no thread
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert [name for name in started if name.startswith("dcp-otel")] == []
+    assert {t for t in threading.enumerate() if t.name.startswith("dcp-otel")} == ours
 
 
 def test_the_applications_other_threads_write_nothing_after_sigterm(tmp_path: Path) -> None:

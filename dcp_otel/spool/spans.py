@@ -30,11 +30,12 @@ from typing import Any, Final
 
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
-from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
 from dcp_otel.semconv import SCOPE_NAME
 from dcp_otel.spool import layout
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.flushing import BoundedFlush
+from dcp_otel.tracing.steps import HURRY
 from dcp_otel.version import __version__
 
 #: The most a process keeps unconfirmed; past it, spans are not kept (a stuck exporter).
@@ -59,8 +60,11 @@ class SpanSpool:
         self._wanted = threading.Event()
         self._thread: threading.Thread | None = None
         self._flush: BoundedFlush | None = None
+        self._flushing = False  # the confirming thread is in the provider's force_flush (see confirm)
         self._stopped = False
         self._lock = threading.Lock()
+        self._idle = threading.Condition()  # notified as the confirming thread finishes what was asked of it
+        self._busy = False
 
     def _after_fork_in_child(self) -> None:
         self._reset()
@@ -92,16 +96,45 @@ class SpanSpool:
     def unconfirmed(self) -> bool:
         return self._size > 0
 
+    def start(self) -> None:
+        """Start the confirming thread now (at the first operation's start; see the module's end), never raises."""
+        try:
+            if self._stopped or self._thread is not None:
+                return
+            with self._lock:
+                if self._thread is not None:
+                    return
+                thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-spool-confirm", daemon=True)
+                # (The provider's flush drains the builder, whose wait for a training step it must not cut short.)
+                setattr(thread, HURRY, False)
+            start_elsewhere((thread,))
+        except Exception as exc:  # noqa: BLE001
+            reraise_if_signalled(exc)
+            report("spool_error", "dcp_otel could not start confirming its record's spans", exc_info=True)
+
     def _request(self) -> None:
         self._wanted.set()
-        if not self._stopped and (self._thread is None or not self._thread.is_alive()):
-            self._thread = threading.Thread(target=self._run, name="dcp-otel-spool-confirm", daemon=True)
-            self._thread.start()
+        self.start()  # (started with the first operation already: a no-op)
 
     def _run(self) -> None:
-        while self._wanted.wait(_IDLE_S) and not self._stopped:  # (a process that stops checkpointing keeps no thread)
-            self._wanted.clear()
-            self.confirm()
+        # For as long as the instrumentation: a process that checkpoints every hour starts it once, not every hour.
+        while not self._stopped:
+            self._wanted.wait()
+            with self._idle:
+                self._busy = True
+                self._wanted.clear()
+            try:
+                if not self._stopped:
+                    self.confirm()
+            finally:
+                with self._idle:
+                    self._busy = False
+                    self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether the confirming thread has done all it was asked (waiting up to ``timeout_s``)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._busy and not self._wanted.is_set(), timeout_s)
 
     def stop(self, timeout_s: float) -> None:
         """End the confirming thread (uninstrument); what it was flushing is given ``timeout_s``."""
@@ -109,7 +142,7 @@ class SpanSpool:
         self._wanted.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
+            join_started(thread, timeout_s)
 
     def confirm(self, timeout_s: float | None = None) -> bool:
         """Flush the provider; if everything went out, mark what was kept before as exported. Never raises.
@@ -119,13 +152,28 @@ class SpanSpool:
         """
         try:
             target = self._seq
-            if target == 0 or (self._flush is not None and self._flush.running()):
+            if target == 0 or (self._flush is not None and self._flush.running()) or (
+                    self._flushing and threading.current_thread() is not self._thread):  # fmt: skip
                 return False
             timeout = self._timeout_s if timeout_s is None else timeout_s
             deadline = time.monotonic() + timeout
             self._drain(timeout)
-            self._flush = BoundedFlush(self._provider(), "span", deadline, quiet=True, hurry=False)
-            if self._flush.wait() is not True:
+            if threading.current_thread() is self._thread:
+                # Flushed here, on the confirming thread: a thread made and ended for every checkpoint can crash a
+                # faulthandler dump of all threads that lands meanwhile (cpython#116008). A stuck exporter holds
+                # this thread alone, and the next confirmation waits for it (one flush at a time).
+                force_flush = getattr(self._provider(), "force_flush", None)
+                self._flushing = True
+                try:
+                    flushed = force_flush is None or bool(force_flush(max(0, int(timeout * 1000))))
+                finally:
+                    self._flushing = False
+            else:
+                if self._flushing:
+                    return False
+                self._flush = BoundedFlush(self._provider(), "span", deadline, quiet=True, hurry=False)
+                flushed = self._flush.wait() is True
+            if not flushed:
                 return False
             with self._lock:
                 layout.U64.pack_into(self._record.mm, layout.OFF_EXPORTED, target)
@@ -140,6 +188,3 @@ class SpanSpool:
             report("spool_error", "dcp_otel could not confirm a record's exported spans", exc_info=True)
             return False
 
-
-#: How long the confirming thread waits for more before it ends (a new one starts with the next operation).
-_IDLE_S: Final = 60.0

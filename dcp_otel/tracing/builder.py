@@ -156,6 +156,14 @@ class SpanBuilder:
         if thread is None or (thread is not self._running and not thread.is_alive()):
             self._start_thread()
 
+    def ensure_thread(self) -> None:
+        """Start the thread now if none runs (at an operation's start: cheap once it runs). Its thread, like all
+        of dcp-otel's, starts as the first checkpoint starts and runs until ``close()``: none is made or ended
+        around later checkpoints, where a faulthandler dump of all threads (registered for SIGTERM or SIGUSR1 to
+        see where a job hangs) can crash when a thread starts or ends meanwhile (cpython#116008)."""
+        if self._thread is None:
+            self._start_thread()
+
     def _start_thread(self) -> None:
         # A thread whose start() a signal handler's exception cut short may never run (Python's own
         # bookkeeping of it fails): one that is not alive is replaced, at the next submit or drain.

@@ -341,6 +341,14 @@ def faulthandler_sigterm(out: Path, files: Path, instrumented: Any) -> None:
     dump = (out / "stacks.txt").open("w")
     faulthandler.register(signal.SIGTERM, file=dump, all_threads=True)  # installed with sigaction, not signal()
     dcp.save(STATE, checkpoint_id=str(files / "before"))
+    if instrumented is not None:
+        # Between checkpoints, where a scheduler's SIGTERM nearly always lands: dcp-otel's threads wait, idle. A dump
+        # of all threads that lands while another thread runs Python can crash CPython 3.11+ (cpython#116008), as
+        # it does amid torch's own async_save upload thread: dcp-otel's run for a few ms after each checkpoint
+        # (docs/performance.md, "A faulthandler dump amid dcp-otel's threads").
+        instrumented.flush()
+        spool = instrumented.DCPInstrumentor()._spool
+        assert spool is None or spool.keep.wait_idle(30)  # (the spool's confirmation of those spans, too)
     (out / "ready").write_text(str(os.getpid()))
     while not (out / "stacks.txt").stat().st_size:  # until the scheduler's SIGTERM made it dump the stacks
         time.sleep(0.01)
