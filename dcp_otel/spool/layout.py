@@ -34,6 +34,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -139,6 +140,7 @@ def directory_name(host: str, pid: int, start: int) -> str:
     return f"{host}.{pid}.{start}"
 
 
+@functools.lru_cache(maxsize=4096)  # (a survivor parses the spool's names every second: the same names)
 def parse_name(name: str) -> RecordName | None:
     found = _NAME.match(name)
     if found is None:

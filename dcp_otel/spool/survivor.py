@@ -119,10 +119,13 @@ class Survivor:
         self._seen_dead: dict[str, float] = {}  # record name -> when this survivor first saw its process gone
         self._my_start = layout.start_ticks(os.getpid())
         self._retry_at: dict[str, float] = {}  # record name -> when to try again a send that failed
-        # A dead process's record, as read once: what decides whose death it is (path -> None: not a record). A
+        # A dead process's record, as read once: what decides whose death it is (its name -> None: not a record). A
         # dead process writes nothing more and a claim renames its record, so a path's facts never change; read
-        # again every second, the records of other jobs' dead processes cost each rank 0.5 ms apiece a look.
+        # again every second, the records of other jobs' dead processes cost each rank 0.5 ms apiece a look, and
+        # their liveness and times, read again too, 0.2 ms apiece where training threads hold the interpreter lock
+        # (each system call gives it up, and waits to get it back).
         self._dead: dict[str, _DeadFacts | None] = {}
+        self._mtimes: dict[str, float] = {}  # name -> its mtime, for records that change no more (dead, reported)
         self.reported = 0
         self.delivering = False  # another process's spans are on their way (through this process's exporters)
 
@@ -243,32 +246,44 @@ class Survivor:
         reported: list[tuple[float, str]] = []
         names = self._names()
         parents = self._survivors(names, host)
-        if self._dead:
-            listed = {os.path.join(self.spool_dir, name) for name in names}
-            self._dead = {path: facts for path, facts in self._dead.items() if path in listed}
+        if self._dead or self._mtimes:
+            listed = set(names)
+            self._dead = {name: facts for name, facts in self._dead.items() if name in listed}
+            self._mtimes = {name: mtime for name, mtime in self._mtimes.items() if name in listed}
         for name in names:
             parsed = layout.parse_name(name)
             if parsed is None or parsed.host != host or parsed.state == layout.SURVIVOR:
                 continue  # not a record, or another host's (a spool shared over the network): not ours to judge
-            path = os.path.join(self.spool_dir, name)
-            if parsed.state == layout.REPORTED:
-                reported.append((_mtime(path), path))
+            if parsed.state == layout.REPORTED:  # (reported, it changes no more: its time is read once)
+                mtime = self._mtimes.get(name)
+                if mtime is None:
+                    mtime = self._mtimes[name] = _mtime(os.path.join(self.spool_dir, name))
+                reported.append((mtime, os.path.join(self.spool_dir, name)))
                 continue
+            path = os.path.join(self.spool_dir, name)
             if own is not None and os.path.basename(own) == name:
                 continue
             if parsed.state.startswith(layout.CLAIMED):
                 _, claimer, start = parsed.state.split(".")
                 if layout.alive(int(claimer), int(start)):
                     continue  # its claimer is at it
-            elif layout.alive(parsed.pid, parsed.start):
+            elif name not in self._dead and layout.alive(parsed.pid, parsed.start):  # (seen dead: dead for good)
                 continue
             death = self._death_if_ours(parsed, path, me, now_ns, parents)
             if death is not None and self._report(parsed, path, death):
                 done += 1
-            elif death is None and os.path.isdir(path) and time.time() - _mtime(path) > KEEP_S:
+            elif death is None and time.time() - self._seen_at(name) > KEEP_S:
                 shutil.rmtree(path, ignore_errors=True)  # a dead process nobody reported in a week: the spool is bounded
         self._prune(reported)
         return done
+
+    def _seen_at(self, name: str) -> float:
+        """When a record was last written (read once: a dead process writes no more)."""
+        mtime = self._mtimes.get(name)
+        if mtime is None:
+            path = os.path.join(self.spool_dir, name)
+            mtime = self._mtimes[name] = _mtime(path) if os.path.isdir(path) else time.time()
+        return mtime
 
     def _forget(self, parsed: layout.RecordName) -> None:
         with self._lock:
@@ -291,15 +306,16 @@ class Survivor:
 
     def _death_if_ours(self, parsed: layout.RecordName, path: str, me: int, now_ns: int,
                        parents: set[int]) -> Death | None:  # fmt: skip
-        if path in self._dead:
-            facts = self._dead[path]
+        name = os.path.basename(path)
+        if name in self._dead:
+            facts = self._dead[name]
         else:
             try:
                 record = read_record(path)
                 facts = _DeadFacts(record.has_evidence(), record.identity, record.last_seen_ns)
             except RecordError:
                 facts = None
-            self._dead[path] = facts
+            self._dead[name] = facts
         if facts is None:
             return None
         if not facts.evidence:
