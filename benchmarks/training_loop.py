@@ -35,6 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab import Arm, ratio_rows, rounds_to_resolve, run_job, run_rounds  # noqa: E402
 
+#: The training step (``dim``, ``reps`` and ``device`` set before it): ``reps`` matmuls, a backward, an optimizer step.
+STEP = r"""
+model, a = torch.nn.Linear(dim, dim, device=device), torch.randn(dim, dim, device=device) / dim ** 0.5
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+def step():
+    x = a
+    for _ in range(reps):
+        x = torch.tanh(x @ a)
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if device == "cuda":
+        torch.cuda.synchronize()  # (the step's time is the device's too; both arms alike)
+"""
+
 JOB = r"""
 import json, os, shutil, statistics, sys, tempfile, time, warnings
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
@@ -57,18 +72,7 @@ if device == "cuda":
 dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=0, world_size=1)
 per = mb * 1024 * 1024 // 4 // tensors
 state = {f"t{i}": torch.randn(per, device=device) for i in range(tensors)}
-model, a = torch.nn.Linear(dim, dim, device=device), torch.randn(dim, dim, device=device) / dim ** 0.5
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-def step():
-    x = a
-    for _ in range(reps):
-        x = torch.tanh(x @ a)
-    model(x).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    if device == "cuda":
-        torch.cuda.synchronize()  # (the step's time is the device's too; both arms alike)
-ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # (no step beside an upload: said as nan)
+""" + STEP + r"""ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # (no step beside an upload: said as nan)
 def block(instrumented):
     if instrumented:
         dcp_otel.instrument(tracer_provider=provider)

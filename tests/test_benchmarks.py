@@ -241,3 +241,25 @@ def test_the_ab_harness_compares_arms_round_by_round_and_says_the_rounds_noise_n
     assert ab.rounds_to_resolve(0.02) == 25 and ab.rounds_to_resolve(0.04) == 4 * ab.rounds_to_resolve(0.02)
     done = ab.run_job("import json, sys; print('noise'); print(json.dumps({'argv': sys.argv[1:]}))", ab.Arm("a", ["x"]))
     assert done == {"argv": ["x"]}
+
+
+def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_collector() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/own_share.py", "--cases", "10:8", "--rounds", "1", "--steps", "20",
+                           "--reps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert re.search(r"async_save CPU on the caller, ms +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +<= 1.03", out), out
+    assert re.search(r"collections per checkpoint, ms +[\d.]+ +[\d.]+", out), out
+    builder = re.search(r"dcp-otel-builder, ms +([\d.]+)", out)  # its CPU clock, read from outside the thread
+    assert builder is not None and float(builder.group(1)) > 0, out
+    assert re.search(r"own threads share of the loop +[\d.]+ +<= 0.01", out), out
+    hook = re.search(r"optimizer hook per step, ns +(-?\d+)", out)
+    assert hook is not None and abs(int(hook.group(1))) < 100_000, out
+
+
+def test_faulthandler_dumps_runs_every_arm_and_counts_the_dumps_it_sent() -> None:
+    done = subprocess.run([sys.executable, "benchmarks/faulthandler_dumps.py", "--runs", "1", "--saves", "5",
+                           "--every", "0.05"], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for arm in ("save, plain", "save, instrumented", "async_save, plain", "async_save, instrumented"):
+        assert re.search(rf"{arm} +\d of 1 +\d+ +[\d.]+", done.stdout), done.stdout
