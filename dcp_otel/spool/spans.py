@@ -97,17 +97,21 @@ class SpanSpool:
         return self._size > 0
 
     def start(self) -> None:
-        """Start the confirming thread now (at the first operation's start; see the module's end), never raises."""
+        """Start the confirming thread now (the instrumentation calls it as the first operation starts, on the
+        caller's thread: cheap once it runs); never raises."""
         try:
             if self._stopped or self._thread is not None:
                 return
             with self._lock:
                 if self._thread is not None:
                     return
-                thread = self._thread = threading.Thread(target=self._run, name="dcp-otel-spool-confirm", daemon=True)
+                thread = threading.Thread(target=self._run, name="dcp-otel-spool-confirm", daemon=True)
                 # (The provider's flush drains the builder, whose wait for a training step it must not cut short.)
                 setattr(thread, HURRY, False)
-            start_elsewhere((thread,))
+                start_elsewhere((thread,))
+                # Kept once started: a signal handler's exception before this leaves no thread said to run that never
+                # will (the next operation starts one); after it, one more thread waiting beside this one, at worst.
+                self._thread = thread
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not start confirming its record's spans", exc_info=True)
