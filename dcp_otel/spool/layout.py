@@ -181,8 +181,19 @@ def start_ticks(pid: int) -> int | None:
 
 
 def alive(pid: int, start: int) -> bool:
-    """Whether the process that wrote a record still runs (a zombie has ended: only its status is left)."""
-    fields = _stat(pid)
+    """Whether the process that wrote a record still runs (a zombie has ended: only its status is left).
+
+    Dead only on evidence: no such process, another one under its pid, or a zombie. A read that fails for another
+    reason (too many open files) says nothing, and the process counts as alive: a survivor never reports a death,
+    nor forgets a process as dead, on it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
+    fields = text[text.rfind(b")") + 2 :].split()
     try:
         return fields[0] != b"Z" and int(fields[19]) == start
     except (IndexError, ValueError):

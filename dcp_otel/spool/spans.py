@@ -30,7 +30,7 @@ from typing import Any, Final
 
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
-from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
+from dcp_otel.live.signal_exceptions import reraise_if_signalled, start_elsewhere
 from dcp_otel.semconv import SCOPE_NAME
 from dcp_otel.spool import layout
 from dcp_otel.spool.record import ProcessRecord
@@ -65,6 +65,7 @@ class SpanSpool:
         self._lock = threading.Lock()
         self._idle = threading.Condition()  # notified as the confirming thread finishes what was asked of it
         self._busy = False
+        self._started_at = 0.0
 
     def _after_fork_in_child(self) -> None:
         self._reset()
@@ -100,10 +101,10 @@ class SpanSpool:
         """Start the confirming thread now (the instrumentation calls it as the first operation starts, on the
         caller's thread: cheap once it runs); never raises."""
         try:
-            if self._stopped or self._thread is not None:
+            if self._stopped or self._running():
                 return
             with self._lock:
-                if self._thread is not None:
+                if self._running():
                     return
                 thread = threading.Thread(target=self._run, name="dcp-otel-spool-confirm", daemon=True)
                 # (The provider's flush drains the builder, whose wait for a training step it must not cut short.)
@@ -111,10 +112,20 @@ class SpanSpool:
                 start_elsewhere((thread,))
                 # Kept once started: a signal handler's exception before this leaves no thread said to run that never
                 # will (the next operation starts one); after it, one more thread waiting beside this one, at worst.
-                self._thread = thread
+                self._thread, self._started_at = thread, time.monotonic()
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not start confirming its record's spans", exc_info=True)
+
+    def _running(self) -> bool:
+        """Whether the confirming thread runs, or is being started (its helper had a second; a start that failed,
+        for want of threads, or a thread that died of an exporter's SystemExit, is replaced at the next request)."""
+        thread = self._thread
+        if thread is None:
+            return False
+        if thread.ident is None:
+            return time.monotonic() - self._started_at < _START_S
+        return thread.is_alive()
 
     def _request(self) -> None:
         self._wanted.set()
@@ -130,6 +141,8 @@ class SpanSpool:
             try:
                 if not self._stopped:
                     self.confirm()
+            except BaseException as exc:  # noqa: BLE001 - an exporter's SystemExit: this thread goes on confirming
+                report("spool_error", "dcp_otel could not confirm a record's exported spans: %s", type(exc).__name__)
             finally:
                 with self._idle:
                     self._busy = False
@@ -145,8 +158,11 @@ class SpanSpool:
         self._stopped = True
         self._wanted.set()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            join_started(thread, timeout_s)
+        # Not waited for while it is in the provider's flush (a stuck exporter never returns from it; the thread is
+        # a daemon and ends when it does), nor when its start never came (it ends at once if it comes now).
+        if thread is not None and thread is not threading.current_thread() and not self._flushing \
+                and thread.ident is not None:  # fmt: skip
+            thread.join(timeout_s)
 
     def confirm(self, timeout_s: float | None = None) -> bool:
         """Flush the provider; if everything went out, mark what was kept before as exported. Never raises.
@@ -170,6 +186,11 @@ class SpanSpool:
                 self._flushing = True
                 try:
                     flushed = force_flush is None or bool(force_flush(max(0, int(timeout * 1000))))
+                except Exception as exc:  # noqa: BLE001 - a broken exporter: said in a line, as BoundedFlush says it
+                    reraise_if_signalled(exc)
+                    report("flush_error", "dcp_otel: the span provider failed to flush: %s: %s", type(exc).__name__,
+                           " ".join(str(exc).split())[:300])  # fmt: skip
+                    flushed = False
                 finally:
                     self._flushing = False
             else:
@@ -192,3 +213,6 @@ class SpanSpool:
             report("spool_error", "dcp_otel could not confirm a record's exported spans", exc_info=True)
             return False
 
+
+#: How long a starting confirming thread's helper has to start it before it counts as failed (and is replaced).
+_START_S: Final = 1.0

@@ -119,12 +119,12 @@ class Survivor:
         self._seen_dead: dict[str, float] = {}  # record name -> when this survivor first saw its process gone
         self._my_start = layout.start_ticks(os.getpid())
         self._retry_at: dict[str, float] = {}  # record name -> when to try again a send that failed
-        # A dead process's record, as read once: what decides whose death it is (its name -> None: not a record). A
+        # A dead process's record, as read once: what decides whose death it is (by its name). A
         # dead process writes nothing more and a claim renames its record, so a path's facts never change; read
         # again every second, the records of other jobs' dead processes cost each rank 0.5 ms apiece a look, and
         # their liveness and times, read again too, 0.2 ms apiece where training threads hold the interpreter lock
         # (each system call gives it up, and waits to get it back).
-        self._dead: dict[str, _DeadFacts | None] = {}
+        self._dead: dict[str, _DeadFacts] = {}
         self._mtimes: dict[str, float] = {}  # name -> its mtime, for records that change no more (dead, reported)
         self.reported = 0
         self.delivering = False  # another process's spans are on their way (through this process's exporters)
@@ -307,17 +307,13 @@ class Survivor:
     def _death_if_ours(self, parsed: layout.RecordName, path: str, me: int, now_ns: int,
                        parents: set[int]) -> Death | None:  # fmt: skip
         name = os.path.basename(path)
-        if name in self._dead:
-            facts = self._dead[name]
-        else:
+        facts = self._dead.get(name)
+        if facts is None:
             try:
                 record = read_record(path)
-                facts = _DeadFacts(record.has_evidence(), record.identity, record.last_seen_ns)
             except RecordError:
-                facts = None
-            self._dead[name] = facts
-        if facts is None:
-            return None
+                return None  # (not kept: a read may fail for a while, as when another survivor has it claimed)
+            facts = self._dead[name] = _DeadFacts(record.has_evidence(), record.identity, record.last_seen_ns)
         if not facts.evidence:
             shutil.rmtree(path, ignore_errors=True)  # died without a DCP call: nothing to say
             return None

@@ -88,7 +88,7 @@ class BoundedFlush:
             if not self._quiet:
                 report("flush_timeout", "dcp_otel: the %s exporter did not finish flushing in time", self._what)
             return None
-        return self._outcome[0]
+        return self._outcome[0] if self._outcome else False  # (none: an exporter's SystemExit ended the flush)
 
 
 def flush_spans(
