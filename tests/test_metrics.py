@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import threading
 import time
+import types
 import weakref
 from pathlib import Path
 
@@ -144,6 +145,24 @@ def test_torchs_write_results_are_freed_when_torch_drops_them_and_only_their_tot
         release.set()
         dcp_otel.uninstrument()
         provider.shutdown()
+
+
+def test_write_results_are_summed_as_before_though_only_their_total_is_kept() -> None:
+    """A writer's sizes may be numpy integers or floats (from ``np.prod``): counted; a list with anything but
+    DCP's write results in it counts nothing, as before."""
+    import numpy as np
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from dcp_otel.tracing.measure import written_bytes
+
+    def result(size: object) -> WriteResult:
+        return WriteResult(index=MetadataIndex("w"), size_in_bytes=size, storage_data=None)  # type: ignore[arg-type]
+
+    assert written_bytes([result(3), result(4)]) == 7
+    assert written_bytes([result(np.int64(3)), result(4.0)]) == 7
+    assert written_bytes([result(3), types.SimpleNamespace(size_in_bytes=10**9)]) is None
+    assert written_bytes([result("3")]) is None and written_bytes([]) is None and written_bytes((result(3),)) is None
 
 
 def test_the_failure_counter_exists_at_zero_from_the_first_success_on(traced, tmp_path: Path) -> None:

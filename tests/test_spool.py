@@ -210,6 +210,85 @@ def test_a_dead_record_is_read_once_however_often_the_survivor_looks_and_is_stil
     assert not dead.exists() and (spool / f"{dead.name}.{layout.REPORTED}" / layout.DEATH_FILE).exists()
 
 
+def test_a_process_is_dead_only_on_evidence_and_a_record_that_failed_to_read_is_read_again(
+        spool: Path, blocked: Blocked, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A read of /proc that fails for want of file descriptors says nothing: a survivor that took it for a death
+    would report a live process (and, caching what it saw dead, never look again). A record that fails to read
+    once (another survivor has it claimed for a moment) is read at the next look."""
+    import builtins
+
+    import dcp_otel.spool.survivor as survivor_module
+
+    me, start = os.getpid(), layout.start_ticks(os.getpid()) or 0
+    real_open = builtins.open
+
+    def no_descriptors(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).startswith("/proc/"):
+            raise OSError(24, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(builtins, "open", no_descriptors)
+        assert layout.alive(me, start)  # unknown: alive
+    assert layout.alive(me, start) and not layout.alive(me, start + 1) and not layout.alive(999_987, 1)
+
+    data = (own_record(spool) / layout.RECORD_FILE).read_bytes()
+    dead = spool / layout.directory_name(layout.host_name(), 999_986, 1)
+    dead.mkdir()
+    (dead / layout.RECORD_FILE).write_bytes(data)
+    failures = [True]
+
+    def once_unreadable(path: str):  # type: ignore[no-untyped-def]
+        if failures and os.path.basename(path) == dead.name:
+            failures.pop()
+            raise survivor_module.RecordError(f"{path}: no record (claimed by another survivor)")
+        return read_record(path)
+
+    monkeypatch.setattr(survivor_module, "read_record", once_unreadable)
+    sent: list[ReadableSpan] = []
+    survivor = Survivor(str(spool), lambda spans: sent.extend(spans) or True, job=None)
+    survivor.expect({(999_986, 1): -9}, time.time_ns())
+    assert survivor.scan() == 0 and not failures and not sent
+    assert survivor.scan() == 1 and sent
+
+
+def test_the_spool_never_holds_up_uninstrument_on_a_stuck_flush_and_outlives_an_exporters_system_exit(
+        spool: Path, traced: Traced, tmp_path: Path) -> None:  # fmt: skip
+    """The confirming thread flushes the provider itself: a flush that never returns is not waited for at stop;
+    one that raises SystemExit (an exporter's) leaves the thread confirming the next checkpoints."""
+    keep = dcp_otel.DCPInstrumentor()._spool.keep  # type: ignore[union-attr]
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "first"))
+    assert dcp_otel.flush() and keep.wait_idle(30)
+    calls, release, flushing = [], threading.Event(), threading.Event()
+    provider = traced.provider
+    original = provider.force_flush
+
+    def exiting(timeout_millis: int = 30_000) -> bool:
+        calls.append("exit")
+        raise SystemExit(3)
+
+    provider.force_flush = exiting  # type: ignore[method-assign]
+    try:
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "exits"))
+        assert traced.recorder().drain(30) and keep.wait_idle(30) and calls == ["exit"]
+        assert keep.unconfirmed  # (not confirmed: the flush said nothing)
+
+        def stuck(timeout_millis: int = 30_000) -> bool:
+            flushing.set()
+            release.wait(60)
+            return original(timeout_millis)
+
+        provider.force_flush = stuck  # type: ignore[method-assign]
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "stuck"))  # the same thread flushes again
+        assert flushing.wait(30)
+        stopped = threading.Event()
+        threading.Thread(target=lambda: (keep.stop(60), stopped.set()), daemon=True).start()
+        assert stopped.wait(30) and not release.is_set()  # stop() did not wait for the stuck flush
+    finally:
+        release.set()
+        provider.force_flush = original  # type: ignore[method-assign]
+
+
 def test_a_process_without_a_checkpoint_of_its_own_never_waits_at_exit_on_a_dead_peers_spans(
     spool: Path, blocked: Blocked
 ) -> None:
