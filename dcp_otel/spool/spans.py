@@ -142,6 +142,7 @@ class SpanSpool:
                 if not self._stopped:
                     self.confirm()
             except BaseException as exc:  # noqa: BLE001 - an exporter's SystemExit: this thread goes on confirming
+                reraise_if_signalled(exc)  # (never here, off the main thread; what the library's rule asks)
                 report("spool_error", "dcp_otel could not confirm a record's exported spans: %s", type(exc).__name__)
             finally:
                 with self._idle:
