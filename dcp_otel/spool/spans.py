@@ -34,7 +34,7 @@ from dcp_otel.live.signal_exceptions import reraise_if_signalled, start_elsewher
 from dcp_otel.semconv import SCOPE_NAME
 from dcp_otel.spool import layout
 from dcp_otel.spool.record import ProcessRecord
-from dcp_otel.tracing.flushing import BoundedFlush
+from dcp_otel.tracing.flushing import BoundedFlush, force_flush_said
 from dcp_otel.tracing.steps import HURRY
 from dcp_otel.version import __version__
 
@@ -186,12 +186,7 @@ class SpanSpool:
                 force_flush = getattr(self._provider(), "force_flush", None)
                 self._flushing = True
                 try:
-                    flushed = force_flush is None or bool(force_flush(max(0, int(timeout * 1000))))
-                except Exception as exc:  # noqa: BLE001 - a broken exporter: said in a line, as BoundedFlush says it
-                    reraise_if_signalled(exc)
-                    report("flush_error", "dcp_otel: the span provider failed to flush: %s: %s", type(exc).__name__,
-                           " ".join(str(exc).split())[:300])  # fmt: skip
-                    flushed = False
+                    flushed = force_flush is None or force_flush_said(force_flush, "span", max(0, int(timeout * 1000)))
                 finally:
                     self._flushing = False
             else:

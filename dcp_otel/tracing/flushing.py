@@ -41,6 +41,19 @@ if TYPE_CHECKING:  # (a survivor flushes with no recorder: an agent imports no t
     from dcp_otel.tracing.tracker import SpanRecorder
 
 
+def force_flush_said(force_flush: Callable[[int], object], what: str, millis: int) -> bool:
+    """``force_flush(millis)`` on this thread, its answer as a bool; an exception from it is said in one line and
+    is ``False`` (the metrics SDK raises when its readers time out, which is the deadline doing its job)."""
+    try:
+        return bool(force_flush(millis))
+    except Exception as exc:  # noqa: BLE001 - a broken exporter must not break the caller
+        reraise_if_signalled(exc)
+        text = str(exc).strip().splitlines()
+        report("flush_error", "dcp_otel: the %s provider failed to flush: %s: %s", what, type(exc).__name__,
+               " ".join(line.strip() for line in text)[:300])  # fmt: skip
+        return False
+
+
 class BoundedFlush:
     """``provider.force_flush`` on a daemon thread, waited for until a deadline.
 
@@ -64,16 +77,8 @@ class BoundedFlush:
 
     def _run(self) -> None:
         assert self._force_flush is not None
-        try:
-            millis = max(0, int((self._deadline - time.monotonic()) * 1000))
-            self._outcome.append(bool(self._force_flush(millis)))
-        except Exception as exc:  # noqa: BLE001 - a broken exporter must not break the caller
-            reraise_if_signalled(exc)
-            # One line: the metrics SDK raises when its readers time out, which is the deadline doing its job.
-            text = str(exc).strip().splitlines()
-            report("flush_error", "dcp_otel: the %s provider failed to flush: %s: %s", self._what, type(exc).__name__,
-                   " ".join(line.strip() for line in text)[:300])  # fmt: skip
-            self._outcome.append(False)
+        millis = max(0, int((self._deadline - time.monotonic()) * 1000))
+        self._outcome.append(force_flush_said(self._force_flush, self._what, millis))
 
     def running(self) -> bool:
         """Whether the flush is still under way."""

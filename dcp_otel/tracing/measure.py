@@ -141,9 +141,9 @@ _IS_WRITE_RESULT: Final = WriteResult.__instancecheck__
 def written_bytes(obj: object) -> int | None:
     """Total ``size_in_bytes`` if ``obj`` is DCP's list of ``WriteResult``, else ``None``.
 
-    Called as the results are gathered, while they are still in cache: two C-level passes, 40-90 ns a result
-    (``benchmarks/own_share.py``). Kept for the builder instead, 10,000 results cost it 8 ms to sum and
-    10-17 ms to free, cold, a checkpoint later, on the interpreter lock the training thread needs.
+    Called as the results are gathered, while they are still in cache (two C-level passes). Kept for the builder
+    instead, 10,000 of them were summed and freed cold a checkpoint later, on the interpreter lock the training
+    thread needs (the builder's CPU, ``benchmarks/own_share.py``).
     """
     if not isinstance(obj, list) or not obj or not all(map(_IS_WRITE_RESULT, obj)):
         return None
