@@ -9,6 +9,7 @@ every way of reading telemetry sees every finished operation.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -163,4 +164,110 @@ def test_every_reader_sees_every_finished_operation(tmp_path: Path) -> None:
         provider.force_flush()
         assert len([s for s in exporter.get_finished_spans() if s.name == "dcp.checkpoint"]) == 20
     finally:
+        dcp_otel.uninstrument()
+
+
+class EndTimes(SpanProcessor):
+    """When each span was ended (by the builder), by name."""
+
+    def __init__(self) -> None:
+        self.ended: dict[str, list[int]] = {}
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.ended.setdefault(span.name, []).append(time.time_ns())
+
+
+class HeldWriter(dcp.FileSystemWriter):
+    """A writer whose ``write_data`` says it is inside and waits for ``release`` (every one released at a test's
+    end, whatever it asserted: ``release_all``)."""
+
+    made: list[HeldWriter] = []  # noqa: RUF012
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.inside, self.release = threading.Event(), threading.Event()
+        HeldWriter.made.append(self)
+
+    @classmethod
+    def release_all(cls) -> None:
+        for writer in cls.made:
+            writer.release.set()
+        cls.made.clear()
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        self.inside.set()
+        assert self.release.wait(60)
+        return super().write_data(plan, planner)
+
+
+def _upload_ends_inside_a_save(tmp_path: Path) -> tuple[HeldWriter, threading.Thread, list[int]]:
+    """An async save whose upload ends while another thread is inside a save: ``(that save's writer, its thread,
+    when its save returned)``. Its spans are then ready to be built."""
+    upload = HeldWriter(str(tmp_path / "async"))
+    future = dcp.async_save(STATE, storage_writer=upload)
+    assert upload.inside.wait(30)
+    held, returned = HeldWriter(str(tmp_path / "sync")), []
+
+    def train() -> None:
+        dcp.save(STATE, storage_writer=held)
+        returned.append(time.time_ns())
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    assert held.inside.wait(30)
+    upload.release.set()
+    future.result(timeout=30)  # the async save is complete: the builder has it
+    return held, trainer, returned
+
+
+def test_spans_are_built_after_the_checkpoint_call_that_is_running_returns(tmp_path: Path) -> None:
+    """Building an async save as the next checkpoint call plans and stages took the interpreter from that call
+    (benchmarks/own_share.py): the builder waits until no thread is inside a checkpoint call."""
+    times = EndTimes()
+    provider = TracerProvider()
+    provider.add_span_processor(times)
+    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+    builder = dcp_otel.DCPInstrumentor().recorder.builder
+    try:
+        held, trainer, returned = _upload_ends_inside_a_save(tmp_path)
+        # A bounded wait for something that must not happen (the builder is free to build for half a second):
+        assert builder.drain(0.5, hurry=False) is False
+        assert "dcp.async_save" not in times.ended
+        held.release.set()
+        trainer.join(30)
+        assert builder.drain(30, hurry=False)
+        (async_end,) = times.ended["dcp.async_save"]
+        assert async_end >= returned[0]  # built once the save returned, not before
+    finally:
+        HeldWriter.release_all()
+        dcp_otel.uninstrument()
+
+
+def test_the_wait_for_a_checkpoint_call_is_bounded_and_a_flush_cuts_it_short(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from dcp_otel.tracing import builder as building
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+    builder = dcp_otel.DCPInstrumentor().recorder.builder
+    try:
+        # A flush: whoever reads telemetry now gets every finished operation, a checkpoint call open or not.
+        held, trainer, _ = _upload_ends_inside_a_save(tmp_path / "flushed")
+        assert dcp_otel.flush(timeout_s=30)
+        assert [s.name for s in exporter.get_finished_spans() if s.name == "dcp.async_save"] == ["dcp.async_save"]
+        held.release.set()
+        trainer.join(30)
+        assert dcp_otel.flush(timeout_s=30)
+        exporter.clear()
+        # Bounded: a checkpoint call that runs on (a save of minutes) no longer holds the build back.
+        monkeypatch.setattr(building, "DEFER_MAX_S", 0.2)
+        held, trainer, returned = _upload_ends_inside_a_save(tmp_path / "bounded")
+        assert builder.drain(30, hurry=False)
+        assert not returned  # built while the save was still inside write_data
+        assert [s.name for s in exporter.get_finished_spans() if s.name == "dcp.async_save"] == ["dcp.async_save"]
+        held.release.set()
+        trainer.join(30)
+    finally:
+        HeldWriter.release_all()
         dcp_otel.uninstrument()

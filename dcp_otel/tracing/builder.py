@@ -11,8 +11,11 @@ daemon thread per process (``dcp-otel-builder``) then, per operation:
 2. for an async save in a process whose optimizer steps are seen, waits (bounded, polled, cut short by a
    flush) for the training step its upload ended in, and measures what it cost the steps beside it
    (:mod:`dcp_otel.tracing.interference`): onto its spans, into the metrics;
-3. asks the :class:`~dcp_otel.tracing.detail.DetailPolicy` how much to export;
-4. emits ordinary SDK spans with the recorded start and end times and the ids
+3. waits (bounded, polled, cut short by a flush) while a thread is inside a checkpoint call: the next
+   ``async_save``'s staging often starts as the previous upload is awaited, and building beside it took
+   the interpreter from the caller's call (:meth:`SpanBuilder.defer`);
+4. asks the :class:`~dcp_otel.tracing.detail.DetailPolicy` how much to export;
+5. emits ordinary SDK spans with the recorded start and end times and the ids
    chosen on the hot path (so spans that a storage plugin started inside a step
    nest under it), with the same names, attributes, events, links and statuses.
 
@@ -35,20 +38,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode
 
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
 from dcp_otel.metrics.prometheus import MetricsSink
-from dcp_otel.spool.encoding import encode
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.detail import DetailPolicy, named_straggler, summary_attributes
+from dcp_otel.tracing.emit import Emitter
 from dcp_otel.tracing.interference import StepLedger, assess, wait_until_ns
 from dcp_otel.tracing.measure import count_bytes, measure
 from dcp_otel.tracing.outcome import at_risk
@@ -58,19 +58,21 @@ from dcp_otel.tracing.records import (
     KIND_STAGING,
     KIND_STEP,
     KIND_UPLOAD,
-    MAX_STATUS_TEXT,
     Call,
     DurationHistory,
     Operation,
 )
 from dcp_otel.tracing.steps import CLOCK, HURRY
-from dcp_otel.tracing.trace_ids import DerivedIds, chosen_ids_tracer, start_root_span, start_span_with_ids
+from dcp_otel.tracing.trace_ids import chosen_ids_tracer
 
-#: The attributes a summary-only operation span keeps of its operation's.
-_SUMMARY_ONLY_KEEP = (semconv.ATTR_OPERATION, semconv.ATTR_RANK, semconv.ATTR_INTERFERENCE_STEPS,
-                      semconv.ATTR_USUAL_STEP, semconv.ATTR_INTERFERENCE_RATIO, semconv.ATTR_INTERFERENCE_LOST)  # fmt: skip
 #: The background work of an async save: what runs beside training once the caller's call returned.
 _BACKGROUND = frozenset({KIND_UPLOAD, KIND_STAGING})
+
+
+#: The longest the builder waits out a checkpoint call before it builds anyway (a save that runs for minutes mostly
+#: waits for its storage, the interpreter free), and how often it looks whether the call has returned.
+DEFER_MAX_S: Final = 10.0
+_DEFER_POLL_S: Final = 0.02
 
 
 def _yield() -> None:
@@ -93,6 +95,8 @@ class SpanBuilder:
         #: confirmation (dcp_otel.spool): set by the instrumentor, None where nothing is written ahead.
         self.record: ProcessRecord | None = None
         self.keep: Callable[[list[list[Any]]], None] | None = None
+        #: Whether a thread is inside a checkpoint operation's call now (set by the recorder): see :meth:`defer`.
+        self.checkpointing: Callable[[], bool] = _never
         self._reset()
         _forksafe.register(self)
 
@@ -240,6 +244,7 @@ class SpanBuilder:
                 # After its metrics, its history and the recovery point in the record: a wait for the training
                 # step never holds them up (a death meanwhile still has its durable save).
                 self._steps(op, calls)
+            self.defer()
             try:
                 self._build(op, calls, late=calls is not op.calls)
             except Exception as exc:  # noqa: BLE001
@@ -275,8 +280,26 @@ class SpanBuilder:
             return
         op.background = (op_call.end_ns, max(op.end_ns, op_call.end_ns))
         until = wait_until_ns(CLOCK.ends()[0], op.background[1])
-        while until and time.time_ns() < until and not self._hurry.is_set() and CLOCK.last_end() < op.background[1]:
+        # A step that holds the next checkpoint call (the upload awaited, the next save staged) ends only after it:
+        # waited for, within DEFER_MAX_S more.
+        longest = until + int(DEFER_MAX_S * 1e9)
+        while until and not self._hurry.is_set() and CLOCK.last_end() < op.background[1]:
+            now = time.time_ns()
+            if now >= longest or (now >= until and not self.checkpointing()):
+                break
             self._hurry.wait(0.05)  # (polled: the training thread's hook never wakes anyone)
+
+    def defer(self) -> None:
+        """Wait, at most :data:`DEFER_MAX_S`, while a thread is inside a checkpoint call; a drain cuts it short.
+
+        Building takes the interpreter lock for 4 to 50 ms a checkpoint (10 to 10,000 tensors). An async save is
+        built once its upload ends, which is often just as the training thread awaits it and calls the next
+        ``async_save``, whose planning and staging hold the interpreter too: building then delayed that call's
+        return (``benchmarks/own_share.py``). Polled from this thread: the training thread signals nothing.
+        """
+        longest = time.monotonic() + DEFER_MAX_S
+        while not self._hurry.is_set() and time.monotonic() < longest and self.checkpointing():
+            self._hurry.wait(_DEFER_POLL_S)
 
     def _interference(self, op: Operation) -> None:
         """The operation's interference with training, on its spans and in the metrics; the steps since the last."""
@@ -334,7 +357,7 @@ class SpanBuilder:
                 if straggler:
                     call.extra = {**(call.extra or {}), **straggler}
         keep = self.keep
-        emit = _Emitter(op, self._twin(op.tracer), [] if keep is not None else None)
+        emit = Emitter(op, self._twin(op.tracer), [] if keep is not None else None)
         if op.root_span_id and not late:
             emit.root(straggler)
         for call in calls:
@@ -349,87 +372,9 @@ class SpanBuilder:
             keep(emit.ended)  # until an exporter confirms them: a death now would lose them with the SDK's queue
 
 
+def _never() -> bool:
+    return False
+
+
 #: The calls only a detailed rank exports: its steps, and DCP's collectives between them.
 _DETAIL_KINDS = frozenset({KIND_STEP, KIND_COLLECTIVE})
-
-
-class _Emitter:
-    """Emits one operation's spans through its tracer, with the ids chosen on the hot path."""
-
-    def __init__(self, op: Operation, twin: Any, ended: list[list[Any]] | None = None) -> None:
-        self.op = op
-        self.twin = twin
-        self.ended = ended  # the spans emitted, encoded as they end, where they are kept until exported
-        # Without chosen ids (a tracer that is not the SDK's): parents by the spans we emitted.
-        self.emitted: dict[int, SpanContext] = {}
-
-    def _start(self, name: str, span_id: int, parent: SpanContext | None, **kwargs: Any) -> trace.Span:
-        op = self.op
-        if self.twin is not None:
-            tracer, overrides = self.twin
-            ids = DerivedIds(op.trace_id, span_id)
-            if parent is None:
-                return start_root_span(tracer, overrides, ids, name, Context(), **kwargs)
-            parent_ctx = trace.set_span_in_context(NonRecordingSpan(parent))
-            return start_span_with_ids(tracer, overrides, ids, name, parent_ctx, **kwargs)
-        # A tracer that is not the SDK's: the spans get its own ids, parents by the spans emitted here.
-        parent = self.emitted.get(parent.span_id, parent) if parent is not None else trace.INVALID_SPAN_CONTEXT
-        span = op.tracer.start_span(name, context=trace.set_span_in_context(NonRecordingSpan(parent)), **kwargs)
-        self.emitted[span_id] = span.get_span_context()
-        return span
-
-    def root(self, extra: dict[str, int | float]) -> None:
-        op = self.op
-        links = [Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER})] if op.caller is not None else []
-        attributes = {**op.attributes, **extra} if extra else op.attributes
-        span = self._start(semconv.SPAN_CHECKPOINT, op.root_span_id, None, attributes=attributes, links=links,
-                           start_time=op.start_ns)  # fmt: skip
-        if op.failed:
-            span.set_status(Status(StatusCode.ERROR, op.failed[:MAX_STATUS_TEXT]))
-        span.end(end_time=op.end_ns)
-        if self.ended is not None and isinstance(span, ReadableSpan):
-            self.ended.append(encode(span))
-
-    def span(self, call: Call, summary: dict[str, object] | None) -> None:
-        op = self.op
-        is_op = call.kind == KIND_OPERATION
-        summary_only = bool(summary) and summary[semconv.ATTR_DETAIL] == semconv.DETAIL_SUMMARY  # type: ignore[index]
-        if summary_only:
-            # A summary-only rank (most ranks of a large job): only what differs per rank;
-            # what every rank shares (checkpoint id, run id, classes) is on the root and on
-            # the detailed ranks' spans of the same trace.
-            attributes: dict[str, Any] = {k: op.attributes[k] for k in _SUMMARY_ONLY_KEEP if k in op.attributes}
-        else:
-            attributes = dict(op.attributes if is_op else call.attributes)
-        if summary:
-            attributes.update(summary)
-        if call.extra:
-            attributes.update(call.extra)
-            if summary_only:  # its bytes over its write_data's (read_data's) seconds, both on the span: 46 B
-                attributes.pop(semconv.ATTR_THROUGHPUT, None)
-        if call.sent_bytes:  # a collective's (a class default of 0 on every other call)
-            attributes[semconv.ATTR_COLLECTIVE_SENT_BYTES] = call.sent_bytes
-        if call.received_bytes:
-            attributes[semconv.ATTR_COLLECTIVE_RECEIVED_BYTES] = call.received_bytes
-        if call.keys is not None:
-            attributes.update(call.keys.to_attributes())
-        if call.summary is not None:
-            attributes.update(call.summary.to_attributes())
-        failure = call.failure
-        if failure is not None and failure.failed_ranks is not None:
-            attributes[semconv.ATTR_FAILED_RANKS] = failure.failed_ranks
-        if call.inferred:
-            attributes[semconv.ATTR_END_INFERRED] = True
-        if failure is not None and failure.in_collective and call.kind != KIND_COLLECTIVE:
-            attributes[semconv.ATTR_FAILED_IN_COLLECTIVE] = True
-        links = []
-        if is_op and op.caller is not None:
-            links.append(Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER}))
-        span = self._start(call.name, call.span_id, call.parent_context, attributes=attributes, links=links,
-                           start_time=call.start_ns)  # fmt: skip
-        if failure is not None:
-            span.add_event("exception", failure.event, timestamp=call.end_ns)
-            span.set_status(Status(StatusCode.ERROR, failure.description[:MAX_STATUS_TEXT]))
-        span.end(end_time=call.end_ns)
-        if self.ended is not None and isinstance(span, ReadableSpan):
-            self.ended.append(encode(span))

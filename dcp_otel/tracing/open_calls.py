@@ -100,6 +100,20 @@ class OpenCalls:
             report("recorder_error", "dcp_otel failed to read the open DCP calls", exc_info=True)
         return found
 
+    def checkpointing(self) -> bool:
+        """Whether a thread is inside a checkpoint operation's call now (``save``, ``async_save``'s staging, a
+        ``load``): what the builder waits out before it builds (see :meth:`SpanBuilder.defer`). An upload's
+        steps on torch's own thread do not count. Read from the builder's thread: nothing on the hot path.
+        """
+        try:
+            for stack in list(self._stacks.values()):
+                if any(call.kind == KIND_OPERATION for call in tuple(stack)):
+                    return True
+        except Exception as exc:  # noqa: BLE001 - a reader of telemetry state never raises
+            reraise_if_signalled(exc)
+            report("recorder_error", "dcp_otel failed to read the open DCP calls", exc_info=True)
+        return False
+
     def interrupt_open(self, cause: str, describe: Callable[[Operation], str],
                        stacks: dict[int, str] | None = None) -> list[Operation]:  # fmt: skip
         """End every open call as failed, because the process is ending (``cause``: ``SIGTERM``, ``exit``).

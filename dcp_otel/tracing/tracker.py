@@ -104,6 +104,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
         self._max_open = options.max_open_spans
         self._seq = SequenceTables()
         self.uploads = InFlight()
+        self.builder.checkpointing = self.checkpointing  # (it builds between checkpoints, not during one)
         self._hooks = ProviderHooks(self.builder, float(options.flush_timeout_s or 10))
         #: Where open calls are written ahead, for a survivor should this process die (None: nowhere).
         self.record: ProcessRecord | None = None

@@ -1,0 +1,116 @@
+"""Emit one operation's spans through the SDK with the ids its calls were given on the hot path.
+
+The builder (:mod:`dcp_otel.tracing.builder`) hands each finished operation's
+calls here, one span each, with their recorded start and end times. Spans keep
+the ids chosen as their calls started, so a span a storage plugin started inside
+a step nests under that step's; through a tracer that is not the SDK's, spans get
+that tracer's ids and their parents are the spans emitted here.
+
+Usage::
+
+    emit = Emitter(op, chosen_ids_tracer(op.tracer), ended=[])
+    emit.root({})
+    for call in calls:
+        emit.span(call, None)
+    keep(emit.ended)   # encoded as they ended, kept until an exporter confirms them
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode
+
+from dcp_otel import semconv
+from dcp_otel.spool.encoding import encode
+from dcp_otel.tracing.records import KIND_COLLECTIVE, KIND_OPERATION, MAX_STATUS_TEXT, Call, Operation
+from dcp_otel.tracing.trace_ids import DerivedIds, start_root_span, start_span_with_ids
+
+#: The attributes a summary-only operation span keeps of its operation's.
+_SUMMARY_ONLY_KEEP = (semconv.ATTR_OPERATION, semconv.ATTR_RANK, semconv.ATTR_INTERFERENCE_STEPS,
+                      semconv.ATTR_USUAL_STEP, semconv.ATTR_INTERFERENCE_RATIO, semconv.ATTR_INTERFERENCE_LOST)  # fmt: skip
+
+
+class Emitter:
+    """Emits one operation's spans through its tracer, with the ids chosen on the hot path."""
+
+    def __init__(self, op: Operation, twin: Any, ended: list[list[Any]] | None = None) -> None:
+        self.op = op
+        self.twin = twin
+        self.ended = ended  # the spans emitted, encoded as they end, where they are kept until exported
+        # Without chosen ids (a tracer that is not the SDK's): parents by the spans we emitted.
+        self.emitted: dict[int, SpanContext] = {}
+
+    def _start(self, name: str, span_id: int, parent: SpanContext | None, **kwargs: Any) -> trace.Span:
+        op = self.op
+        if self.twin is not None:
+            tracer, overrides = self.twin
+            ids = DerivedIds(op.trace_id, span_id)
+            if parent is None:
+                return start_root_span(tracer, overrides, ids, name, Context(), **kwargs)
+            parent_ctx = trace.set_span_in_context(NonRecordingSpan(parent))
+            return start_span_with_ids(tracer, overrides, ids, name, parent_ctx, **kwargs)
+        # A tracer that is not the SDK's: the spans get its own ids, parents by the spans emitted here.
+        parent = self.emitted.get(parent.span_id, parent) if parent is not None else trace.INVALID_SPAN_CONTEXT
+        span = op.tracer.start_span(name, context=trace.set_span_in_context(NonRecordingSpan(parent)), **kwargs)
+        self.emitted[span_id] = span.get_span_context()
+        return span
+
+    def root(self, extra: dict[str, int | float]) -> None:
+        op = self.op
+        links = [Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER})] if op.caller is not None else []
+        attributes = {**op.attributes, **extra} if extra else op.attributes
+        span = self._start(semconv.SPAN_CHECKPOINT, op.root_span_id, None, attributes=attributes, links=links,
+                           start_time=op.start_ns)  # fmt: skip
+        if op.failed:
+            span.set_status(Status(StatusCode.ERROR, op.failed[:MAX_STATUS_TEXT]))
+        span.end(end_time=op.end_ns)
+        if self.ended is not None and isinstance(span, ReadableSpan):
+            self.ended.append(encode(span))
+
+    def span(self, call: Call, summary: dict[str, object] | None) -> None:
+        op = self.op
+        is_op = call.kind == KIND_OPERATION
+        summary_only = bool(summary) and summary[semconv.ATTR_DETAIL] == semconv.DETAIL_SUMMARY  # type: ignore[index]
+        if summary_only:
+            # A summary-only rank (most ranks of a large job): only what differs per rank;
+            # what every rank shares (checkpoint id, run id, classes) is on the root and on
+            # the detailed ranks' spans of the same trace.
+            attributes: dict[str, Any] = {k: op.attributes[k] for k in _SUMMARY_ONLY_KEEP if k in op.attributes}
+        else:
+            attributes = dict(op.attributes if is_op else call.attributes)
+        if summary:
+            attributes.update(summary)
+        if call.extra:
+            attributes.update(call.extra)
+            if summary_only:  # its bytes over its write_data's (read_data's) seconds, both on the span: 46 B
+                attributes.pop(semconv.ATTR_THROUGHPUT, None)
+        if call.sent_bytes:  # a collective's (a class default of 0 on every other call)
+            attributes[semconv.ATTR_COLLECTIVE_SENT_BYTES] = call.sent_bytes
+        if call.received_bytes:
+            attributes[semconv.ATTR_COLLECTIVE_RECEIVED_BYTES] = call.received_bytes
+        if call.keys is not None:
+            attributes.update(call.keys.to_attributes())
+        if call.summary is not None:
+            attributes.update(call.summary.to_attributes())
+        failure = call.failure
+        if failure is not None and failure.failed_ranks is not None:
+            attributes[semconv.ATTR_FAILED_RANKS] = failure.failed_ranks
+        if call.inferred:
+            attributes[semconv.ATTR_END_INFERRED] = True
+        if failure is not None and failure.in_collective and call.kind != KIND_COLLECTIVE:
+            attributes[semconv.ATTR_FAILED_IN_COLLECTIVE] = True
+        links = []
+        if is_op and op.caller is not None:
+            links.append(Link(op.caller, {semconv.ATTR_LINK_KIND: semconv.LINK_CALLER}))
+        span = self._start(call.name, call.span_id, call.parent_context, attributes=attributes, links=links,
+                           start_time=call.start_ns)  # fmt: skip
+        if failure is not None:
+            span.add_event("exception", failure.event, timestamp=call.end_ns)
+            span.set_status(Status(StatusCode.ERROR, failure.description[:MAX_STATUS_TEXT]))
+        span.end(end_time=call.end_ns)
+        if self.ended is not None and isinstance(span, ReadableSpan):
+            self.ended.append(encode(span))
