@@ -84,7 +84,7 @@ class ProcessSpool:
         # (Its confirmations never hurry the builder: an async save's measurement waits for its training step.)
         self.keep = SpanSpool(self.record, recorder.provider, lambda t: recorder.builder.drain(t, hurry=False), timeout)
         self.survivor = Survivor(spool_dir, Delivery(recorder.provider, timeout), job_key(),
-                                 own=lambda: self.record.directory)  # fmt: skip
+                                 own=lambda: self.record.directory, checkpointing=recorder.checkpointing)  # fmt: skip
         recorder.record = recorder.builder.record = self.record
         recorder.builder.keep = self.keep.add
 

@@ -5,7 +5,8 @@ Every instrumented process that can outlive others runs one (a thread,
 ``opentelemetry-instrument`` and ``dcp-otel-run`` (they see each worker's exit
 status), the ranks (their peers'), the next generation of ranks after a
 restart (the previous one's), and the parent of ``torch.multiprocessing.spawn``
-ranks. Each wake it lists the spool directory and, for each record whose
+ranks. While its process is inside a checkpoint call it keeps quiet (for at most
+:data:`QUIET_MAX_S`, a death it is told of excepted). Each wake it lists the spool directory and, for each record whose
 process is gone (its pid no longer runs with the start time the record names),
 decides whether the death is its to report:
 
@@ -54,6 +55,11 @@ from dcp_otel.spool.reader import Death, RecordError, read_record
 GRACE_S: Final = 2.0
 #: How often the spool is looked at.
 INTERVAL_S: Final = 1.0
+#: How long a look may wait while this process is inside a checkpoint call (a look takes the interpreter lock
+#: from it), and how often it asks whether the call has returned. An expected death (:meth:`Survivor.expect`) is
+#: looked for at once.
+QUIET_MAX_S: Final = 10.0
+_QUIET_POLL_S: Final = 0.05
 #: How long reported records are kept for ``dcp-otel report``, and at most how many (a dead process's record
 #: that no survivor reported goes after as long).
 KEEP_S: Final = 7 * 24 * 3600.0
@@ -94,8 +100,9 @@ class Survivor:
 
     def __init__(self, spool_dir: str, deliver: Callable[[Sequence[ReadableSpan]], bool], job: str | None,
                  own: Callable[[], str | None] = lambda: None, interval_s: float = INTERVAL_S,
-                 grace_s: float = GRACE_S) -> None:  # fmt: skip
+                 grace_s: float = GRACE_S, checkpointing: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
         self.spool_dir = spool_dir
+        self._checkpointing = checkpointing  # whether this process is inside a checkpoint call now
         self._deliver = deliver
         self._can_deliver: Callable[[], bool] = getattr(deliver, "can_deliver", lambda: True)
         self.job = job
@@ -215,7 +222,16 @@ class Survivor:
 
     def _run(self) -> None:
         self._can_deliver()  # (what it loads, it loads here, not in an exit that waits for this thread)
+        woken, quiet_since = False, 0.0
         while not self._stopped:
+            if not woken and self._checkpointing():  # a look now would slow that call: later, within QUIET_MAX_S
+                now = time.monotonic()
+                quiet_since = quiet_since or now
+                if now - quiet_since < QUIET_MAX_S:
+                    woken = self._wake.wait(_QUIET_POLL_S)
+                    self._wake.clear()
+                    continue
+            quiet_since = 0.0
             with self._idle:
                 self._busy = True
             try:
@@ -228,7 +244,7 @@ class Survivor:
                     self._busy = False
                     self._scans += 1
                     self._idle.notify_all()
-            self._wake.wait(self._interval_s)
+            woken = self._wake.wait(self._interval_s)
             self._wake.clear()
 
     # --- one look -------------------------------------------------------------------------------
