@@ -16,6 +16,9 @@ the next save), the arms as blocks of one process (plain, plain again, instrumen
   whose Python holds the interpreter lock all the time could lose to dcp-otel's threads (steps that
   release it, as matmuls and device waits do, lose less: the benchmark's own steps lost nothing
   measurable, see ``training_loop.py``); the goal is 1%;
+- ``ops_*``: the Python instructions the training thread runs in one ``async_save``, counted (deterministic,
+  where the timed ratio needs hundreds of rounds), with the state dict flat (a key a tensor: torch logs two
+  records a key, and dcp-otel reads each) and nested as a model's (``{"model": {...}}``);
 - ``hook_ns``: what the optimizer step hook adds to a step (the one thing dcp-otel runs in every step).
 
 Usage::
@@ -42,7 +45,7 @@ JOB = r"""
 import gc, json, shutil, statistics, sys, tempfile, threading, time, warnings
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 warnings.simplefilter("ignore")
-order, (tensors, mb, steps, every, reps, dim) = sys.argv[1], map(int, sys.argv[2:8])
+order, (tensors, mb, steps, every, reps, dim, count) = sys.argv[1], map(int, sys.argv[2:9])
 torch.set_num_threads(1)
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -136,11 +139,40 @@ def hook_ns():
     runs = [(timed(ours), timed(noop)) for _ in range(7)]
     dcp_otel.uninstrument()
     return statistics.median(a for a, _ in runs) - statistics.median(b for _, b in runs)
+def counted():
+    # The Python instructions the training thread runs in one async_save (sys.settrace: deterministic, the
+    # resolving figure where timing is not), plain then instrumented (the builder done between, uncounted),
+    # for the state dict as the loop passes it (one key per tensor: torch logs two records a key) and nested one
+    # level down, as training code passes a model's ({"model": {...}}: two records in all).
+    sys.path.insert(0, "benchmarks")
+    from overhead import bytecode
+    found = {}
+    for shape, given in (("flat", state), ("nested", {"model": state})):
+        def one(n):
+            futures = []
+            gc.disable()
+            try:
+                ops = bytecode(lambda: futures.append(dcp.async_save(given, checkpoint_id=f"{folder}/counted-{n}")))
+            finally:
+                gc.enable()
+            futures[0].result()
+            return ops
+        one(0)
+        plain = one(1)
+        dcp_otel.instrument(tracer_provider=provider)
+        one(2)
+        dcp_otel.flush(timeout_s=60)
+        found[f"ops_plain_{shape}"], found[f"ops_{shape}"] = plain, one(3)
+        dcp_otel.flush(timeout_s=60)
+        dcp_otel.uninstrument()
+    return found
 names = {"p": "plain", "q": "plain again", "i": "instrumented"}
 out = {names[c]: block(c == "i") for c in order}
 for arm in out.values():
     arm["hook_ns"] = 0.0
 out["instrumented"]["hook_ns"] = hook_ns()
+if count:
+    out["instrumented"].update(counted())
 dist.destroy_process_group()
 shutil.rmtree(folder, ignore_errors=True)
 print(json.dumps(out))
@@ -162,10 +194,12 @@ def main() -> None:
     for case in args.cases.split(","):
         tensors, mb = (int(x) for x in case.split(":"))
         common = [str(tensors), str(mb), str(args.steps), str(args.every), str(args.reps), str(args.dim)]
+        counts: dict[str, float] = {}
         results: dict[str, list[dict[str, float]]] = {"plain": [], "plain again": [], "instrumented": []}
         for n in range(args.rounds):
             order = "pqi"[n % 3:] + "pqi"[: n % 3]
-            for arm, measures in run_job(JOB, Arm("blocks", [order, *common])).items():
+            for arm, measures in run_job(JOB, Arm("blocks", [order, *common, str(int(n == 0))])).items():
+                counts.update({m: measures.pop(m) for m in list(measures) if m.startswith("ops_")})
                 results[arm].append(measures)
         label = f"{tensors} tensors, {mb} MiB"
         rows = {(arm, m): (mine, theirs, r) for arm, m, mine, theirs, r in ratio_rows(results, "plain", ["return_cpu_ms"])}
@@ -174,6 +208,13 @@ def main() -> None:
         print(f"{label:<22}{'async_save CPU on the caller, ms':<36}{mine:>13.2f}{theirs:>10.2f}{r:>8.3f}{noise:>8.3f}"
               f"  <= 1.03 {'met' if r <= 1.03 else 'MISSED'} (rounds to resolve 3%: {rounds_to_resolve(noise, 0.03)})")
 
+        for shape in ("flat", "nested"):  # counted once (the first round): deterministic
+            mine, theirs = counts[f"ops_{shape}"], counts[f"ops_plain_{shape}"]
+            r = mine / theirs
+            title = f"  Python instructions, {shape}" + (f" ({tensors} keys)" if shape == "flat" else " (2 keys)")
+            # (Instructions, not time: the copy itself runs in C, and one instruction is not another's cost.)
+            print(f"{label:<22}{title:<36}{mine / 1e6:>12.3f}M{theirs / 1e6:>9.3f}M{r:>8.3f}{'':>8}  "
+                  f"+{mine - theirs:.0f} a save, +{(mine - theirs) / tensors:.1f} a tensor")
         for title, measure in (("  collections in it, ms a save", "return_gc_ms"), ("collections per checkpoint, ms", "gc_ms"),
                                ("  full collections per checkpoint", "full_gcs"),
                                ("own threads' CPU per checkpoint, ms", "own_ms")):  # fmt: skip

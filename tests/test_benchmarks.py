@@ -255,6 +255,9 @@ def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_c
     assert re.search(r"own threads share of the loop +[\d.]+ +<= 0.01", out), out
     hook = re.search(r"optimizer hook per step, ns +(-?\d+)", out)
     assert hook is not None and abs(int(hook.group(1))) < 100_000, out
+    for shape in ("flat", "nested"):  # counted: the instrumented arm runs more of them than plain, never fewer
+        counted = re.search(rf"Python instructions, {shape}.*? +([\d.]+)M +([\d.]+)M +([\d.]+) +\+(\d+) a save", out)
+        assert counted is not None and float(counted.group(3)) >= 1.0 and int(counted.group(4)) > 0, out
 
 
 def test_faulthandler_dumps_runs_every_arm_and_counts_the_dumps_it_sent() -> None:
