@@ -271,3 +271,54 @@ def test_the_wait_for_a_checkpoint_call_is_bounded_and_a_flush_cuts_it_short(tmp
     finally:
         HeldWriter.release_all()
         dcp_otel.uninstrument()
+
+
+def _held_save(tmp_path: Path) -> tuple[HeldWriter, threading.Thread]:
+    """A thread inside a save's ``write_data`` until its writer is released."""
+    held = HeldWriter(str(tmp_path / "held"))
+    trainer = threading.Thread(target=dcp.save, args=(STATE,), kwargs={"storage_writer": held})
+    trainer.start()
+    assert held.inside.wait(30)
+    return held, trainer
+
+
+def test_back_to_back_checkpoint_calls_never_fill_the_build_queue(tmp_path: Path) -> None:
+    """The builder waits out checkpoint calls only while its queue is short: saves one after another (the poll
+    rarely lands between two) would otherwise keep it waiting until the queue dropped spans."""
+    _selftelemetry.reset()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry(), max_queued_operations=40)
+    try:
+        held, trainer = _held_save(tmp_path)  # (and a thread inside a checkpoint call all along)
+        for i in range(100):
+            dcp.save(STATE, checkpoint_id=str(tmp_path / f"c{i}"))
+        assert "build_queue_full" not in dcp_otel.diagnostics()
+        held.release.set()
+        trainer.join(30)
+        assert dcp_otel.flush(timeout_s=60)
+        assert len([s for s in exporter.get_finished_spans() if s.name == "dcp.checkpoint"]) == 101
+    finally:
+        HeldWriter.release_all()
+        dcp_otel.uninstrument()
+
+
+def test_operations_queued_behind_a_checkpoint_call_that_never_returns_share_one_deadline(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Each operation waits at most DEFER_MAX_S from when it finished, not that long after the one before it."""
+    from dcp_otel.tracing import builder as building
+
+    monkeypatch.setattr(building, "DEFER_MAX_S", 1.0)
+    dcp_otel.instrument(tracer_provider=TracerProvider(), registry=CollectorRegistry())
+    builder = dcp_otel.DCPInstrumentor().recorder.builder
+    try:
+        held, trainer = _held_save(tmp_path)
+        for i in range(5):
+            dcp.save(STATE, checkpoint_id=str(tmp_path / f"c{i}"))
+        # One after another they would take 5 s; together, about 1 s after the last finished.
+        assert builder.drain(3.0, hurry=False)
+        assert trainer.is_alive()  # (built with the save still inside write_data)
+    finally:
+        HeldWriter.release_all()
+        dcp_otel.uninstrument()

@@ -56,9 +56,10 @@ GRACE_S: Final = 2.0
 #: How often the spool is looked at.
 INTERVAL_S: Final = 1.0
 #: How long a look may wait while this process is inside a checkpoint call (a look takes the interpreter lock
-#: from it), and how often it asks whether the call has returned. An expected death (:meth:`Survivor.expect`) is
+#: from it: its planning and staging; a rank blocked in a collective by a dead peer is inside one too, so the
+#: wait is short), and how often it asks whether the call has returned. An expected death (:meth:`Survivor.expect`) is
 #: looked for at once.
-QUIET_MAX_S: Final = 10.0
+QUIET_MAX_S: Final = 2.0
 _QUIET_POLL_S: Final = 0.05
 #: How long reported records are kept for ``dcp-otel report``, and at most how many (a dead process's record
 #: that no survivor reported goes after as long).
@@ -229,7 +230,8 @@ class Survivor:
                 quiet_since = quiet_since or now
                 if now - quiet_since < QUIET_MAX_S:
                     woken = self._wake.wait(_QUIET_POLL_S)
-                    self._wake.clear()
+                    if woken:  # (cleared only when seen set: a wake between the wait and a clear is never lost)
+                        self._wake.clear()
                     continue
             quiet_since = 0.0
             with self._idle:
@@ -245,7 +247,8 @@ class Survivor:
                     self._scans += 1
                     self._idle.notify_all()
             woken = self._wake.wait(self._interval_s)
-            self._wake.clear()
+            if woken:
+                self._wake.clear()
 
     # --- one look -------------------------------------------------------------------------------
     def _names(self) -> list[str]:

@@ -69,10 +69,14 @@ from dcp_otel.tracing.trace_ids import chosen_ids_tracer
 _BACKGROUND = frozenset({KIND_UPLOAD, KIND_STAGING})
 
 
-#: The longest the builder waits out a checkpoint call before it builds anyway (a save that runs for minutes mostly
-#: waits for its storage, the interpreter free), and how often it looks whether the call has returned.
+#: The longest a finished operation waits, from when it finished, for checkpoint calls to return before it is built
+#: anyway (a save that runs for minutes mostly waits for its storage, the interpreter free), and how often the
+#: builder looks whether they have.
 DEFER_MAX_S: Final = 10.0
 _DEFER_POLL_S: Final = 0.02
+#: Past this many operations queued (or half the queue's bound) the builder builds, checkpoint call or not:
+#: back-to-back checkpoint calls must not fill the queue until it drops spans.
+DEFER_MAX_QUEUED: Final = 64
 
 
 def _yield() -> None:
@@ -113,6 +117,7 @@ class SpanBuilder:
         self._closed = False
         # Set by drain() and close(): build now, with the training steps seen so far (not waiting for the next one).
         self._hurry = threading.Event()
+        self._draining = 0  # drains that hurry, waiting now: nothing is deferred meanwhile (a later submit too)
         self.peak_depth = 0
         self.busy_ns = 0
         self.built = 0
@@ -196,10 +201,15 @@ class SpanBuilder:
             self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
         if queued:
             self._start_thread()  # (none if one runs)
+        hurrying = hurry and getattr(threading.current_thread(), HURRY, True)
         with self._lock:
-            if metrics_only:
-                return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
-            return self._cond.wait_for(lambda: self._unbuilt == 0, timeout_s)
+            self._draining += hurrying
+            try:
+                if metrics_only:
+                    return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
+                return self._cond.wait_for(lambda: self._unbuilt == 0, timeout_s)
+            finally:
+                self._draining -= hurrying
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Let the thread end once the queue is empty (waited for, at most ``timeout_s``).
@@ -244,7 +254,7 @@ class SpanBuilder:
                 # After its metrics, its history and the recovery point in the record: a wait for the training
                 # step never holds them up (a death meanwhile still has its durable save).
                 self._steps(op, calls)
-            self.defer()
+            self.defer(op.end_ns or time.time_ns())
             try:
                 self._build(op, calls, late=calls is not op.calls)
             except Exception as exc:  # noqa: BLE001
@@ -285,20 +295,27 @@ class SpanBuilder:
         longest = until + int(DEFER_MAX_S * 1e9)
         while until and not self._hurry.is_set() and CLOCK.last_end() < op.background[1]:
             now = time.time_ns()
-            if now >= longest or (now >= until and not self.checkpointing()):
+            if now >= longest or (now >= until and not self._may_defer()):
                 break
             self._hurry.wait(0.05)  # (polled: the training thread's hook never wakes anyone)
 
-    def defer(self) -> None:
-        """Wait, at most :data:`DEFER_MAX_S`, while a thread is inside a checkpoint call; a drain cuts it short.
+    def _may_defer(self) -> bool:
+        """Whether building may wait: a thread is inside a checkpoint call, no drain waits, the queue is short."""
+        return (not self._draining and len(self._queue) < min(DEFER_MAX_QUEUED, self._max_queued // 2)
+                and self.checkpointing())  # fmt: skip
+
+    def defer(self, finished_ns: int) -> None:
+        """Wait while a thread is inside a checkpoint call, until :data:`DEFER_MAX_S` after the operation finished
+        (``finished_ns``: a deadline shared by everything queued, never one per operation); a drain, or a queue of
+        :data:`DEFER_MAX_QUEUED`, cuts it short.
 
         Building takes the interpreter lock for 4 to 50 ms a checkpoint (10 to 10,000 tensors). An async save is
         built once its upload ends, which is often just as the training thread awaits it and calls the next
         ``async_save``, whose planning and staging hold the interpreter too: building then delayed that call's
         return (``benchmarks/own_share.py``). Polled from this thread: the training thread signals nothing.
         """
-        longest = time.monotonic() + DEFER_MAX_S
-        while not self._hurry.is_set() and time.monotonic() < longest and self.checkpointing():
+        longest = finished_ns + int(DEFER_MAX_S * 1e9)
+        while not self._hurry.is_set() and time.time_ns() < longest and self._may_defer():
             self._hurry.wait(_DEFER_POLL_S)
 
     def _interference(self, op: Operation) -> None:
