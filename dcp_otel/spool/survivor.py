@@ -6,9 +6,9 @@ Every instrumented process that can outlive others runs one (a thread,
 status), the ranks (their peers'), the next generation of ranks after a
 restart (the previous one's), and the parent of ``torch.multiprocessing.spawn``
 ranks. While its process is inside a checkpoint call it keeps quiet (for at most
-:data:`QUIET_MAX_S`, a death it is told of excepted). Each wake it lists the spool directory and, for each record whose
-process is gone (its pid no longer runs with the start time the record names),
-decides whether the death is its to report:
+:data:`QUIET_MAX_S`, a death it is told of excepted). Each wake it lists the
+spool directory and, for each record whose process is gone (its pid no longer
+runs with the start time the record names), decides whether the death is its to report:
 
 * the exit status was handed to it (:meth:`Survivor.expect`: the agent, the
   moment torchelastic closed its workers), or the dead process was its own

@@ -194,14 +194,14 @@ class SpanBuilder:
         """
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
-        if hurry and getattr(threading.current_thread(), HURRY, True):
+        hurrying = hurry and getattr(threading.current_thread(), HURRY, True)
+        if hurrying:
             self._hurry.set()
         with self._lock:
             queued = bool(self._queue)
             self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
         if queued:
             self._start_thread()  # (none if one runs)
-        hurrying = hurry and getattr(threading.current_thread(), HURRY, True)
         with self._lock:
             self._draining += hurrying
             try:

@@ -7,8 +7,8 @@ state dict, :func:`staged` walks it once, on the caller's thread, reading only
 each tensor's ``nbytes`` and device (never its data: no device
 synchronisation). A dict whose values are all plain tensors (a model's state
 dict) is read in C (``map``, ``attrgetter``): no Python instruction per tensor
-(27 each before, 0.33 to 0.36 us here: ``benchmarks/staging_walk.py``). A ``DTensor`` counts its local shard, a ``ShardedTensor`` its local
-shards. The builder puts the figures on the staging spans, with the rate over
+(0.21 us each here, ``benchmarks/staging_walk.py``). A ``DTensor`` counts its
+local shard, a ``ShardedTensor`` its local shards. The builder puts the figures on the staging spans, with the rate over
 the span that covers the copy, and counts ``dcp_staged_bytes_total``.
 
 Usage::
