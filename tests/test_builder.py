@@ -322,3 +322,56 @@ def test_operations_queued_behind_a_checkpoint_call_that_never_returns_share_one
     finally:
         HeldWriter.release_all()
         dcp_otel.uninstrument()
+
+
+def test_the_end_of_the_checkpoint_call_wakes_the_builder_instead_of_a_look_every_few_ms(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A look every 20 ms woke the builder thread 50 times a second beside a checkpoint call, each a switch of the
+    interpreter lock the caller paid for (20-50 ms of CPU beside a 10,000-tensor async_save,
+    benchmarks/own_share.py): the operation call's end wakes it, and it looks only every _LOOK_EVERY_S otherwise."""
+    from dcp_otel.tracing import builder as building
+
+    monkeypatch.setattr(building, "_LOOK_EVERY_S", 60.0)
+    monkeypatch.setattr(building, "DEFER_MAX_S", 60.0)
+    dcp_otel.instrument(tracer_provider=TracerProvider(), registry=CollectorRegistry())
+    builder = dcp_otel.DCPInstrumentor().recorder.builder
+    try:
+        held, trainer, _ = _upload_ends_inside_a_save(tmp_path)
+        assert builder.drain(0.3, hurry=False) is False  # (a bounded wait for what must not happen)
+        held.release.set()
+        trainer.join(30)
+        assert builder.drain(20, hurry=False)  # woken by the save's end: not 60 s later
+    finally:
+        HeldWriter.release_all()
+        dcp_otel.uninstrument()
+
+
+def test_the_training_step_an_upload_ended_in_wakes_the_builder_when_it_ends(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """An async save is measured against the training step its upload ended in: the optimizer hook wakes the
+    builder when that step ends (once a checkpoint), where it looked every 50 ms before."""
+    from dcp_otel.tracing import builder as building
+    from dcp_otel.tracing import interference
+
+    monkeypatch.setattr(building, "_LOOK_EVERY_S", 60.0)
+    monkeypatch.setattr(interference, "WAIT_BOUNDS_S", (60.0, 60.0))  # (it would wait a minute for that step)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dcp_otel.instrument(tracer_provider=TracerProvider(), registry=CollectorRegistry())
+    builder = dcp_otel.DCPInstrumentor().recorder.builder
+    try:
+        for _ in range(5):  # the loop's usual step
+            model(torch.ones(4)).sum().backward()
+            optimizer.step()
+        upload = HeldWriter(str(tmp_path / "async"))
+        future = dcp.async_save(STATE, storage_writer=upload)
+        assert upload.inside.wait(30)
+        model(torch.ones(4)).sum().backward()  # a step under way as the upload ends
+        upload.release.set()
+        future.result(timeout=30)
+        assert builder.drain(0.3, hurry=False) is False  # it waits for that step to end
+        optimizer.step()
+        assert builder.drain(20, hurry=False)
+    finally:
+        HeldWriter.release_all()
+        dcp_otel.uninstrument()

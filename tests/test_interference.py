@@ -111,6 +111,19 @@ def test_only_the_pace_optimizers_steps_are_training_steps_until_another_keeps_s
     assert clock.count == 6 and len(ends) == 6 and ends == sorted(ends) and first == 0
 
 
+def test_the_ring_gives_the_step_ends_oldest_first_across_its_wrap_leaving_out_the_slots_being_overwritten() -> None:
+    from dcp_otel.tracing.steps import RING
+
+    opt = object()
+    for steps in (0, 1, 7, RING - 16, RING - 15, RING, RING + 1, 3 * RING + 5):
+        clock = StepClock()
+        for _ in range(steps):
+            clock._hook(opt, (), {})
+        ends, first = clock.ends()
+        assert first == max(0, steps - RING + 16) and len(ends) == steps - first
+        assert ends == sorted(ends) and (not ends or ends[-1] == clock.last_end())
+
+
 def test_instrument_registers_one_optimizer_hook_and_uninstrument_leaves_none(traced: Traced) -> None:
     """Every optimizer's step is seen while instrumented; after uninstrument() torch has no hook of ours."""
     assert CLOCK._hook in list(_global_optimizer_post_hooks.values())

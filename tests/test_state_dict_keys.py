@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,3 +82,93 @@ def test_a_per_key_call_answers_what_a_call_is_asked_as_a_call_with_no_span() ->
     assert one.kind == KIND_STEP and one.parent_context is None and one.name == "dcp._stateful_to_state_dict.model"
     one.end_ns, one.failure = 15, Failure(None, "raised")  # set on the instance, as on a call
     assert (one.end_ns, one.duration_s, other.end_ns, other.failure) == (15, 5e-9, 0, None)
+
+
+def _dcp_otel_calls_during(fn: Callable[[], None]) -> Counter[str]:
+    """The calls of dcp-otel's own functions on this thread while ``fn`` runs, by name (the tap's ``debug``
+    stands under logging's file name: ``dcp_otel_logger_tap_debug``)."""
+    calls: Counter[str] = Counter()
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call":
+            code = frame.f_code
+            if "/dcp_otel/" in code.co_filename or code.co_name == "dcp_otel_logger_tap_debug":
+                calls[code.co_name] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_key_of_a_state_dict_runs_nothing_of_dcp_otel_but_the_taps_two_frames(traced, tmp_path: Path) -> None:
+    """A 10,000-key state dict logs 20,000 records on the caller's thread; each took the recorder's hot path, a
+    call record and a summary update (281 Python instructions a key, benchmarks/own_share.py). The conversion's
+    lane reads them in the tap's own frame: per key, the two records' ``debug``, and the heap of the slowest only
+    for the few keys that reach its floor."""
+    small = {f"k{i}": torch.ones(1) for i in range(10)}
+    large = {f"k{i}": torch.ones(1) for i in range(1_010)}
+    dcp.save(small, checkpoint_id=str(tmp_path / "first"))  # (what happens once: a thread's stack, the builder)
+    few = _dcp_otel_calls_during(lambda: dcp.save(small, checkpoint_id=str(tmp_path / "few")))
+    many = _dcp_otel_calls_during(lambda: dcp.save(large, checkpoint_id=str(tmp_path / "many")))
+    extra = {name: many[name] - few[name] for name in many if many[name] != few[name]}
+    assert extra.pop("slow", 0) < 100  # a key at least as slow as the 5 slowest so far (about 5 ln(1000 / 5))
+    assert extra == {"dcp_otel_logger_tap_debug": 2 * 1_000}
+    keys = sorted(s.attributes[semconv.ATTR_STATE_DICT_KEYS] for s in named(traced.spans(), "dcp._stateful_to_state_dict"))
+    assert keys == [10, 10, 1_010]
+
+
+class SavesInside:
+    """A Stateful whose ``state_dict`` saves another state dict: a conversion inside one of the lane's keys."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def state_dict(self) -> dict:
+        dcp.save({"i1": torch.ones(1), "i2": torch.ones(1), "i3": torch.ones(1)}, checkpoint_id=str(self.path))
+        return {"x": torch.ones(2)}
+
+    def load_state_dict(self, state: dict) -> None:  # pragma: no cover - Stateful protocol
+        pass
+
+
+def test_a_conversion_inside_a_key_and_one_on_another_thread_each_count_their_own_keys(traced, tmp_path: Path) -> None:
+    """One lane at a time: a conversion nested in a key of the lane's (a Stateful that saves) holds the lane back
+    until it ends, a conversion on another thread meanwhile takes the general path; each summary is its own."""
+    other_inside, other_go, results = threading.Event(), threading.Event(), []
+
+    class Waits:
+        def state_dict(self) -> dict:
+            other_inside.set()
+            assert other_go.wait(30)
+            return {"w": torch.ones(1)}
+
+        def load_state_dict(self, state: dict) -> None:  # pragma: no cover
+            pass
+
+    def other() -> None:  # a conversion on another thread, open all through the nested one
+        dcp.save({"o1": torch.ones(1), "o2": torch.ones(1), "wait": Waits()}, checkpoint_id=str(tmp_path / "o"))
+        results.append("done")
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert other_inside.wait(30)
+    state = {"a": torch.ones(1), "s": SavesInside(tmp_path / "inner"), "b": torch.ones(1), "c": torch.ones(1)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "outer"))
+    other_go.set()
+    thread.join(30)
+    assert results == ["done"]
+    counts = sorted((s.attributes[semconv.ATTR_STATE_DICT_KEYS], tuple(sorted(s.attributes[semconv.ATTR_STATE_DICT_SLOWEST_KEYS])))
+                    for s in named(traced.spans(), "dcp._stateful_to_state_dict"))  # fmt: skip
+    assert counts == [(3, ("i1", "i2", "i3")), (3, ("o1", "o2", "wait")), (4, ("a", "b", "c", "s"))]
+    recorder = traced.recorder()
+    assert (recorder.open_count(), recorder.stack_depth(), recorder.lane) == (0, 0, None)
+    assert problems_counted() == {}
+
+
+def problems_counted() -> dict[str, int]:
+    import dcp_otel
+
+    return {name: n for name, n in dcp_otel.diagnostics().items() if name != "open_spans"}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from threading import get_ident as _get_ident
 from typing import Any
 
 from dcp_otel import semconv
@@ -34,6 +35,8 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.events import MalformedEvent, parse_event
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.cut_short import passes_records_along
+from dcp_otel.tracing.key_lane import KeyLane
+from dcp_otel.tracing.records import key_of
 from dcp_otel.tracing.tracker import SpanRecorder
 
 _KEY_PREFIX = semconv.STATEFUL_KEY_PREFIX
@@ -74,7 +77,36 @@ class DCPLoggerTap:
     # torch's code, and the record's handling is made whole first: see dcp_otel.tracing.cut_short.
     def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         try:
-            if not self._fast(msg):  # a step's two records (and a key's) take the recorder's hot path, in one call
+            lane = self.recorder.lane
+            taken = False
+            if lane is not None and lane.thread == _get_ident():
+                # A state dict's per-key records (two a key), while their conversion holds the lane
+                # (dcp_otel.tracing.key_lane): read here, nothing else of dcp-otel runs per key.
+                try:
+                    held: Any = lane.held
+                    if msg is held:  # the open key's end: torch ends a call with the dict it began it with
+                        took = msg["time"] - lane.start_ns
+                        if msg["event"] == "end" and took >= 0:
+                            lane.held = None
+                            stats = lane.stats  # (KeyStats.add, in this frame)
+                            stats.count += 1
+                            stats.total_ns += took
+                            if took >= stats.floor:
+                                stats.slow(took, msg["func_name"])
+                            taken = True
+                    elif held is None:
+                        if msg["event"] == "start" and msg["func_name"].startswith(_KEY_PREFIX):
+                            start = msg["time"]
+                            if start > 0:  # (not a number: TypeError, the general way)
+                                lane.start_ns = start
+                                lane.held = msg
+                                taken = True
+                    else:
+                        taken = _ended_in_a_copy(lane, msg)
+                except Exception as exc:  # noqa: BLE001 - not the lane's (no dict, a field missing): the general way
+                    reraise_if_signalled(exc)
+                    taken = False
+            if not taken and not self._fast(msg):  # a step's two records take the recorder's hot path, in one call
                 self._general(msg)
             logger = self.logger
             # This frame counts as logging's own (_as_loggings_own): the caller's stack level passes unchanged.
@@ -89,7 +121,9 @@ class DCPLoggerTap:
 
     def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         try:
-            self.feed(msg)  # (not a hot path: debug inlines feed, error need not)
+            lane = self.recorder.lane
+            if lane is None or lane.thread != _get_ident() or not _lane_failed(lane, msg):
+                self.feed(msg)  # (not a hot path: debug inlines feed, error need not)
             self.logger.error(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
         except BaseException:
             self.cut_short(msg)
@@ -108,6 +142,10 @@ class DCPLoggerTap:
 
     def cut_short(self, msg: Any) -> None:
         """Handing ``msg`` on was cut short by an exception: the recorder makes whole what it left."""
+        lane = self.recorder.lane
+        if lane is not None and lane.thread == _get_ident() and _of_the_open_key(lane, msg):
+            lane.held = None  # a key's start undone, or its end dropped (its time is lost, nothing is left open)
+            return
         if self._fast is not _fed_nothing:
             self.recorder.cut_short(msg)
 
@@ -133,6 +171,38 @@ class DCPLoggerTap:
         self.recorder.on_event(event, exc_value)
 
 
+def _of_the_open_key(lane: KeyLane, msg: Any) -> bool:
+    """Whether ``msg`` is a record of the key open in the lane: torch's own dict, or a copy with its uuid."""
+    held = lane.held
+    if held is None:
+        return False
+    if msg is held:
+        return True
+    uuid = msg.get("uuid") if type(msg) is dict else None
+    return type(uuid) is str and uuid == held.get("uuid") and msg.get("func_name") == held.get("func_name")
+
+
+def _ended_in_a_copy(lane: KeyLane, msg: Any) -> bool:
+    """The open key's end in another dict than its start's (not torch's way; a test's, a replay's): taken."""
+    if not _of_the_open_key(lane, msg) or msg.get("event") != "end":
+        return False
+    time_ns = msg.get("time")
+    if type(time_ns) is not int:
+        return False
+    lane.held = None
+    lane.stats.add(msg["func_name"], max(0, time_ns - lane.start_ns))
+    return True
+
+
+def _lane_failed(lane: KeyLane, msg: Any) -> bool:
+    """Whether ``msg`` is the open key's exception (then named on its conversion, the key closed)."""
+    if not _of_the_open_key(lane, msg) or msg.get("event") != "exception":
+        return False
+    lane.held = None
+    lane.stats.failed_key = key_of(msg["func_name"])
+    return True
+
+
 def _fed_nothing(msg: Any) -> bool:
     return True  # "taken": the general path is not tried either
 
@@ -156,4 +226,5 @@ def _as_loggings_own(method: Any) -> None:
 
 
 _as_loggings_own(DCPLoggerTap.debug)
-passes_records_along(DCPLoggerTap.debug, DCPLoggerTap.error, DCPLoggerTap.feed, DCPLoggerTap._general)
+passes_records_along(DCPLoggerTap.debug, DCPLoggerTap.error, DCPLoggerTap.feed, DCPLoggerTap._general, _ended_in_a_copy,
+                     _lane_failed)

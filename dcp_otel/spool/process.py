@@ -85,6 +85,7 @@ class ProcessSpool:
         self.keep = SpanSpool(self.record, recorder.provider, lambda t: recorder.builder.drain(t, hurry=False), timeout)
         self.survivor = Survivor(spool_dir, Delivery(recorder.provider, timeout), job_key(),
                                  own=lambda: self.record.directory, checkpointing=recorder.checkpointing)  # fmt: skip
+        recorder.call_ended.append(self.survivor.nudge)
         recorder.record = recorder.builder.record = self.record
         recorder.builder.keep = self.keep.add
 

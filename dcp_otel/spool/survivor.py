@@ -60,7 +60,7 @@ INTERVAL_S: Final = 1.0
 #: wait is short), and how often it asks whether the call has returned. An expected death (:meth:`Survivor.expect`) is
 #: looked for at once.
 QUIET_MAX_S: Final = 2.0
-_QUIET_POLL_S: Final = 0.05
+_QUIET_POLL_S: Final = 0.5  # (the call's end wakes it: Survivor.nudge; a look wakes a thread, costing the caller)
 #: How long reported records are kept for ``dcp-otel report``, and at most how many (a dead process's record
 #: that no survivor reported goes after as long).
 KEEP_S: Final = 7 * 24 * 3600.0
@@ -118,6 +118,7 @@ class Survivor:
         self._wake = threading.Event()
         self._idle = threading.Condition()
         self._busy = False
+        self._quiet = False  # a look is held back while this process is inside a checkpoint call (see nudge)
         self._scans = 0  # looks at the spool completed
         self.started = False  # its thread was started (read on every operation's start: one attribute)
         self._thread: threading.Thread | None = None
@@ -176,6 +177,12 @@ class Survivor:
         if thread is not None and thread is not threading.current_thread():
             join_started(thread, timeout_s)
 
+    def nudge(self) -> None:
+        """A checkpoint operation's call ended (called on its thread, once a checkpoint): a look held back while
+        it ran happens now. An ``Event.set``, only while the thread holds a look back."""
+        if self._quiet:
+            self._wake.set()
+
     def expect(self, statuses: Mapping[tuple[int, int | None], int | None], end_ns: int, job: str | None = None) -> None:
         """These processes (this process's workers, by pid and start ticks: a reused pid is another process) ended
         with these statuses: report them now. ``job``: their run id, where this survivor has none of its own (an
@@ -229,7 +236,9 @@ class Survivor:
                 now = time.monotonic()
                 quiet_since = quiet_since or now
                 if now - quiet_since < QUIET_MAX_S:
-                    woken = self._wake.wait(_QUIET_POLL_S)
+                    self._quiet = True  # (the call's end wakes it now: nudge)
+                    woken = self._wake.wait(min(_QUIET_POLL_S, QUIET_MAX_S - (now - quiet_since)))
+                    self._quiet = False
                     if woken:  # (cleared only when seen set: a wake between the wait and a clear is never lost)
                         self._wake.clear()
                     continue

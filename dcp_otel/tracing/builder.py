@@ -70,10 +70,13 @@ _BACKGROUND = frozenset({KIND_UPLOAD, KIND_STAGING})
 
 
 #: The longest a finished operation waits, from when it finished, for checkpoint calls to return before it is built
-#: anyway (a save that runs for minutes mostly waits for its storage, the interpreter free), and how often the
-#: builder looks whether they have.
+#: anyway (a save that runs for minutes mostly waits for its storage, the interpreter free).
 DEFER_MAX_S: Final = 10.0
-_DEFER_POLL_S: Final = 0.02
+#: How often the builder looks anyway while it waits, where nothing wakes it: an operation call's end, a training
+#: step's end, a drain and a long queue wake it (:meth:`SpanBuilder.nudge`). A look that wakes a thread costs the
+#: thread holding the interpreter a switch, and this one about 1 ms of CPU under a busy caller: looking every
+#: 20 ms took 20-50 ms of CPU beside each 10,000-tensor ``async_save`` (``benchmarks/own_share.py``).
+_LOOK_EVERY_S: Final = 0.5
 #: Past this many operations queued (or half the queue's bound) the builder builds, checkpoint call or not:
 #: back-to-back checkpoint calls must not fill the queue until it drops spans.
 DEFER_MAX_QUEUED: Final = 64
@@ -117,6 +120,7 @@ class SpanBuilder:
         self._closed = False
         # Set by drain() and close(): build now, with the training steps seen so far (not waiting for the next one).
         self._hurry = threading.Event()
+        self._nudged = threading.Event()  # something a waiting builder waits for may have happened (see nudge)
         self._draining = 0  # drains that hurry, waiting now: nothing is deferred meanwhile (a later submit too)
         self.peak_depth = 0
         self.busy_ns = 0
@@ -149,6 +153,8 @@ class SpanBuilder:
                 # (Cut short here, the builder is woken by the next submit or drain.)
                 self._cond.notify()
                 self.peak_depth = max(self.peak_depth, len(self._queue))
+                if len(self._queue) >= min(DEFER_MAX_QUEUED, self._max_queued // 2):
+                    self._nudged.set()  # a waiting builder stops waiting (see _may_defer)
             thread = self._thread
         if full:
             report("build_queue_full", "dcp_otel dropped a finished operation's spans: %d operations wait "
@@ -197,6 +203,7 @@ class SpanBuilder:
         hurrying = hurry and getattr(threading.current_thread(), HURRY, True)
         if hurrying:
             self._hurry.set()
+            self._nudged.set()
         with self._lock:
             queued = bool(self._queue)
             self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
@@ -218,6 +225,7 @@ class SpanBuilder:
         ends again when it is done.
         """
         self._hurry.set()
+        self._nudged.set()
         with self._lock:
             self._closed = True
             self._cond.notify_all()
@@ -293,11 +301,16 @@ class SpanBuilder:
         # A step that holds the next checkpoint call (the upload awaited, the next save staged) ends only after it:
         # waited for, within DEFER_MAX_S more.
         longest = until + int(DEFER_MAX_S * 1e9)
-        while until and not self._hurry.is_set() and CLOCK.last_end() < op.background[1]:
+        while until and not self._hurry.is_set():
+            self._nudged.clear()  # (then looked: what happens after the look wakes the wait)
+            CLOCK.wake_on_step(self._nudged)  # (the next step's end sets it, once)
+            if CLOCK.last_end() >= op.background[1]:
+                break
             now = time.time_ns()
             if now >= longest or (now >= until and not self._may_defer()):
                 break
-            self._hurry.wait(0.05)  # (polled: the training thread's hook never wakes anyone)
+            self._nudged.wait(min(_LOOK_EVERY_S, (longest - now) / 1e9))
+        CLOCK.wake_on_step(None)
 
     def _may_defer(self) -> bool:
         """Whether building may wait: a thread is inside a checkpoint call, no drain waits, the queue is short."""
@@ -312,11 +325,21 @@ class SpanBuilder:
         Building takes the interpreter lock for 4 to 50 ms a checkpoint (10 to 10,000 tensors). An async save is
         built once its upload ends, which is often just as the training thread awaits it and calls the next
         ``async_save``, whose planning and staging hold the interpreter too: building then delayed that call's
-        return (``benchmarks/own_share.py``). Polled from this thread: the training thread signals nothing.
+        return (``benchmarks/own_share.py``). Woken when an operation call ends (:meth:`nudge`), looked at every
+        :data:`_LOOK_EVERY_S` where nothing wakes it (a call ended by the process's ending).
         """
         longest = finished_ns + int(DEFER_MAX_S * 1e9)
-        while not self._hurry.is_set() and time.time_ns() < longest and self._may_defer():
-            self._hurry.wait(_DEFER_POLL_S)
+        while not self._hurry.is_set():
+            self._nudged.clear()  # (then looked: a call's end after the look wakes the wait)
+            now = time.time_ns()
+            if now >= longest or not self._may_defer():
+                return
+            self._nudged.wait(min(_LOOK_EVERY_S, (longest - now) / 1e9))
+
+    def nudge(self) -> None:
+        """Wake a waiting builder to look again (a checkpoint operation's call ended: once a checkpoint, on the
+        caller's thread; a drain; a queue grown long). An ``Event.set``: no waiting, about 1 us."""
+        self._nudged.set()
 
     def _interference(self, op: Operation) -> None:
         """The operation's interference with training, on its spans and in the metrics; the steps since the last."""

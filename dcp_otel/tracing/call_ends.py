@@ -29,6 +29,8 @@ from dcp_otel.tracing.records import KIND_COLLECTIVE, KIND_OPERATION, Call, Oper
 from dcp_otel.tracing.steps import CLOCK
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from dcp_otel.spool.record import ProcessRecord
     from dcp_otel.tracing.builder import SpanBuilder
 
@@ -60,9 +62,12 @@ class CallEnds:
         _interrupted: dict[str, None]
         _local: threading.local
         builder: SpanBuilder
+        call_ended: list[Callable[[], None]]
         record: ProcessRecord | None
 
         def _stack(self) -> list[Call]: ...
+
+        def release_lane(self, call: Call) -> None: ...
 
     def _finish(self, uuid: str, kind: str, time_ns: int, error: str | None, exc: BaseException | None) -> None:
         stack = self._stack()
@@ -111,6 +116,8 @@ class CallEnds:
             return
         if not (again and call.end_ns):
             call.end_ns = end_ns
+            if call.keys is not None:  # a conversion: its per-key lane is free
+                self.release_lane(call)
             if call.rec >= 0:
                 _pack_end(self.record.mm, call.rec + OFF_ENTRY_END, end_ns)  # type: ignore[union-attr]
             if parent is not None and call.kind != KIND_COLLECTIVE:  # a collective's time stays waiting
@@ -142,6 +149,8 @@ class CallEnds:
         end_ns = call.end_ns
         if call.kind == KIND_OPERATION:
             op.start_ns = call.start_ns
+            for wake in self.call_ended:  # what waits for checkpoint calls to end looks again (the builder's build)
+                wake()
             CLOCK.blocked_call(call.start_ns, end_ns)  # its caller's step was not slowed by this: it waited in it
             waited_ns = end_ns - call.start_ns - call.children_ns
             if op.name in _WAITING_IN_STEPS:  # the checkpointer waits in steps of its own

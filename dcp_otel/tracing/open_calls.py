@@ -48,8 +48,11 @@ class OpenCalls:
         uploads: InFlight
         builder: SpanBuilder
         closed: bool
+        call_ended: list[Callable[[], None]]
 
         def _stack(self) -> list[Call]: ...
+
+        def release_lane(self, call: Call) -> None: ...
 
         def _close(self, call: Call, end_ns: int, parent: Call | None, again: bool = False) -> None: ...
 
@@ -176,6 +179,8 @@ class OpenCalls:
                 call.inferred = True
                 call.extra = {**(call.extra or {}), semconv.ATTR_INTERRUPTED: cause}
                 call.end_ns = now
+                if call.keys is not None:  # a conversion: its per-key lane is free
+                    self.release_lane(call)
                 call.token = None  # its context belongs to a thread that may never come back
                 if call.kind == KIND_OPERATION:
                     op.start_ns = call.start_ns
@@ -198,5 +203,7 @@ class OpenCalls:
                     op.lock.release()
             self.builder.submit(op)
         finally:
+            for wake in self.call_ended:  # (its calls ended: what waits for them looks again)
+                wake()
             for _ in range(claimed):
                 self.uploads.done()

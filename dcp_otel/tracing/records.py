@@ -20,7 +20,6 @@ import heapq
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
 from opentelemetry import trace
@@ -54,27 +53,53 @@ def key_of(func_name: str) -> str:
     return func_name[len(semconv.STATEFUL_KEY_PREFIX) :][:MAX_KEY_TEXT]
 
 
-@dataclass
-class KeyStats:
-    """Summary of the per-key ``_stateful_to_state_dict.<key>`` calls."""
+#: A summary's floor while it names no slowest keys (``limit`` 0): no key's time reaches it.
+_NEVER: Final = 1 << 63
 
-    limit: int
-    count: int = 0
-    total_ns: int = 0
-    #: min-heap of (duration, order, per-key function name): the slowest ``limit`` keys, the later first on a tie
-    slowest: list[tuple[int, int, str]] = field(default_factory=list)
-    failed_key: str | None = None
+
+class KeyStats:
+    """Summary of the per-key ``_stateful_to_state_dict.<key>`` calls: how many, their time, the slowest.
+
+    A key's end adds to the count and the total (two int additions: a 10,000-key state dict logs 20,000
+    records on the caller's thread, and nothing per key is allocated that the garbage collector tracks); only a
+    key at least as slow as the slowest kept so far (``floor``) goes into the heap of the slowest.
+
+    Usage::
+
+        stats = KeyStats(limit=5)
+        stats.add("_stateful_to_state_dict.model", 1_200)   # (the per-key lane does what add does, in the tap)
+        stats.to_attributes()[semconv.ATTR_STATE_DICT_SLOWEST_KEYS]   # -> ["model"]
+    """
+
+    __slots__ = ("limit", "count", "total_ns", "slowest", "floor", "failed_key")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self.total_ns = 0
+        #: min-heap of (duration, order, per-key function name): the slowest ``limit`` keys, the later first on a tie
+        self.slowest: list[tuple[int, int, str]] = []
+        self.floor = 0 if limit else _NEVER  # a key this slow or slower is among the slowest
+        self.failed_key: str | None = None
 
     def add(self, func_name: str, duration_ns: int) -> None:
         """One key's call returned: ``func_name`` is its ``_stateful_to_state_dict.<key>`` (the key is cut
-        from it only for the slowest, when the span is built: 20,000 records for 10,000 keys)."""
+        from it only for the slowest, when the span is built)."""
         self.count += 1
         self.total_ns += duration_ns
+        if duration_ns >= self.floor:
+            self.slow(duration_ns, func_name)
+
+    def slow(self, duration_ns: int, func_name: str) -> None:
+        """The ``count``-th key, ``duration_ns`` at least the floor, ranks among the slowest (the later first on
+        a tie: its order is higher)."""
         slowest = self.slowest
         if len(slowest) < self.limit:
             heapq.heappush(slowest, (duration_ns, self.count, func_name))
-        elif slowest and duration_ns >= slowest[0][0]:  # (the later key ranks first on a tie)
+        else:
             heapq.heapreplace(slowest, (duration_ns, self.count, func_name))
+        if len(slowest) >= self.limit:
+            self.floor = slowest[0][0]
 
     def to_attributes(self) -> dict[str, Any]:
         ordered = sorted(self.slowest, reverse=True)
@@ -118,6 +143,7 @@ class Call:
     arrivals: list[tuple[int, int]] | None = None  # the coordinator's write gather: (rank, since_ns) each sent
     helpers: set[int] | None = None  # threads working for it now (a pool's), whose stacks a stall report adds
     summary: Any = None  # what it did, summarized by the builder (``summary.to_attributes()``): a library's items
+    suspended: Any = None  # a conversion's: the per-key lane it suspended (dcp_otel.tracing.key_lane)
 
     def __init__(
         self,
@@ -174,8 +200,8 @@ class KeyCall(Call):
     """A state dict's per-key call, ``_stateful_to_state_dict.<key>``, while it runs: no span (``span_id``
     0), no context, its time summarized on its conversion's :class:`KeyStats` when it returns.
 
-    A 10,000-key state dict makes 10,000 of them on the caller's thread: only the three fields it needs
-    are set; everything else a reader of the thread's stack asks a :class:`Call` is a class default
+    Made only where the per-key lane (:mod:`~dcp_otel.tracing.key_lane`) does not take a key (a conversion on a
+    second thread, or nested in a key), one a key on the caller's thread: only the three fields it needs are set; everything else a reader of the thread's stack asks a :class:`Call` is a class default
     here (a value set later goes to the instance, as on a call).
     """
 

@@ -51,6 +51,7 @@ class StepClock:
         self.blocked: deque[tuple[int, int]] = deque(maxlen=256)
         self._handle: Any = None
         self._lock = threading.Lock()
+        self._waiter: threading.Event | None = None  # set when the next step ends (wake_on_step)
 
     def _hook(self, optimizer: object, args: object, kwargs: object) -> None:
         # The hot path: every training step. A step of the pace optimizer is one list store and one int store.
@@ -62,6 +63,8 @@ class StepClock:
         self.count = n + 1
         if self._others:
             self._others.clear()
+        if self._waiter is not None:  # the builder waits for this step's end (once a checkpoint)
+            self._wake()
 
     def _other(self, optimizer: object) -> None:
         key = id(optimizer)
@@ -73,6 +76,15 @@ class StepClock:
         self._others.clear()
         self.thread = threading.get_ident()  # the training thread: its checkpoint calls are its blocked time
         self._hook(optimizer, None, None)
+
+    def wake_on_step(self, event: threading.Event | None) -> None:
+        """Set ``event`` when the next step of the pace optimizer ends (once); ``None``: forget it."""
+        self._waiter = event
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.set()
 
     def blocked_call(self, start_ns: int, end_ns: int) -> None:
         """An operation call that ended on this thread: the training thread's is time it spent blocked (a save a
@@ -89,7 +101,10 @@ class StepClock:
         count = self.count
         ring = self._ring
         first = max(0, count - RING + 16)
-        return [ring[i & _MASK] for i in range(first, count)], first
+        lo, hi = first & _MASK, count & _MASK  # (sliced in C: the builder reads it twice a checkpoint)
+        if count - first == 0:
+            return [], first
+        return (ring[lo:hi] if lo < hi else ring[lo:] + ring[:hi]), first
 
     def last_end(self) -> int:
         """When the last step seen ended (0: none yet)."""

@@ -48,6 +48,7 @@ from dcp_otel.tracing.cut_short import CutShort, passes_records_along, watched_f
 from dcp_otel.tracing.detail import DetailPolicy
 from dcp_otel.tracing.drain import ProviderHooks
 from dcp_otel.tracing.facts import CallFacts
+from dcp_otel.tracing.key_lane import KeyLanes
 from dcp_otel.tracing.light import SPAN_KEY, with_span
 from dcp_otel.tracing.light import attach as light_attach
 from dcp_otel.tracing.light import detach as light_detach
@@ -80,7 +81,7 @@ _STEP_CODE = KIND_CODES[KIND_STEP]
 _OPERATION_CODE = KIND_CODES[KIND_OPERATION]
 
 
-class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
+class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort, KeyLanes):
     """Records DCP calls for the builder; thread-safe; never raises from its ``on_*``."""
 
     def __init__(self, options: InstrumentOptions, metrics: MetricsSink | None = None) -> None:
@@ -105,6 +106,9 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
         self._seq = SequenceTables()
         self.uploads = InFlight()
         self.builder.checkpointing = self.checkpointing  # (it builds between checkpoints, not during one)
+        #: Called on the caller's thread when a checkpoint operation's call ends (once a checkpoint): what waits
+        #: while a thread is inside one (:meth:`checkpointing`) looks again, instead of looking every few ms.
+        self.call_ended: list[Callable[[], None]] = [self.builder.nudge]
         self._hooks = ProviderHooks(self.builder, float(options.flush_timeout_s or 10))
         #: Where open calls are written ahead, for a survivor should this process die (None: nowhere).
         self.record: ProcessRecord | None = None
@@ -120,6 +124,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
         self._local = threading.local()
         self._open = {}
         self._stacks = {}
+        self.lane = None
         self._interrupted = {}
         self._stale_tokens = {}
         self._interrupt_lock = threading.RLock()  # the ending thread and atexit may both end the open calls
@@ -150,6 +155,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
     def close(self) -> None:
         """Stop building (on uninstrument); what is queued is still built."""
         self.closed = True  # torch's records no longer reach us: a call open now never sees its end
+        self.lane = None  # (nor its keys: the tap, inert, reads no lane)
         self.starter.close()
         self.builder.close()
         self._hooks.remove_all()
@@ -198,9 +204,10 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
 
         One frame for the two records every DCP step logs (what would read more
         naturally as three small methods costs a third more here), and for the
-        two of every key of a state dict (``_stateful_to_state_dict.<key>``:
-        a 10,000-key state dict logs 20,000; :meth:`on_key_event` on the general
-        path does the same for what it gets); a new operation's start goes from
+        two of every key of a state dict (``_stateful_to_state_dict.<key>``) that
+        the tap's per-key lane does not take (:mod:`~dcp_otel.tracing.key_lane`:
+        a conversion on a second thread, or nested in a key; :meth:`on_key_event`
+        on the general path does the same for what it gets); a new operation's start goes from
         here straight to :meth:`_start`. Returns ``False``, having done nothing,
         for anything else (a call that names its own storage or planner like a
         nested save, an exception, anything malformed, a per-key call outside a
@@ -238,6 +245,8 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
                     self._close(call, time_ns, stack[-1] if stack else None)
                     return True
                 call.end_ns = time_ns
+                if call.keys is not None:  # a conversion: its per-key lane is free
+                    self.release_lane(call)
                 if call.rec >= 0:
                     _pack_end(self.record.mm, call.rec + OFF_ENTRY_END, time_ns)  # type: ignore[union-attr]
                 token = call.token
@@ -284,6 +293,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
             call = Call(uuid, func_name, time_ns, span_id, ctx.get(SPAN_KEY), op, op.step_attributes)  # type: ignore[arg-type]
             if func_name == _STATEFUL_PARENT:
                 call.keys = KeyStats(self.options.slowest_keys)
+                self.open_lane(call)
             light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
             if not stack and op.adopted:
                 call.owns_part = True
@@ -325,6 +335,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort):
         call.prior = ctx if prior is None else prior
         if func_name == _STATEFUL_PARENT:
             call.keys = KeyStats(self.options.slowest_keys)
+            self.open_lane(call)
         light = NonRecordingSpan(light_span_context(op.trace_id, span_id, op.flags))
         stack = self._stack()
         if not stack and op.adopted:  # a top-level call of an operation continued in this process
