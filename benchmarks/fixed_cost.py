@@ -152,7 +152,7 @@ class _BareSpansByHand(DCPLoggerTap):
     """
 
     def __init__(self, logger: Any, tracer: trace.Tracer) -> None:
-        super().__init__(logger, SimpleNamespace(on_record=self._span))  # type: ignore[arg-type]
+        super().__init__(logger, SimpleNamespace(on_record=self._span, lane=None))  # type: ignore[arg-type]
         self.tracer, self.open, self.spans = tracer, {}, 0
 
     def _span(self, msg: dict[str, Any]) -> bool:
@@ -177,7 +177,7 @@ class _DesignCore(DCPLoggerTap):
     """
 
     def __init__(self, logger: Any) -> None:
-        super().__init__(logger, SimpleNamespace(on_record=self._raw_record))  # type: ignore[arg-type]
+        super().__init__(logger, SimpleNamespace(on_record=self._raw_record, lane=None))  # type: ignore[arg-type]
         self.local, self.wrapped = threading.local(), []
         self.var: Any = getattr(getattr(context, "_RUNTIME_CONTEXT", None), "_current_context", None)
         self.trace_id = random.getrandbits(128) or 1
@@ -238,7 +238,7 @@ class _TrivialOps(DCPLoggerTap):
     """The tap, its recorder's hot path replaced by ``loops`` additions to a local integer per record."""
 
     def __init__(self, logger: Any, loops: int) -> None:
-        super().__init__(logger, SimpleNamespace(on_record=self._count))  # type: ignore[arg-type]
+        super().__init__(logger, SimpleNamespace(on_record=self._count, lane=None))  # type: ignore[arg-type]
         self.loops = loops
 
     def _count(self, msg: dict[str, Any]) -> bool:

@@ -139,3 +139,12 @@ def test_a_per_key_start_inside_another_step_is_an_orphan(traced) -> None:
     log(record("end", "op", t=T0 + 4))
     assert problems() == {"orphan_key_event": 1}
     assert traced.recorder().stack_depth() == 0
+
+
+def test_a_key_whose_end_reads_earlier_than_its_start_counts_as_taking_no_time(traced) -> None:
+    """torch stamps records with the wall clock, which a time step can set back while a key converts."""
+    _conversion_with_keys([("k1", "model", 50), ("k2", "optim", -30), ("k3", "step", 5)])
+    (convert,) = [s for s in traced.spans() if s.name == "dcp._stateful_to_state_dict"]
+    assert convert.attributes["dcp.state_dict.keys"] == 3
+    assert convert.attributes["dcp.state_dict.keys_seconds"] == pytest.approx(55 / 1e9)
+    assert problems() == {} and traced.recorder().stack_depth() == 0

@@ -199,7 +199,7 @@ def test_a_stand_in_logger_of_another_kind_gets_every_record_and_the_tap_never_r
             self.seen.append((msg, kwargs))
 
     stand_in, fed = Slotted(), []
-    tap = DCPLoggerTap(stand_in, SimpleNamespace(on_record=lambda msg: fed.append(msg) or True))  # type: ignore[arg-type]
+    tap = DCPLoggerTap(stand_in, SimpleNamespace(on_record=lambda msg: fed.append(msg) or True, lane=None))  # type: ignore[arg-type]
     tap.debug({"event": "start"})
     tap.debug({"event": "end"}, stacklevel=3)
     assert fed == [{"event": "start"}, {"event": "end"}]

@@ -86,7 +86,11 @@ class DCPLoggerTap:
                     held: Any = lane.held
                     if msg is held:  # the open key's end: torch ends a call with the dict it began it with
                         took = msg["time"] - lane.start_ns
-                        if msg["event"] == "end" and took >= 0:
+                        if msg["event"] == "end":
+                            if took < 0:  # (the wall clock stepped back meanwhile)
+                                took = 0
+                            if lane.stack[-1] is not lane.call:  # a call inside the key left open (cut short)
+                                _close_above_the_conversion(self.recorder, lane, msg)
                             lane.held = None
                             stats = lane.stats  # (KeyStats.add, in this frame)
                             stats.count += 1
@@ -94,7 +98,7 @@ class DCPLoggerTap:
                             if took >= stats.floor:
                                 stats.slow(took, msg["func_name"])
                             taken = True
-                    elif held is None:
+                    elif held is None and lane.stack[-1] is lane.call:  # (not while a call inside it runs)
                         if msg["event"] == "start" and msg["func_name"].startswith(_KEY_PREFIX):
                             start = msg["time"]
                             if start > 0:  # (not a number: TypeError, the general way)
@@ -102,7 +106,7 @@ class DCPLoggerTap:
                                 lane.held = msg
                                 taken = True
                     else:
-                        taken = _ended_in_a_copy(lane, msg)
+                        taken = _ended_in_a_copy(self.recorder, lane, msg)
                 except Exception as exc:  # noqa: BLE001 - not the lane's (no dict, a field missing): the general way
                     reraise_if_signalled(exc)
                     taken = False
@@ -122,7 +126,7 @@ class DCPLoggerTap:
     def error(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         try:
             lane = self.recorder.lane
-            if lane is None or lane.thread != _get_ident() or not _lane_failed(lane, msg):
+            if lane is None or lane.thread != _get_ident() or not _lane_failed(self.recorder, lane, msg):
                 self.feed(msg)  # (not a hot path: debug inlines feed, error need not)
             self.logger.error(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
         except BaseException:
@@ -182,25 +186,40 @@ def _of_the_open_key(lane: KeyLane, msg: Any) -> bool:
     return type(uuid) is str and uuid == held.get("uuid") and msg.get("func_name") == held.get("func_name")
 
 
-def _ended_in_a_copy(lane: KeyLane, msg: Any) -> bool:
+def _ended_in_a_copy(recorder: SpanRecorder, lane: KeyLane, msg: Any) -> bool:
     """The open key's end in another dict than its start's (not torch's way; a test's, a replay's): taken."""
     if not _of_the_open_key(lane, msg) or msg.get("event") != "end":
         return False
     time_ns = msg.get("time")
     if type(time_ns) is not int:
         return False
+    _close_above_the_conversion(recorder, lane, msg)
     lane.held = None
     lane.stats.add(msg["func_name"], max(0, time_ns - lane.start_ns))
     return True
 
 
-def _lane_failed(lane: KeyLane, msg: Any) -> bool:
+def _lane_failed(recorder: SpanRecorder, lane: KeyLane, msg: Any) -> bool:
     """Whether ``msg`` is the open key's exception (then named on its conversion, the key closed)."""
     if not _of_the_open_key(lane, msg) or msg.get("event") != "exception":
         return False
+    _close_above_the_conversion(recorder, lane, msg)
     lane.held = None
     lane.stats.failed_key = key_of(msg["func_name"])
     return True
+
+
+def _close_above_the_conversion(recorder: SpanRecorder, lane: KeyLane, msg: dict[str, Any]) -> None:
+    """The open key's end or exception came with calls of that key still open above its conversion (an end cut
+    short by a signal handler's exception): ended here, failed, as the general path ends them."""
+    stack = lane.stack
+    for index in range(len(stack) - 1, -1, -1):
+        if stack[index] is lane.call:
+            if index < len(stack) - 1:
+                time_ns = msg.get("time")
+                recorder._close_above(stack, index, time_ns if type(time_ns) is int else 0,
+                                      f"the conversion of {key_of(str(msg.get('func_name')))!r} ended")  # fmt: skip
+            return
 
 
 def _fed_nothing(msg: Any) -> bool:

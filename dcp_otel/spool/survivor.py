@@ -47,6 +47,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
+from dcp_otel._wake import Wake
 from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
 from dcp_otel.spool import layout
 from dcp_otel.spool.reader import Death, RecordError, read_record
@@ -115,7 +116,7 @@ class Survivor:
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = Wake()  # (set from the training thread too: see dcp_otel._wake)
         self._idle = threading.Condition()
         self._busy = False
         self._quiet = False  # a look is held back while this process is inside a checkpoint call (see nudge)
@@ -179,7 +180,7 @@ class Survivor:
 
     def nudge(self) -> None:
         """A checkpoint operation's call ended (called on its thread, once a checkpoint): a look held back while
-        it ran happens now. An ``Event.set``, only while the thread holds a look back."""
+        it ran happens now. One lock release (:class:`~dcp_otel._wake.Wake`), only while the thread holds a look back."""
         if self._quiet:
             self._wake.set()
 

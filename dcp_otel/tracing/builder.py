@@ -44,6 +44,7 @@ from opentelemetry import trace
 
 from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
+from dcp_otel._wake import Wake
 from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.spool.record import ProcessRecord
@@ -120,7 +121,7 @@ class SpanBuilder:
         self._closed = False
         # Set by drain() and close(): build now, with the training steps seen so far (not waiting for the next one).
         self._hurry = threading.Event()
-        self._nudged = threading.Event()  # something a waiting builder waits for may have happened (see nudge)
+        self._nudged = Wake()  # something a waiting builder waits for may have happened (see nudge)
         self._draining = 0  # drains that hurry, waiting now: nothing is deferred meanwhile (a later submit too)
         self.peak_depth = 0
         self.busy_ns = 0
@@ -309,7 +310,8 @@ class SpanBuilder:
             now = time.time_ns()
             if now >= longest or (now >= until and not self._may_defer()):
                 break
-            self._nudged.wait(min(_LOOK_EVERY_S, (longest - now) / 1e9))
+            # (until ``until`` at most: past it, a checkpoint call's end, not the next look, lets it build)
+            self._nudged.wait(min(_LOOK_EVERY_S, ((until if now < until else longest) - now) / 1e9))
         CLOCK.wake_on_step(None)
 
     def _may_defer(self) -> bool:
@@ -338,7 +340,8 @@ class SpanBuilder:
 
     def nudge(self) -> None:
         """Wake a waiting builder to look again (a checkpoint operation's call ended: once a checkpoint, on the
-        caller's thread; a drain; a queue grown long). An ``Event.set``: no waiting, about 1 us."""
+        caller's thread; a drain; a queue grown long). One lock release (:class:`~dcp_otel._wake.Wake`): no waiting,
+        and nothing a signal handler's exception can leave held."""
         self._nudged.set()
 
     def _interference(self, op: Operation) -> None:

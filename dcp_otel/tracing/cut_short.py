@@ -85,6 +85,8 @@ class CutShort:
 
         def _close(self, call: Call, end_ns: int, parent: Call | None, again: bool = False) -> None: ...
 
+        def release_lane(self, call: Call) -> None: ...
+
         def _hand_on(self, call: Call, op: Operation) -> None: ...
 
     def cut_short(self, msg: Any) -> None:
@@ -144,6 +146,8 @@ class CutShort:
                 break
         found = self._open.pop(uuid, None)
         call = call or found
+        if call is not None and call.keys is not None:  # a conversion: the per-key lane is free again
+            self.release_lane(call)
         record = self.record
         if call is not None and call.span_id:
             if call.rec >= 0 and record is not None:  # its entry in the record: as if never written

@@ -12,22 +12,25 @@ that reaches its floor. Nothing per key goes on the thread's stack, and nothing 
 collector tracks: a per-key call has no span and no context, and a stall report never named one (it has no
 operation).
 
-One lane at a time, for one conversion: a conversion on another thread, or one nested inside a key of the lane's
-(a ``Stateful`` whose ``state_dict`` saves), takes the general path (the nested one suspends the lane until it
-ends), which summarizes the same way. Whatever the lane does not recognize (a second start before an end, an end
-of another key, an exception, anything malformed) goes the general way too, where it is reported as before.
+One lane at a time, for one conversion, and only while that conversion is the innermost call on its thread: a
+conversion on another thread takes the general path (a per-key call on its thread's stack), which summarizes the
+same way, and so do the calls inside one of the lane's keys (a ``Stateful`` whose ``state_dict`` saves: that
+save's conversion finds the lane held). Whatever the lane does not recognize (a second start before an end, an
+end of another key, an exception, anything malformed) goes the general way too, where it is reported as before.
+A lane whose conversion is no longer open (its start cut short by a signal handler's exception, the process's
+ending) is free for the next conversion.
 
 Usage (what :class:`~dcp_otel.tracing.tracker.SpanRecorder` does when a conversion starts and ends)::
 
     recorder.open_lane(call)       # call.keys is its KeyStats
-    ...                            # the tap: lane.held, lane.start_ns, lane.stats.count, ...
+    ...                            # the tap: lane.stack[-1] is lane.call, lane.held, lane.stats.count, ...
     recorder.release_lane(call)
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcp_otel.tracing.records import Call, KeyStats
 
@@ -35,11 +38,11 @@ from dcp_otel.tracing.records import Call, KeyStats
 class KeyLane:
     """The per-key records of one conversion on one thread; read and written by that thread only (the tap)."""
 
-    __slots__ = ("thread", "owner", "call", "stats", "held", "start_ns")
+    __slots__ = ("thread", "stack", "call", "stats", "held", "start_ns")
 
-    def __init__(self, thread: int, call: Call, stats: KeyStats) -> None:
-        self.thread = thread  # the thread whose records it takes: 0 while a nested conversion runs on it
-        self.owner = thread
+    def __init__(self, thread: int, stack: list[Call], call: Call, stats: KeyStats) -> None:
+        self.thread = thread  # the thread whose records it takes
+        self.stack = stack  # that thread's open calls: the lane's only while ``call`` is the innermost
         self.call = call
         self.stats = stats  # what a key's end adds to (KeyStats.add, done in the tap's frame)
         self.held: dict[str, Any] | None = None  # the open key's start record (torch ends it with the same dict)
@@ -49,30 +52,27 @@ class KeyLane:
 class KeyLanes:
     """The recorder's one lane (a mixin of :class:`~dcp_otel.tracing.tracker.SpanRecorder`)."""
 
+    if TYPE_CHECKING:  # what the recorder holds
+        _open: dict[str, Call]
+
+        def _stack(self) -> list[Call]: ...
+
     #: The lane open now, if any (the tap reads it before anything else, for every record).
     lane: KeyLane | None = None
 
     def open_lane(self, call: Call) -> None:
-        """Conversion ``call`` (its ``keys`` set) starts on this thread: it takes the lane if it is free."""
+        """Conversion ``call`` (its ``keys`` set) starts on this thread: it takes the lane unless an open
+        conversion holds it."""
         stats = call.keys
         if stats is None:
             return
-        me = threading.get_ident()
         lane = self.lane
-        if lane is not None and not lane.call.end_ns:  # (a conversion ended without release is free: never)
-            if lane.owner == me and lane.thread == me:  # nested in one of its keys: that key ends after this
-                lane.thread = 0  # its records take the general path until this conversion ends
-                call.suspended = lane
-            return
-        self.lane = KeyLane(me, call, stats)
+        if lane is not None and self._open.get(lane.call.uuid) is lane.call:
+            return  # held (by a conversion on another thread, or by the one a key of which runs this one)
+        self.lane = KeyLane(threading.get_ident(), self._stack(), call, stats)
 
     def release_lane(self, call: Call) -> None:
-        """Conversion ``call`` ended (or was ended): its lane is free, a lane it suspended resumes."""
+        """Conversion ``call`` ended (or was ended, or its start undone): the lane, if it held it, is free."""
         lane = self.lane
         if lane is not None and lane.call is call:
             self.lane = None
-        suspended: KeyLane | None = call.suspended
-        if suspended is not None:
-            call.suspended = None
-            if self.lane is suspended:  # (the lane it held back is still the lane)
-                suspended.thread = suspended.owner

@@ -143,7 +143,6 @@ class Call:
     arrivals: list[tuple[int, int]] | None = None  # the coordinator's write gather: (rank, since_ns) each sent
     helpers: set[int] | None = None  # threads working for it now (a pool's), whose stacks a stall report adds
     summary: Any = None  # what it did, summarized by the builder (``summary.to_attributes()``): a library's items
-    suspended: Any = None  # a conversion's: the per-key lane it suspended (dcp_otel.tracing.key_lane)
 
     def __init__(
         self,

@@ -32,6 +32,8 @@ import time
 from collections import deque
 from typing import Any, Final
 
+from dcp_otel._wake import Wake
+
 #: Step ends kept: a baseline before a checkpoint and the steps its upload overlapped, at 10 steps/s for 6 minutes.
 RING: Final = 4096
 _MASK: Final = RING - 1
@@ -51,7 +53,7 @@ class StepClock:
         self.blocked: deque[tuple[int, int]] = deque(maxlen=256)
         self._handle: Any = None
         self._lock = threading.Lock()
-        self._waiter: threading.Event | None = None  # set when the next step ends (wake_on_step)
+        self._waiter: Wake | None = None  # set when the next step ends (wake_on_step)
 
     def _hook(self, optimizer: object, args: object, kwargs: object) -> None:
         # The hot path: every training step. A step of the pace optimizer is one list store and one int store.
@@ -77,9 +79,9 @@ class StepClock:
         self.thread = threading.get_ident()  # the training thread: its checkpoint calls are its blocked time
         self._hook(optimizer, None, None)
 
-    def wake_on_step(self, event: threading.Event | None) -> None:
-        """Set ``event`` when the next step of the pace optimizer ends (once); ``None``: forget it."""
-        self._waiter = event
+    def wake_on_step(self, wake: Wake | None) -> None:
+        """Set ``wake`` when the next step of the pace optimizer ends (once); ``None``: forget it."""
+        self._waiter = wake
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
