@@ -13,6 +13,7 @@ Usage::
     wake.set()                      # any thread, any time; a wake already pending stays one
     wake.clear()                    # the waiter: forget a pending wake, then look at what it waits for
     woken = wake.wait(0.5)          # the waiter: True if woken (the wake is taken), False past the timeout
+    wake.is_set()                   # or, never waited for, a flag (the builder's hurry): set until cleared
 """
 
 from __future__ import annotations
@@ -42,5 +43,5 @@ class Wake:
         return self._lock.acquire(timeout=max(0.0, timeout))
 
     def is_set(self) -> bool:
-        """Whether a wake is pending (for tests and diagnostics)."""
+        """Whether a wake is pending (read without taking it)."""
         return not self._lock.locked()

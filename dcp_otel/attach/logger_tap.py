@@ -188,24 +188,30 @@ def _of_the_open_key(lane: KeyLane, msg: Any) -> bool:
 
 def _ended_in_a_copy(recorder: SpanRecorder, lane: KeyLane, msg: Any) -> bool:
     """The open key's end in another dict than its start's (not torch's way; a test's, a replay's): taken."""
-    if not _of_the_open_key(lane, msg) or msg.get("event") != "end":
-        return False
-    time_ns = msg.get("time")
+    time_ns = msg.get("time") if type(msg) is dict else None
     if type(time_ns) is not int:
         return False
-    _close_above_the_conversion(recorder, lane, msg)
-    lane.held = None
-    lane.stats.add(msg["func_name"], max(0, time_ns - lane.start_ns))
+    start_ns = lane.start_ns
+    if not _closed_the_open_key(recorder, lane, msg, "end"):
+        return False
+    lane.stats.add(msg["func_name"], max(0, time_ns - start_ns))
     return True
 
 
 def _lane_failed(recorder: SpanRecorder, lane: KeyLane, msg: Any) -> bool:
     """Whether ``msg`` is the open key's exception (then named on its conversion, the key closed)."""
-    if not _of_the_open_key(lane, msg) or msg.get("event") != "exception":
+    if not _closed_the_open_key(recorder, lane, msg, "exception"):
+        return False
+    lane.stats.failed_key = key_of(msg["func_name"])
+    return True
+
+
+def _closed_the_open_key(recorder: SpanRecorder, lane: KeyLane, msg: Any, kind: str) -> bool:
+    """Whether ``msg`` is the open key's record of ``kind`` (then the key is closed, and what it left open)."""
+    if not _of_the_open_key(lane, msg) or msg.get("event") != kind:
         return False
     _close_above_the_conversion(recorder, lane, msg)
     lane.held = None
-    lane.stats.failed_key = key_of(msg["func_name"])
     return True
 
 

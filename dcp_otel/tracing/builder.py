@@ -120,7 +120,7 @@ class SpanBuilder:
         self._running: threading.Thread | None = None  # the thread that is in _run (see _start_thread)
         self._closed = False
         # Set by drain() and close(): build now, with the training steps seen so far (not waiting for the next one).
-        self._hurry = threading.Event()
+        self._hurry = Wake()  # (a flag set from the training thread too, in a flush: see dcp_otel._wake)
         self._nudged = Wake()  # something a waiting builder waits for may have happened (see nudge)
         self._draining = 0  # drains that hurry, waiting now: nothing is deferred meanwhile (a later submit too)
         self.peak_depth = 0

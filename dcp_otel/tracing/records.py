@@ -200,8 +200,9 @@ class KeyCall(Call):
     0), no context, its time summarized on its conversion's :class:`KeyStats` when it returns.
 
     Made only where the per-key lane (:mod:`~dcp_otel.tracing.key_lane`) does not take a key (a conversion on a
-    second thread, or nested in a key), one a key on the caller's thread: only the three fields it needs are set; everything else a reader of the thread's stack asks a :class:`Call` is a class default
-    here (a value set later goes to the instance, as on a call).
+    second thread, or nested in a key), one a key on the caller's thread: only the three fields it needs are set;
+    everything else a reader of the thread's stack asks a :class:`Call` is a class default here (a value set
+    later goes to the instance, as on a call).
     """
 
     __slots__ = ()

@@ -103,9 +103,9 @@ class StepClock:
         count = self.count
         ring = self._ring
         first = max(0, count - RING + 16)
-        lo, hi = first & _MASK, count & _MASK  # (sliced in C: the builder reads it twice a checkpoint)
-        if count - first == 0:
+        if count == first:
             return [], first
+        lo, hi = first & _MASK, count & _MASK  # (sliced in C: the builder reads it twice a checkpoint)
         return (ring[lo:hi] if lo < hi else ring[lo:] + ring[:hi]), first
 
     def last_end(self) -> int:
