@@ -8,10 +8,11 @@ daemon thread per process (``dcp-otel-builder``) then, per operation:
 
 1. records its metrics (step and operation histograms with their exemplars,
    byte counters: the byte counts are summed here, not on the caller's thread);
-2. for an async save in a process whose optimizer steps are seen, waits (bounded, polled, cut short by a
+2. for an async save in a process whose optimizer steps are seen, waits (bounded, woken, cut short by a
    flush) for the training step its upload ended in, and measures what it cost the steps beside it
-   (:mod:`dcp_otel.tracing.interference`): onto its spans, into the metrics;
-3. waits (bounded, polled, cut short by a flush) while a thread is inside a checkpoint call: the next
+   (:mod:`dcp_otel.tracing.step_measures`): onto its spans, into the metrics; between checkpoints it folds
+   the steps seen into the step histogram every few seconds;
+3. waits (bounded, woken, cut short by a flush) while a thread is inside a checkpoint call: the next
    ``async_save``'s staging often starts as the previous upload is awaited, and building beside it took
    the interpreter from the caller's call (:meth:`SpanBuilder.defer`);
 4. asks the :class:`~dcp_otel.tracing.detail.DetailPolicy` how much to export;
@@ -50,7 +51,7 @@ from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.detail import DetailPolicy, named_straggler, summary_attributes
 from dcp_otel.tracing.emit import Emitter
-from dcp_otel.tracing.interference import StepLedger, assess, wait_until_ns
+from dcp_otel.tracing.interference import StepLedger, wait_until_ns
 from dcp_otel.tracing.measure import count_bytes, measure
 from dcp_otel.tracing.outcome import at_risk
 from dcp_otel.tracing.records import (
@@ -63,6 +64,7 @@ from dcp_otel.tracing.records import (
     DurationHistory,
     Operation,
 )
+from dcp_otel.tracing.step_measures import FOLD_EVERY_S, StepMeasures
 from dcp_otel.tracing.steps import CLOCK, HURRY
 from dcp_otel.tracing.trace_ids import chosen_ids_tracer
 
@@ -87,7 +89,7 @@ def _yield() -> None:
     time.sleep(0)
 
 
-class SpanBuilder:
+class SpanBuilder(StepMeasures):
     """One process's builder thread and its bounded queue; :meth:`submit` never blocks."""
 
     def __init__(self, policy: DetailPolicy, metrics: MetricsSink | None, max_queued: int) -> None:
@@ -105,6 +107,8 @@ class SpanBuilder:
         self.keep: Callable[[list[list[Any]]], None] | None = None
         #: Whether a thread is inside a checkpoint operation's call now (set by the recorder): see :meth:`defer`.
         self.checkpointing: Callable[[], bool] = _never
+        #: When the earliest operation still open started (0: none; set by the recorder): see :meth:`_fold`.
+        self.open_since: Callable[[], int] = _none_open
         self._reset()
         _forksafe.register(self)
 
@@ -126,6 +130,11 @@ class SpanBuilder:
         self.peak_depth = 0
         self.busy_ns = 0
         self.built = 0
+        self.folds = 0  # the times the steps seen were folded into the histogram between checkpoints (see _fold)
+        # Folds of the steps seen into the histogram asked for (by a drain, the timer) and done (see _fold): a fold
+        # asked while one runs is another one (that one may have read the steps before the ask).
+        self._folds_asked = self._folds_done = 0
+        self._rank_label: str | None = None  # the rank the steps are of, as the last checkpoint said
 
     def _after_fork_in_child(self) -> None:
         """The child builds nothing of the parent's: a new queue, a new thread when needed."""
@@ -207,6 +216,12 @@ class SpanBuilder:
             self._nudged.set()
         with self._lock:
             queued = bool(self._queue)
+            # The steps since the last checkpoint, into the histogram too (an application's flush, the exit's), by a
+            # builder that runs (one that does not has no checkpoint yet, and no rank to say the steps are of).
+            fold = 0
+            if hurrying and self._rank_label is not None and self._thread is not None and self._thread.is_alive():
+                self._folds_asked += 1
+                fold = self._folds_asked
             self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
         if queued:
             self._start_thread()  # (none if one runs)
@@ -214,8 +229,8 @@ class SpanBuilder:
             self._draining += hurrying
             try:
                 if metrics_only:
-                    return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
-                return self._cond.wait_for(lambda: self._unbuilt == 0, timeout_s)
+                    return self._cond.wait_for(lambda: self._unmeasured == 0 and self._folds_done >= fold, timeout_s)
+                return self._cond.wait_for(lambda: self._unbuilt == 0 and self._folds_done >= fold, timeout_s)
             finally:
                 self._draining -= hurrying
 
@@ -238,14 +253,16 @@ class SpanBuilder:
     def _run(self) -> None:
         self._running = threading.current_thread()
         while True:
-            with self._lock:
-                while not self._queue:
-                    if self._closed:
+            item = self._next()
+            if item is None:
+                self._fold()
+                with self._lock:
+                    if self._closed and not self._queue:
                         self._thread = None
                         return
-                    self._hurry.clear()  # (every drain so far has what it waited for)
-                    self._cond.wait()
-                op, calls = self._queue.popleft()
+                continue
+            op, calls = item
+            self._rank_label = op.rank_label  # (the steps between checkpoints are this rank's: see _fold)
             started = time.thread_time_ns()  # CPU time: not the waits for the interpreter lock, nor the step's
             self._record_metrics(op, calls)
             with self._lock:
@@ -283,6 +300,19 @@ class SpanBuilder:
                 self.busy_ns += time.thread_time_ns() - started
                 self.built += 1
                 self._cond.notify_all()
+
+    def _next(self) -> tuple[Operation, list[Call]] | None:
+        """The next queued operation, waited for; ``None``: fold the steps seen (every :data:`FOLD_EVERY_S` between
+        checkpoints while steps are seen, when a drain asks, at the close)."""
+        with self._lock:
+            while not self._queue:
+                if self._folds_asked > self._folds_done or self._closed:
+                    return None
+                self._hurry.clear()  # (every drain so far has what it waited for)
+                folding = self._rank_label is not None and self._metrics is not None and CLOCK.installed
+                if not self._cond.wait(FOLD_EVERY_S if folding else None):
+                    self._folds_asked += 1
+            return self._queue.popleft()
 
     def _steps(self, op: Operation, calls: list[Call]) -> None:
         try:
@@ -344,27 +374,6 @@ class SpanBuilder:
         and nothing a signal handler's exception can leave held."""
         self._nudged.set()
 
-    def _interference(self, op: Operation) -> None:
-        """The operation's interference with training, on its spans and in the metrics; the steps since the last."""
-        ends, first = CLOCK.ends()
-        blocked = list(CLOCK.blocked)
-        ledger, metrics = self.ledger, self._metrics
-        window, upto = op.background, op.end_ns
-        if window is not None and not CLOCK.installed and CLOCK.removed_ns < window[1]:
-            window = None  # uninstrumented while it uploaded: the steps after that are unseen, nothing is said
-        if window is not None:
-            found = assess(ends, window, blocked, ledger.windows)
-            ledger.windows.append(window)
-            upto = next((end for end in ends if end >= window[1]), upto)
-            if found is not None:
-                op.attributes = {**op.attributes, **found.attributes()}  # (replaced, never mutated: shared)
-                if metrics is not None:
-                    metrics.training_interference(op.name, op.rank_label, found.lost_s)
-        if metrics is not None:  # a step beside this checkpoint's work links to its trace
-            for seconds, overlaps in ledger.new_steps(ends, first, upto, blocked):
-                exemplar = op.exemplar if overlaps == semconv.OVERLAPS_CHECKPOINT and window is not None else None
-                metrics.training_step(overlaps, op.rank_label, seconds, exemplar)
-
     def _record_metrics(self, op: Operation, calls: list[Call]) -> None:
         try:
             if self._metrics is not None:
@@ -417,6 +426,10 @@ class SpanBuilder:
 
 def _never() -> bool:
     return False
+
+
+def _none_open() -> int:
+    return 0
 
 
 #: The calls only a detailed rank exports: its steps, and DCP's collectives between them.

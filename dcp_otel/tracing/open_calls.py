@@ -103,6 +103,12 @@ class OpenCalls:
             report("recorder_error", "dcp_otel failed to read the open DCP calls", exc_info=True)
         return found
 
+    def open_since(self) -> int:
+        """When the earliest operation with a call open now started (0: none): the training steps after it may yet
+        overlap its background work (see :meth:`SpanBuilder._fold`). Read from the builder's thread."""
+        return min((call.op.start_ns or call.start_ns for call, _ in self.open_calls() if call.op is not None),
+                   default=0)  # fmt: skip
+
     def checkpointing(self) -> bool:
         """Whether a thread is inside a checkpoint operation's call now (``save``, ``async_save``'s staging, a
         ``load``): what the builder waits out before it builds (see :meth:`SpanBuilder.defer`). An upload's

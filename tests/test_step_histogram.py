@@ -1,0 +1,108 @@
+"""Every training step reaches ``dcp_training_step_seconds``, between checkpoints too, and never too early.
+
+The builder folds the steps the optimizer hook saw into the histogram as it builds each checkpoint, and also
+between checkpoints: every few seconds while steps are seen and no checkpoint comes, and when a flush asks
+(``dcp_otel.flush()``, the exit's). A step is folded only once nothing still open can overlap it: an upload in
+flight holds back the steps after its start until its checkpoint is built, and then they count as overlapping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from prometheus_client import CollectorRegistry
+
+import dcp_otel
+from dcp_otel import semconv
+from dcp_otel.tracing import builder as building
+from dcp_otel.tracing import step_measures
+from tests.conftest import Traced
+from tests.test_builder import STATE, HeldWriter
+
+
+def steps_counted(registry: CollectorRegistry, overlaps: str) -> float:
+    """The number of training steps in the histogram with ``overlaps``, as a scrape reads it."""
+    return sum(sample.value for family in registry.collect() if family.name == semconv.METRIC_TRAINING_STEP
+               for sample in family.samples
+               if sample.name.endswith("_count") and sample.labels.get(semconv.LABEL_OVERLAPS) == overlaps)  # fmt: skip
+
+
+class Loop:
+    """A training loop's steps: a model, an optimizer, ``step(n)``."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(4, 4)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            self.model(torch.ones(4)).sum().backward()
+            self.optimizer.step()
+
+
+@pytest.fixture
+def no_lag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_measures, "FOLD_LAG_S", 0.0)  # (a step is folded once a second old: at once here)
+
+
+def test_a_flush_puts_the_steps_since_the_last_checkpoint_in_the_histogram(traced: Traced, tmp_path: Path,
+                                                                           no_lag: None) -> None:  # fmt: skip
+    loop = Loop()
+    loop.step(3)
+    dcp.save(STATE, checkpoint_id=str(tmp_path / "a"))
+    assert dcp_otel.flush(timeout_s=30)
+    before = steps_counted(traced.registry, semconv.OVERLAPS_NONE)
+    assert before == 2  # the steps between the first three ends
+    loop.step(5)  # no checkpoint after these
+    assert dcp_otel.flush(timeout_s=30)
+    assert steps_counted(traced.registry, semconv.OVERLAPS_NONE) == before + 5
+    assert steps_counted(traced.registry, semconv.OVERLAPS_CHECKPOINT) == 0
+
+
+def test_between_checkpoints_the_builder_folds_the_steps_unasked(traced: Traced, tmp_path: Path, no_lag: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A scrape between two checkpoints an hour apart sees the steps since the first (and the ring of 4,096
+    step ends no longer loses the rest of an hour's): the builder wakes every FOLD_EVERY_S to fold them."""
+    monkeypatch.setattr(building, "FOLD_EVERY_S", 0.05)
+    builder = traced.recorder().builder
+    loop = Loop()
+    loop.step(3)
+    dcp.save(STATE, checkpoint_id=str(tmp_path / "a"))
+    assert dcp_otel.flush(timeout_s=30)  # (built; its fold asked, the builder's next wait is the patched one)
+    before = steps_counted(traced.registry, semconv.OVERLAPS_NONE)
+    with builder._lock:
+        folds = builder.folds
+    loop.step(4)
+    with builder._cond:  # two folds more: the second began after the last step ended
+        assert builder._cond.wait_for(lambda: builder.folds >= folds + 2, timeout=30)
+    assert steps_counted(traced.registry, semconv.OVERLAPS_NONE) == before + 4
+
+
+def test_steps_beside_an_upload_in_flight_wait_for_its_checkpoint_and_count_as_overlapping_it(
+        traced: Traced, tmp_path: Path, no_lag: None) -> None:  # fmt: skip
+    builder = traced.recorder().builder
+    loop = Loop()
+    loop.step(2)
+    dcp.save(STATE, checkpoint_id=str(tmp_path / "a"))
+    assert dcp_otel.flush(timeout_s=30)
+    loop.step(4)  # 4 steps between the checkpoints
+    upload = HeldWriter(str(tmp_path / "async"))
+    try:
+        future = dcp.async_save(STATE, storage_writer=upload)
+        assert upload.inside.wait(30)
+        loop.step(3)  # beside the upload
+        # (dcp_otel.flush() would wait for the upload: the builder's own drain is what a flush asks of it)
+        assert builder.drain(30)  # folds the steps before the async save, none of those beside it
+        assert steps_counted(traced.registry, semconv.OVERLAPS_NONE) == 1 + 4
+        assert steps_counted(traced.registry, semconv.OVERLAPS_CHECKPOINT) == 0
+        upload.release.set()
+        future.result(timeout=30)
+        loop.step(1)  # the step the upload ended in
+        assert dcp_otel.flush(timeout_s=30)
+        assert steps_counted(traced.registry, semconv.OVERLAPS_CHECKPOINT) == 3 + 1  # each one beside the upload
+        assert steps_counted(traced.registry, semconv.OVERLAPS_NONE) == 1 + 4  # none of them as "none"
+    finally:
+        HeldWriter.release_all()
