@@ -185,3 +185,28 @@ def test_instrumenting_again_starts_a_new_clock() -> None:
     finally:
         clock.remove()
     assert not clock.installed and clock.removed_ns > 0
+
+
+def test_the_step_table_is_each_step_against_each_interval_whatever_they_are() -> None:
+    """The builder finds each interval's steps by bisection; the definition is every step against every interval
+    (its time less its overlap with each blocked call, and whether any busy window overlaps it at all)."""
+    import random
+
+    from dcp_otel.tracing.interference import _overlap, step_table
+
+    rng = random.Random(48)
+    for _ in range(300):
+        ends = sorted(rng.sample(range(0, 2_000), rng.randint(2, 40)))
+        if rng.random() < 0.3:  # steps that end at the same time
+            ends = sorted(ends + ends[: rng.randint(1, 3)])
+
+        def intervals() -> list[tuple[int, int]]:
+            return [(a, a + rng.randint(0, 300)) for a in (rng.randint(-100, 2_100) for _ in range(rng.randint(0, 8)))]
+
+        blocked, busy = intervals(), intervals()
+        lo = rng.randint(1, len(ends) - 1)
+        hi = rng.randint(lo, len(ends))
+        steps = [(ends[k - 1], ends[k]) for k in range(lo, hi)]
+        expected = ([b - a - sum(_overlap((a, b), i) for i in blocked) for a, b in steps],
+                    [any(_overlap(step, w) for w in busy) for step in steps])  # fmt: skip
+        assert step_table(ends, lo, hi, blocked, busy) == expected, (ends, lo, hi, blocked, busy)
