@@ -26,7 +26,6 @@ import argparse
 import collections
 import contextvars
 import random
-import statistics
 import sys
 import time
 import types
@@ -47,6 +46,7 @@ import dcp_otel  # noqa: E402
 from dcp_otel.attach.wrapping import replace_plainly  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab import Measures, interleave, median, per_call  # noqa: E402
 from fixed_cost import gloo_world_of_one  # noqa: E402
 
 _ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-1000", "dcp.operation": "save",
@@ -55,13 +55,6 @@ _ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-10
 #: as torch 2.13 gives them (its ``_get_msg_dict``: strings) when torch.distributed is initialized.
 _FIELDS = {"func_name": "save", "checkpoint_id": "/dev/shm/checkpoints/step-1000", "pg_name": "None", "backend": "gloo",
            "world_size": "1", "group_size": "1", "global_rank": "0", "local_rank": "0", "log_exceptions": True}  # fmt: skip
-
-
-def _cpu_ns_per_call(fn: Callable[[], None], calls: int) -> float:
-    start = time.thread_time_ns()
-    for _ in range(calls):
-        fn()
-    return (time.thread_time_ns() - start) / calls
 
 
 def measure(repeats: int = 15, calls: int = 300) -> dict[str, float]:
@@ -136,23 +129,24 @@ def measure(repeats: int = 15, calls: int = 300) -> dict[str, float]:
         assert replace_plainly(Replaced, "gather_object", passing_replacer)
         wrapped_one, plain_one, replaced_one = Wrapped(), Plain(), Replaced()
 
-        arms: dict[str, Callable[[], Any]] = {"bare": bare, "operation": operation, "records": records, "core": core,
-                                              "wrapt": lambda: wrapped_one.gather_object(1),
-                                              "plain wrapper": lambda: plain_one.gather_object(1),
-                                              "replacement": lambda: replaced_one.gather_object(1)}  # fmt: skip
-        for fn in arms.values():
-            _cpu_ns_per_call(fn, 50)
-        found: dict[str, list[float]] = {name: [] for name in arms}
+        parts: dict[str, Callable[[], Any]] = {"bare": bare, "operation": operation, "records": records, "core": core,
+                                               "wrapt": lambda: wrapped_one.gather_object(1),
+                                               "plain wrapper": lambda: plain_one.gather_object(1),
+                                               "replacement": lambda: replaced_one.gather_object(1)}  # fmt: skip
+
+        def flushed() -> None:  # (the spans made so far exported and dropped, untimed: none piles up for the next)
+            provider.force_flush()
+            exporter.clear()
+
+        def timed(fn: Callable[[], Any]) -> Callable[[], Measures]:
+            return lambda: {"ns": per_call(fn, calls, time.thread_time_ns)}  # the training thread's CPU
+
         try:
-            for _ in range(repeats):
-                for name, fn in arms.items():
-                    found[name].append(_cpu_ns_per_call(fn, calls))
-                provider.force_flush()
-                exporter.clear()
+            found = interleave({name: timed(fn) for name, fn in parts.items()}, repeats, warm=1, between=flushed)
         finally:
             del builder.submit
             dcp_otel.uninstrument()
-    return {name: statistics.median(values) for name, values in found.items()}
+    return {name: median(found, name, "ns") for name in parts}
 
 
 def main() -> None:

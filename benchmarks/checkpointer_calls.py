@@ -38,8 +38,9 @@ from torch.distributed.checkpoint._experimental import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ab import Measures, Results, interleave, print_side_by_side  # noqa: E402
 from overhead import discarding_provider, init_process  # noqa: E402
-from state_dict_calls import medians, print_side_by_side, traced_vs_plain  # noqa: E402
+from state_dict_calls import traced_vs_plain  # noqa: E402
 
 import dcp_otel  # noqa: E402
 
@@ -52,7 +53,7 @@ def state() -> dict[str, object]:
     return {"w": torch.ones(256, 256), "b": torch.zeros(256), "step": 1}
 
 
-def measure_sync(folder: str, repeats: int, calls: int) -> dict[str, dict[str, float]]:
+def measure_sync(folder: str, repeats: int, calls: int) -> Results:
     checkpointer, sd, path = make_sync_checkpointer(rank_info=RANK), state(), os.path.join(folder, "sync")
     provider = discarding_provider()
     arms: dict[str, Callable[[], object]] = {
@@ -64,34 +65,35 @@ def measure_sync(folder: str, repeats: int, calls: int) -> dict[str, dict[str, f
     return found
 
 
-def measure_async(folder: str, repeats: int, saves: int) -> dict[str, dict[str, float]]:
-    """Each arm makes its own AsyncCheckpointer (its process is traced only if made while instrumented)."""
+def measure_async(folder: str, repeats: int, saves: int) -> Results:
+    """Each block makes its own AsyncCheckpointer (its process is traced only if made while instrumented)."""
     provider, sd = discarding_provider(), state()
-    times: dict[tuple[str, str], list[float]] = {}
-    for i in range(repeats):
-        for traced in ((False, True) if i % 2 == 0 else (True, False)):
-            kind = "traced" if traced else "plain"
-            if traced:
-                dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
-            checkpointer = make_async_checkpointer(CheckpointerConfig(staging_config=STAGING), rank_info=RANK,
-                                                   subprocess_init_fn=init_process)  # fmt: skip
-            futures = checkpointer.save(os.path.join(folder, "warm"), sd)  # starts the process
+
+    def block(traced: bool) -> list[Measures]:
+        if traced:
+            dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+        checkpointer = make_async_checkpointer(CheckpointerConfig(staging_config=STAGING), rank_info=RANK,
+                                               subprocess_init_fn=init_process)  # fmt: skip
+        futures = checkpointer.save(os.path.join(folder, "warm"), sd)  # starts the process
+        assert futures is not None
+        futures[1].result()
+        found = []
+        for n in range(saves):
+            start = time.perf_counter()
+            futures = checkpointer.save(os.path.join(folder, f"async-{n % 2}"), sd)
+            returned = time.perf_counter()
             assert futures is not None
             futures[1].result()
-            for n in range(saves):
-                start = time.perf_counter()
-                futures = checkpointer.save(os.path.join(folder, f"async-{n % 2}"), sd)
-                returned = time.perf_counter()
-                assert futures is not None
-                futures[1].result()
-                durable = time.perf_counter()
-                times.setdefault(("async save (returns)", kind), []).append(returned - start)
-                times.setdefault(("async save (durable)", kind), []).append(durable - start)
-            checkpointer.close()
-            if traced:
-                dcp_otel.uninstrument()
+            durable = time.perf_counter()
+            found.append({"async save (returns)": returned - start, "async save (durable)": durable - start})
+        checkpointer.close()
+        if traced:
+            dcp_otel.uninstrument()
+        return found
+
+    found = interleave({"plain": lambda: block(False), "traced": lambda: block(True)}, repeats)
     provider.shutdown()
-    return medians(times, ("async save (returns)", "async save (durable)"))
+    return found
 
 
 def main() -> None:
@@ -101,8 +103,10 @@ def main() -> None:
     warnings.simplefilter("ignore")
     with tempfile.TemporaryDirectory() as folder:
         found = measure_sync(folder, repeats=6 if args.quick else 20, calls=20 if args.quick else 50)
-        found.update(measure_async(folder, repeats=2 if args.quick else 4, saves=10 if args.quick else 30))
-    print_side_by_side(found, width=22)
+        timed = measure_async(folder, repeats=2 if args.quick else 4, saves=10 if args.quick else 30)
+        for arm, samples in timed.items():
+            found[arm] += samples
+    print_side_by_side(found, ("sync save", "sync load", "async save (returns)", "async save (durable)"), width=22)
 
 
 if __name__ == "__main__":

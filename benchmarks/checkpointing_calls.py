@@ -25,6 +25,7 @@ is off the caller's thread, and its time is inside "durable"); the exporter's ne
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -45,13 +46,15 @@ from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ab import Measures, Results, interleave, median, per_call, print_side_by_side  # noqa: E402
 from overhead import bytecode, discarding_provider, init_process  # noqa: E402
-from state_dict_calls import medians, print_side_by_side  # noqa: E402
 
 import dcp_otel  # noqa: E402
 
 STORAGE = LocalFileSystemStorageConfig(use_direct_io=False)
 KEYS = ("model", "optimizer", "step")
+#: The calls timed, as printed (the last three an async save's: a sample each).
+TIMED = ("sync save", "load", "async save (returns)", "  its caller's CPU", "async save (durable)")
 
 
 def state() -> dict[str, object]:
@@ -129,30 +132,27 @@ def measure_bill(folder: str) -> dict[str, float]:
     return found
 
 
-def measure_time(folder: str, repeats: int, calls: int) -> dict[str, dict[str, float]]:
+def measure_time(folder: str, repeats: int, calls: int) -> Results:
+    """Per block (its own managers): the sync save's and the load's seconds per call over ``calls``, then each of
+    ``calls`` async saves' times (a sample each)."""
     provider = discarding_provider()
-    times: dict[tuple[str, str], list[float]] = {}
-    for i in range(repeats):
-        for traced in ((False, True) if i % 2 == 0 else (True, False)):
-            kind = "traced" if traced else "plain"
-            if traced:
-                dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
-            arms = Arms(os.path.join(folder, f"time-{i}-{kind}"))
-            for name, call in (("sync save", arms.sync_save), ("load", arms.load)):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                times.setdefault((name, kind), []).append((time.perf_counter() - start) / calls)
-            for _ in range(calls):
-                returned, cpu, durable = arms.async_save()
-                times.setdefault(("async save (returns)", kind), []).append(returned)
-                times.setdefault(("  its caller's CPU", kind), []).append(cpu)
-                times.setdefault(("async save (durable)", kind), []).append(durable)
-            arms.close()
-            if traced:
-                dcp_otel.uninstrument()
+    blocks = itertools.count()
+
+    def block(traced: bool) -> list[Measures]:
+        if traced:
+            dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+        arms = Arms(os.path.join(folder, f"time-{next(blocks)}"))
+        found = [{"sync save": per_call(arms.sync_save, calls), "load": per_call(arms.load, calls)}]
+        for _ in range(calls):
+            found.append(dict(zip(TIMED[2:], arms.async_save(), strict=True)))
+        arms.close()
+        if traced:
+            dcp_otel.uninstrument()
+        return found
+
+    found = interleave({"plain": lambda: block(False), "traced": lambda: block(True)}, repeats)
     provider.shutdown()
-    return medians(times, ("sync save", "load", "async save (returns)", "  its caller's CPU", "async save (durable)"))
+    return found
 
 
 def main() -> None:
@@ -175,8 +175,8 @@ def main() -> None:
         plain, traced = bill[f"{name} plain"], bill[f"{name} traced"]
         print(f"{name:<24} {plain:>9.0f} {traced:>10.0f} {traced - plain:>9.0f} {(traced - plain) / bare:>11.2f}")
     print()
-    print_side_by_side(found, width=24)
-    spread = statistics.median(row["traced"] / row["plain"] for row in found.values())
+    print_side_by_side(found, TIMED, width=24)
+    spread = statistics.median(median(found, "traced", name) / median(found, "plain", name) for name in TIMED)
     print(f"median traced/plain over the calls: {spread:.3f}")
 
 

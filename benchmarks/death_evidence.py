@@ -21,7 +21,7 @@ cost (none: it runs nothing as it dies); a slow collector (the agent's send is b
 from __future__ import annotations
 
 import argparse
-import statistics
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -30,6 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from ab import Measures, interleave, median  # noqa: E402
+
 from tests.otlp_receiver import OtlpReceiver  # noqa: E402
 from tests.ranks import WORKERS, rank_env  # noqa: E402
 
@@ -72,27 +75,28 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--death", default="SIGKILL", choices=["SIGKILL", "SIGABRT", "SEGV", "SIGTERM"])
     args = parser.parse_args()
-    ends: dict[bool, list[float]] = {False: [], True: []}
-    arrivals: list[float] = []
-    codes: dict[bool, set[int]] = {False: set(), True: set()}
     with tempfile.TemporaryDirectory() as tmp:
-        for run in range(args.runs):
-            for instrumented in (False, True) if run % 2 == 0 else (True, False):
-                took, arrived, code = once(Path(tmp) / f"{run}-{instrumented}", instrumented, args.death)
-                ends[instrumented].append(took)
-                codes[instrumented].add(code)
-                if instrumented:
-                    if arrived is None:
-                        raise SystemExit(f"death_evidence: run {run}: no interrupted write_data of rank 1 arrived")
-                    arrivals.append(arrived)
-    plain, traced = statistics.median(ends[False]), statistics.median(ends[True])
+        runs = itertools.count()
+
+        def arm(instrumented: bool) -> Measures:
+            run = next(runs)
+            took, arrived, code = once(Path(tmp) / str(run), instrumented, args.death)
+            if not instrumented:
+                return {"end": took, "exit": code}
+            if arrived is None:
+                raise SystemExit(f"death_evidence: run {run}: no interrupted write_data of rank 1 arrived")
+            return {"end": took, "exit": code, "arrival": arrived}
+
+        found = interleave({"plain": lambda: arm(False), "instrumented": lambda: arm(True)}, args.runs)
+    plain, traced = median(found, "plain", "end"), median(found, "instrumented", "end")
+    codes = {name: sorted({int(r["exit"]) for r in samples}) for name, samples in found.items()}
     print(f"rank 1 killed by {args.death} in write_data, torchrun with 2 gloo ranks, medians of {args.runs} "
           "interleaved runs:")  # fmt: skip
-    print(f"  {'death to the job end, plain':<50} {plain:6.2f} s   exit {sorted(codes[False])}")
-    print(f"  {'death to the job end, opentelemetry-instrument':<50} {traced:6.2f} s   exit {sorted(codes[True])}   "
+    print(f"  {'death to the job end, plain':<50} {plain:6.2f} s   exit {codes['plain']}")
+    print(f"  {'death to the job end, opentelemetry-instrument':<50} {traced:6.2f} s   exit {codes['instrumented']}   "
           f"added {traced - plain:+.2f} s")  # fmt: skip
-    print(f"  {'death to its interrupted write_data at the receiver':<50} {statistics.median(arrivals):6.2f} s   "
-          f"(slowest {max(arrivals):.2f} s)")  # fmt: skip
+    arrived, slowest = median(found, "instrumented", "arrival"), max(r["arrival"] for r in found["instrumented"])
+    print(f"  {'death to its interrupted write_data at the receiver':<50} {arrived:6.2f} s   (slowest {slowest:.2f} s)")
 
 
 if __name__ == "__main__":

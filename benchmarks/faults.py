@@ -18,7 +18,7 @@ import atexit
 import gc
 import shutil
 import socket
-import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -32,6 +32,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 import dcp_otel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab import Measures, interleave, median  # noqa: E402
 
 SAVES_PER_BLOCK = 3
 
@@ -59,7 +62,6 @@ def save_ratio(kind: str, repeats: int) -> tuple[float, float]:
                     else OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=5))  # fmt: skip
         provider.add_span_processor(BatchSpanProcessor(exporter))
         state = {f"layer{i}": torch.randn(1024, 1024) for i in range(16)}
-        times: dict[bool, list[float]] = {False: [], True: []}
         with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as root:
 
             def save() -> float:
@@ -70,19 +72,21 @@ def save_ratio(kind: str, repeats: int) -> tuple[float, float]:
                 shutil.rmtree(f"{root}/c")  # a filling /dev/shm would drift
                 return elapsed
 
+            def block(traced: bool) -> list[Measures]:
+                # A job instruments once: each arm is a block of saves after an
+                # untimed one, which pays what a first checkpoint pays once.
+                if traced:
+                    dcp_otel.instrument(tracer_provider=provider)
+                save()
+                found = [{"s": save()} for _ in range(SAVES_PER_BLOCK)]
+                if traced:
+                    dcp_otel.uninstrument()
+                return found
+
             save()
-            for i in range(repeats):
-                for traced in ((False, True) if i % 2 == 0 else (True, False)):
-                    # A job instruments once: each arm is a block of saves after an
-                    # untimed one, which pays what a first checkpoint pays once.
-                    if traced:
-                        dcp_otel.instrument(tracer_provider=provider)
-                    save()
-                    times[traced].extend(save() for _ in range(SAVES_PER_BLOCK))
-                    if traced:
-                        dcp_otel.uninstrument()
+            times = interleave({"plain": lambda: block(False), "traced": lambda: block(True)}, repeats)
         atexit.unregister(provider.shutdown)  # at exit it would wait for the stuck exporter
-    return statistics.median(times[False]), statistics.median(times[True])
+    return median(times, "plain", "s"), median(times, "traced", "s")
 
 
 def main() -> None:

@@ -57,21 +57,19 @@ the exporter's network work (an in-memory exporter here; ``faults.py`` has a rea
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
+import functools
 import gc
 import os
-import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -87,45 +85,29 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 import dcp_otel  # noqa: E402
 from dcp_otel.attach.logger_tap import DCPLoggerTap  # noqa: E402
-from dcp_otel.attach.patches import PATCHES, resolve
-from dcp_otel.attach.wrapping import wrap  # noqa: E402
-from dcp_otel.tracing.light import span_context as light_span_context  # noqa: E402
-from dcp_otel.tracing.light import with_span  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab import Measures, Results, interleave, median  # noqa: E402
+from hook_taps import BARE_ATTRIBUTES, BareSpansByHand, DesignCore, TrivialOps, made_by, tapped  # noqa: E402
 from overhead import bytecode  # noqa: E402
 
 ARMS = ("plain", "own", "own, no record", "by hand", "design core", "trivial ops", "settled", "back-to-back")
 #: The arms held back from the builder until their block ends (the training thread's own work).
 HELD = ("own", "own, no record")
-#: The bare span's attributes: as many as a step's own, of the same kinds.
-_BARE_ATTRIBUTES = {"dcp.rank": 0, "dcp.checkpoint_id": "/dev/shm/checkpoints/step-1000", "dcp.operation": "save",
-                    "dcp.world_size": 1}  # fmt: skip
+#: The arms that leave dcp-otel uninstrumented (the last three put a tap of their own at its hook).
+UNINSTRUMENTED = ("plain", "by hand", "design core", "trivial ops")
+#: The figures given per cycle (:func:`_spread`: the median cycle's, the lowest's and the highest's).
+SPREADS = ("bare_spans", "amid_spans", "core_spans", "record_spans")
 
 
-@contextlib.contextmanager
-def spool_off(off: bool) -> Iterator[None]:
-    """``DCP_OTEL_SPOOL_DIR=off`` while instrumenting, when ``off``."""
-    before = os.environ.get("DCP_OTEL_SPOOL_DIR")
-    if off:
-        os.environ["DCP_OTEL_SPOOL_DIR"] = "off"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("DCP_OTEL_SPOOL_DIR", None)
-        else:
-            os.environ["DCP_OTEL_SPOOL_DIR"] = before
-
-
-def _block(saves: int, root: str, state: dict[str, torch.Tensor], settle: bool = False) -> list[tuple[float, int]]:
-    """(wall seconds, training-thread CPU ns) of each save."""
+def _block(saves: int, root: str, state: dict[str, torch.Tensor], settle: bool = False) -> list[Measures]:
+    """Each save's ``wall`` seconds and ``cpu`` (training-thread CPU ns)."""
     took = []
     for i in range(saves):
         cpu0 = time.thread_time_ns()
         start = time.perf_counter()
         dcp.save(state, checkpoint_id=os.path.join(root, f"c{i % 4}"))
-        took.append((time.perf_counter() - start, time.thread_time_ns() - cpu0))
+        took.append({"wall": time.perf_counter() - start, "cpu": time.thread_time_ns() - cpu0})
         if settle:  # untimed: the builder and the exporter finish before the next save
             dcp_otel.flush(timeout_s=30)
     return took
@@ -135,128 +117,19 @@ def _bare_span_cpu_ns(tracer: trace.Tracer, spans: int = 200) -> float:
     """Training-thread CPU ns of one bare span: started with attributes, made current, detached, ended."""
     cpu0 = time.thread_time_ns()
     for _ in range(spans):
-        span = tracer.start_span("dcp.write_data", attributes=_BARE_ATTRIBUTES)
+        span = tracer.start_span("dcp.write_data", attributes=BARE_ATTRIBUTES)
         token = context.attach(trace.set_span_in_context(span))
         context.detach(token)
         span.end()
     return (time.thread_time_ns() - cpu0) / spans
 
 
-class _BareSpansByHand(DCPLoggerTap):
-    """Hand-written instrumentation at dcp-otel's hook, torch's logger global: one bare span per DCP call.
-
-    Each call's start record starts a span with :data:`_BARE_ATTRIBUTES` and makes it current; its end
-    record detaches and ends it; torch's logger then gets the record exactly as from dcp-otel's tap
-    (this is the tap, its recorder's hot path replaced by the span). What a bare span costs amid a real
-    save, measured as the bill is.
-    """
-
-    def __init__(self, logger: Any, tracer: trace.Tracer) -> None:
-        super().__init__(logger, SimpleNamespace(on_record=self._span, lane=None))  # type: ignore[arg-type]
-        self.tracer, self.open, self.spans = tracer, {}, 0
-
-    def _span(self, msg: dict[str, Any]) -> bool:
-        if msg["event"] == "start":
-            span = self.tracer.start_span("dcp." + msg["func_name"], attributes=_BARE_ATTRIBUTES)
-            self.open[msg["uuid"]] = (span, context.attach(trace.set_span_in_context(span)))
-            self.spans += 1
-        else:
-            span, token = self.open.pop(msg["uuid"])
-            context.detach(token)
-            span.end()
-        return True
-
-
-class _DesignCore(DCPLoggerTap):
-    """The training thread's part of the raw-records design, at dcp-otel's hooks (see the module doc).
-
-    This is the tap (passing each record on to torch's logger as it does), its recorder's hot path
-    replaced by a raw append, and wrappers (made as dcp-otel makes them) at the same collective and pickling points; each only
-    appends a raw tuple to a per-thread log, and a call's start makes a light span (a chosen span id,
-    non-recording) current.
-    """
-
-    def __init__(self, logger: Any) -> None:
-        super().__init__(logger, SimpleNamespace(on_record=self._raw_record, lane=None))  # type: ignore[arg-type]
-        self.local, self.wrapped = threading.local(), []
-        self.var: Any = getattr(getattr(context, "_RUNTIME_CONTEXT", None), "_current_context", None)
-        self.trace_id = random.getrandbits(128) or 1
-        self.flags = trace.TraceFlags(trace.TraceFlags.SAMPLED)
-
-    def _log(self) -> Any:
-        try:
-            return self.local.log
-        except AttributeError:
-            self.local.log, self.local.tokens = collections.deque(maxlen=100_000), []
-            return self.local.log
-
-    def _raw_record(self, msg: dict[str, Any]) -> bool:
-        log = self._log()
-        log.append((msg.get("uuid"), msg.get("func_name"), msg.get("event"), msg.get("time")))
-        if msg.get("event") == "start":
-            ctx = self.var.get()
-            light = trace.NonRecordingSpan(light_span_context(self.trace_id, random.getrandbits(64) or 1, self.flags))
-            self.local.tokens.append(self.var.set(with_span(ctx, light)))
-        elif self.local.tokens:
-            self.var.reset(self.local.tokens.pop())
-        return True
-
-    def wrap(self) -> None:
-        """Raw appends at the points dcp-otel's patches wrap around DCP's collectives and torch's pickling."""
-        for patch in PATCHES:
-            if not (patch.name.startswith("_DistWrapper.") or patch.name in ("_object_to_tensor", "_tensor_to_object")):
-                continue
-            target = resolve(patch)
-            if target is None:
-                continue
-            owner, attr = target
-            self.wrapped.append((owner, attr, vars(owner)[attr]))
-            wrap(owner, attr, self._raw(attr), patch.hot)  # as dcp-otel wraps it
-
-    def unwrap(self) -> None:
-        for owner, attr, original in reversed(self.wrapped):
-            setattr(owner, attr, original)
-        self.wrapped.clear()
-
-    def _raw(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """A hot patch's replacer (``patches.Patch``): the replacement appends raw records around the original."""
-
-        def replacer(original: Callable[..., Any]) -> Callable[..., Any]:
-            def replacement(*args: Any, **kwargs: Any) -> Any:  # (a method's self is args[0])
-                log = self._log()
-                log.append((None, name, "start", time.time_ns()))
-                result = original(*args, **kwargs)
-                log.append((None, name, "end", time.time_ns()))
-                return result
-
-            return replacement
-
-        return replacer
-
-
-class _TrivialOps(DCPLoggerTap):
-    """The tap, its recorder's hot path replaced by ``loops`` additions to a local integer per record."""
-
-    def __init__(self, logger: Any, loops: int) -> None:
-        super().__init__(logger, SimpleNamespace(on_record=self._count, lane=None))  # type: ignore[arg-type]
-        self.loops = loops
-
-    def _count(self, msg: dict[str, Any]) -> bool:
-        x = 0
-        for _ in range(self.loops):
-            x += 1  # noqa: SIM113 - the work is the counting
-        return True
-
-
 def _trivial_loops(save: Callable[[], None], logger: Any, ops_plain: float, ops_added: float) -> int:
     """Loops per record that make a save's added bytecode ``ops_added`` (``ops_plain``: with ``logger`` alone)."""
     counted = {}
     for loops in (0, 10):
-        dcp_logger._dcp_logger = _TrivialOps(logger, loops)  # type: ignore[assignment]
-        try:
+        with tapped(TrivialOps(logger, loops)):
             counted[loops] = bytecode(save)
-        finally:
-            dcp_logger._dcp_logger = logger
     per_loop = (counted[10] - counted[0]) / 10  # per save: every record loops
     return max(0, round((ops_added - (counted[0] - ops_plain)) / per_loop))
 
@@ -305,6 +178,127 @@ def gloo_world_of_one() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]
             os.unlink(store)
 
 
+class _Bill:
+    """The arms of the bill in a gloo world of one: each a block of timed saves, set up and taken down untimed."""
+
+    def __init__(self, provider: TracerProvider, exporter: InMemorySpanExporter, root: str, saves: int) -> None:
+        self.provider, self.exporter, self.root, self.saves = provider, exporter, root, saves
+        self.tracer, self.registry = provider.get_tracer("bench"), CollectorRegistry()
+        self.state, self.logger = {"w": torch.zeros(16)}, dcp_logger._dcp_logger  # (torch's own logger)
+        self.loops = 0  # per record, in the trivial-ops arm: sized by count()
+        self.found: dict[str, float] = {"builder_ns": 0, "built": 0}
+        # Each round of blocks holds every arm once (a cycle): the bill per cycle cancels the drift of a shared
+        # machine (its speed moves by 2x over minutes here); the median cycle is the bill. Per arm, each block's
+        # median training-thread CPU per save; "bare", the bare span's, timed after each settled block.
+        self.cycles: dict[str, list[float]] = {arm: [] for arm in (*ARMS, "bare")}
+
+    def save(self) -> None:
+        dcp.save(self.state, checkpoint_id=os.path.join(self.root, "c0"))
+
+    def instrument(self, spool: bool = True) -> None:
+        with mock.patch.dict(os.environ, {} if spool else {"DCP_OTEL_SPOOL_DIR": "off"}):
+            dcp_otel.instrument(tracer_provider=self.provider, registry=self.registry, detail="full")
+
+    def count(self) -> None:
+        """The bytecode first (the trivial-ops arm is sized by it), after warm saves: plain, then traced (settled
+        between saves)."""
+        found = self.found
+        for _ in range(3):
+            self.save()
+        found["ops_plain"] = min(bytecode(self.save) for _ in range(3))
+        self.instrument()
+        for _ in range(3):
+            self.save()
+            dcp_otel.flush(timeout_s=30)
+        found["records"] = _records_per_save(self.save)
+        dcp_otel.flush(timeout_s=30)
+        traced_ops = []
+        for _ in range(3):
+            traced_ops.append(bytecode(self.save))
+            dcp_otel.flush(timeout_s=30)
+        found["ops_traced"] = min(traced_ops)
+        dcp_otel.uninstrument()
+        self.exporter.clear()
+        self.loops = _trivial_loops(self.save, self.logger, found["ops_plain"], found["ops_traced"] - found["ops_plain"])
+        with tapped(TrivialOps(self.logger, self.loops)):
+            found["ops_trivial"] = bytecode(self.save)
+
+    def tap(self, arm: str) -> DCPLoggerTap | None:
+        """The tap of its own that an uninstrumented arm puts at dcp-otel's hook (none for the others)."""
+        if arm == "by hand":
+            return BareSpansByHand(self.logger, self.tracer)
+        if arm == "design core":
+            return DesignCore(self.logger)
+        return TrivialOps(self.logger, self.loops) if arm == "trivial ops" else None
+
+    def block(self, arm: str) -> list[Measures]:
+        """``saves`` timed saves as ``arm``, after its set-up and one untimed save; its take-down after them."""
+        on = arm not in UNINSTRUMENTED
+        if on:
+            self.instrument(spool=arm != "own, no record")
+        tap = self.tap(arm)
+        with tapped(tap):
+            _block(1, self.root, self.state, settle=on)  # untimed: the first save after a switch
+            gc.collect()
+            builder = dcp_otel.DCPInstrumentor().recorder.builder if on else None
+            busy0, built0 = (builder.busy_ns, builder.built) if builder else (0, 0)
+            made0 = made_by(tap)
+            held: list[tuple[Any, Any]] = []
+            if arm in HELD:  # the builder gets this block's operations when it ends (an instance attribute)
+                builder.submit = lambda op, calls=None: held.append((op, calls))  # type: ignore[union-attr]
+            took = _block(self.saves, self.root, self.state, settle=arm == "settled")
+            made = (made_by(tap) - made0) / self.saves
+        self.cycles[arm].append(statistics.median(t["cpu"] for t in took))
+        if arm == "design core":
+            self.found["core_records"] = made
+        if arm == "by hand":
+            self.found["spans_by_hand"] = made
+            self.provider.force_flush()
+        if builder is not None:
+            self.take_down(arm, builder, held, busy0, built0)
+        self.exporter.clear()
+        return took
+
+    def take_down(self, arm: str, builder: Any, held: list[tuple[Any, Any]], busy0: int, built0: int) -> None:
+        """A traced block's end: the operations held back handed to the builder (each built once, now), all
+        exported; after the settled arm's, the bare span timed."""
+        if arm in HELD:
+            del builder.submit
+            for op, calls in held:
+                builder.submit(op, calls)
+        dcp_otel.flush(timeout_s=30)
+        if arm in HELD and builder.built - built0 != self.saves:
+            raise RuntimeError(f"held {len(held)} saves, the builder built {builder.built - built0}")
+        if arm == "settled":
+            self.found["builder_ns"] += builder.busy_ns - busy0
+            self.found["built"] += builder.built - built0
+            gc.collect()
+            self.cycles["bare"].append(_bare_span_cpu_ns(self.tracer))
+            self.provider.force_flush()
+        self.exporter.clear()
+        dcp_otel.uninstrument()
+
+    def summary(self, results: Results) -> dict[str, float]:
+        """The medians, and the bill in bare spans timed in a loop and made amid real saves (the "by hand" arm,
+        the same hook, timed the same way); the design core's in both; the trivial ops' as a share of the bill."""
+        found = self.found
+        for arm in ARMS:
+            found[arm], found[f"cpu_{arm}"] = median(results, arm, "wall"), median(results, arm, "cpu") / 1e9
+        found["bare_span_cpu"] = statistics.median(self.cycles["bare"]) / 1e9
+        found["builder_cpu"] = found.pop("builder_ns") / max(found.pop("built"), 1) / 1e9
+        cycles = [dict(zip(self.cycles, cycle, strict=True)) for cycle in zip(*self.cycles.values(), strict=True)]
+        spans = found["spans_by_hand"]
+        _spread(found, "bare_spans", [(c["own"] - c["plain"]) / c["bare"] for c in cycles])
+        _spread(found, "amid_spans", [(c["own"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles])
+        found["cpu_amid_span"] = (found["cpu_by hand"] - found["cpu_plain"]) / spans
+        _spread(found, "core_spans", [(c["design core"] - c["plain"]) / c["bare"] for c in cycles])
+        found["core_amid_spans"] = statistics.median(
+            (c["design core"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles)  # fmt: skip
+        _spread(found, "record_spans", [(c["own"] - c["own, no record"]) / c["bare"] for c in cycles])
+        _spread(found, "trivial_share", [(c["trivial ops"] - c["plain"]) / (c["own"] - c["plain"]) for c in cycles])
+        return found
+
+
 def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     """The bill, in a gloo world of one made and ended here.
 
@@ -316,141 +310,26 @@ def measure(blocks: int = 15, saves: int = 40) -> dict[str, float]:
     the bill, median cycle; ``_low``/``_high``: the extreme cycles).
     """
     warnings.simplefilter("ignore")
-    registry = CollectorRegistry()
-    state = {"w": torch.zeros(16)}
-    arms: dict[str, list[tuple[float, int]]] = {arm: [] for arm in ARMS}
-    bare: list[float] = []
-    # Each run of len(ARMS) blocks holds every arm once: the bill per cycle cancels the drift of a
-    # shared machine (its speed moves by 2x over minutes here); the median cycle is the bill.
-    cycles: list[dict[str, float]] = [{} for _ in range(blocks)]
-    builder_ns, built = 0, 0
-    found: dict[str, float] = {}
-    # plain, settled, back-to-back, back-to-back, settled, plain, ...: drift falls on every arm alike
-    order = [*ARMS, *reversed(ARMS)]
-    with gloo_world_of_one() as (provider, exporter):
-        tracer = provider.get_tracer("bench")
-        with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
-            def one_save() -> None:
-                dcp.save(state, checkpoint_id=os.path.join(root, "c0"))
-
-            # The bytecode first (the trivial-ops arm is sized by it), after warm saves: plain, then traced
-            # (settled between saves).
-            for _ in range(3):
-                one_save()
-            found["ops_plain"] = min(bytecode(one_save) for _ in range(3))
-            dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
-            for _ in range(3):
-                one_save()
-                dcp_otel.flush(timeout_s=30)
-            found["records"] = _records_per_save(one_save)
-            dcp_otel.flush(timeout_s=30)
-            traced_ops = []
-            for _ in range(3):
-                traced_ops.append(bytecode(one_save))
-                dcp_otel.flush(timeout_s=30)
-            found["ops_traced"] = min(traced_ops)
-            dcp_otel.uninstrument()
-            exporter.clear()
-            torch_logger = dcp_logger._dcp_logger
-            loops = _trivial_loops(one_save, torch_logger, found["ops_plain"], found["ops_traced"] - found["ops_plain"])
-            dcp_logger._dcp_logger = _TrivialOps(torch_logger, loops)  # type: ignore[assignment]
-            found["ops_trivial"] = bytecode(one_save)
-            dcp_logger._dcp_logger = torch_logger
-
-            for block in range(len(ARMS) * blocks):
-                arm = order[block % len(order)]
-                on = arm not in ("plain", "by hand", "design core", "trivial ops")  # dcp-otel instrumented
-                if on:
-                    with spool_off(arm == "own, no record"):
-                        dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
-                _block(1, root, state, settle=on)  # untimed: the first save after a switch
-                gc.collect()
-                if on:
-                    builder = dcp_otel.DCPInstrumentor().recorder.builder
-                    busy0, built0 = builder.busy_ns, builder.built
-                if arm == "by hand":
-                    by_hand = dcp_logger._dcp_logger = _BareSpansByHand(dcp_logger._dcp_logger, tracer)  # type: ignore[assignment]
-                    _block(1, root, state)
-                    gc.collect()
-                    by_hand.spans = 0
-                if arm == "design core":
-                    design = dcp_logger._dcp_logger = _DesignCore(dcp_logger._dcp_logger)  # type: ignore[assignment]
-                    design.wrap()
-                    _block(1, root, state)
-                    gc.collect()
-                    design._log().clear()
-                if arm == "trivial ops":
-                    dcp_logger._dcp_logger = _TrivialOps(torch_logger, loops)  # type: ignore[assignment]
-                held: list[tuple[Any, Any]] = []
-                if arm in HELD:  # the builder gets this block's operations when it ends (an instance attribute)
-                    builder.submit = lambda op, calls=None, held=held: held.append((op, calls))
-                took = _block(saves, root, state, settle=arm == "settled")
-                arms[arm].extend(took)
-                cycles[block // len(ARMS)][arm] = statistics.median(cpu for _, cpu in took)
-                if arm == "design core":
-                    found["core_records"] = len(design._log()) / saves
-                    design.unwrap()
-                    dcp_logger._dcp_logger = design.logger
-                if arm == "trivial ops":
-                    dcp_logger._dcp_logger = torch_logger
-                if arm == "by hand":
-                    dcp_logger._dcp_logger = by_hand.logger
-                    found["spans_by_hand"] = by_hand.spans / saves
-                    provider.force_flush()
-                    exporter.clear()
-                if arm in HELD:
-                    del builder.submit
-                    for op, calls in held:
-                        builder.submit(op, calls)
-                if on:
-                    dcp_otel.flush(timeout_s=30)
-                    if arm in HELD and builder.built - built0 != saves:  # each held save built once, afterwards
-                        raise RuntimeError(f"held {len(held)} saves, the builder built {builder.built - built0}")
-                    if arm == "settled":
-                        builder_ns += builder.busy_ns - busy0
-                        built += builder.built - built0
-                        gc.collect()
-                        bare.append(_bare_span_cpu_ns(tracer))
-                        cycles[block // len(ARMS)]["bare"] = bare[-1]
-                        provider.force_flush()
-                    exporter.clear()
-                    dcp_otel.uninstrument()
-            found["ops_bare"] = min(bytecode(lambda: _bare_span_cpu_ns(tracer, 1)) for _ in range(5))
-            exporter.clear()
-    for arm, took in arms.items():
-        found[arm] = statistics.median(wall for wall, _ in took)
-    for arm, took in arms.items():
-        found[f"cpu_{arm}"] = statistics.median(cpu for _, cpu in took) / 1e9
-    found["bare_span_cpu"] = statistics.median(bare) / 1e9
-    # The bill in bare spans timed in a loop, and in bare spans made amid real saves (the "by hand" arm, the
-    # same hook, timed the same way); the design core's in both; the trivial ops' as a share of the bill.
-    spans = found["spans_by_hand"]
-    _spread(found, "bare_spans", [(c["own"] - c["plain"]) / c["bare"] for c in cycles])
-    _spread(found, "amid_spans", [(c["own"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles])
-    found["cpu_amid_span"] = (found["cpu_by hand"] - found["cpu_plain"]) / spans
-    _spread(found, "core_spans", [(c["design core"] - c["plain"]) / c["bare"] for c in cycles])
-    found["core_amid_spans"] = statistics.median(
-        (c["design core"] - c["plain"]) / (c["by hand"] - c["plain"]) * spans for c in cycles)  # fmt: skip
-    found["builder_cpu"] = builder_ns / max(built, 1) / 1e9
-    _spread(found, "record_spans", [(c["own"] - c["own, no record"]) / c["bare"] for c in cycles])
-    _spread(found, "trivial_share", [(c["trivial ops"] - c["plain"]) / (c["own"] - c["plain"]) for c in cycles])
-    return found
+    with gloo_world_of_one() as (provider, exporter), \
+            tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:  # fmt: skip
+        scenario = _Bill(provider, exporter, root, saves)
+        scenario.count()
+        results = interleave({arm: functools.partial(scenario.block, arm) for arm in ARMS}, blocks)
+        scenario.found["ops_bare"] = min(bytecode(lambda: _bare_span_cpu_ns(scenario.tracer, 1)) for _ in range(5))
+        exporter.clear()
+    return scenario.summary(results)
 
 
 def bill(found: dict[str, float]) -> dict[str, float]:
     """The bill in the units the docs quote: added us per save and per record, bare spans' worth."""
     added = found["cpu_own"] - found["cpu_plain"]
     bare = found["bare_span_cpu"]
+    spreads = {key: value for key, value in found.items() if key.startswith(SPREADS)}  # (each with its _low, _high)
     return {"added_us": added * 1e6, "settled_us": (found["cpu_settled"] - found["cpu_plain"]) * 1e6,
-            "record_us": (found["cpu_own"] - found["cpu_own, no record"]) * 1e6, "record_spans": found["record_spans"],
-            "record_spans_low": found["record_spans_low"], "record_spans_high": found["record_spans_high"],
+            "record_us": (found["cpu_own"] - found["cpu_own, no record"]) * 1e6, **spreads,
             "per_record_us": added * 1e6 / found["records"], "bare_us": bare * 1e6,
-            "bare_spans": found["bare_spans"], "bare_spans_low": found["bare_spans_low"],
-            "bare_spans_high": found["bare_spans_high"], "amid_spans": found["amid_spans"],
-            "amid_spans_low": found["amid_spans_low"], "amid_spans_high": found["amid_spans_high"],
             "amid_us": found["cpu_amid_span"] * 1e6, "core_us": (found["cpu_design core"] - found["cpu_plain"]) * 1e6,
-            "core_spans": found["core_spans"], "core_spans_low": found["core_spans_low"],
-            "core_spans_high": found["core_spans_high"], "core_amid_spans": found["core_amid_spans"], "builder_us": found["builder_cpu"] * 1e6,
+            "core_amid_spans": found["core_amid_spans"], "builder_us": found["builder_cpu"] * 1e6,
             "builder_spans": found["builder_cpu"] / bare,
             "trivial_us": (found["cpu_trivial ops"] - found["cpu_plain"]) * 1e6,
             "trivial_ops": found["ops_trivial"] - found["ops_plain"],

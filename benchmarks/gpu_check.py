@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import time
 import warnings
@@ -45,6 +44,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dcp_otel  # noqa: E402
 from dcp_otel import semconv  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab import Measures, interleave, median  # noqa: E402
 
 TENSORS = 8
 
@@ -158,22 +160,21 @@ def one_process(args: argparse.Namespace) -> None:
     plain, traced, again = Run(root, device, "plain"), Run(root, device, "traced"), Run(root, device, "again")
     baseline_path = plain.path()
     dcp.save(sd, checkpoint_id=baseline_path)  # the checkpoint the loads read
-    arms = [("plain", plain), ("traced", traced), ("again", again)]  # "again": plain once more, the noise row
-    times: dict[str, dict[str, list[float]]] = {k: {a: [] for a, _ in arms} for k in ("save", "async_save", "load")}
     target = {k: torch.empty_like(v) for k, v in sd.items()}
-    for rep in range(args.reps + 1):  # the first round warms up (CUDA context, pinned pool, NCCL): not counted
-        for arm, run in arms[rep % 3:] + arms[: rep % 3]:  # each arm first in turn
-            if arm == "traced":
-                dcp_otel.instrument(tracer_provider=run.provider)
-            try:
-                measured = {"save": run.save(sd), "async_save": run.async_save(sd), "load": run.load(target, baseline_path)}
-            finally:
-                if arm == "traced":
-                    dcp_otel.flush()
-                    dcp_otel.uninstrument()
-            if rep:
-                for k, v in measured.items():
-                    times[k][arm].append(v)
+
+    def arm(run: Run, instrumented: bool) -> Measures:
+        if instrumented:
+            dcp_otel.instrument(tracer_provider=run.provider)
+        try:
+            return {"save": run.save(sd), "async_save": run.async_save(sd), "load": run.load(target, baseline_path)}
+        finally:
+            if instrumented:
+                dcp_otel.flush()
+                dcp_otel.uninstrument()
+
+    # "again": plain once more, the noise row; the first round warms up (CUDA context, pinned pool, NCCL)
+    times = interleave({"plain": lambda: arm(plain, False), "traced": lambda: arm(traced, True),
+                        "again": lambda: arm(again, False)}, args.reps, warm=1)  # fmt: skip
     assert all(torch.equal(target[k], sd[k]) for k in sd), "the load did not restore the state dict"
     stage = staging(traced.exporter)
     # The process-based async save (it starts a daemon process; a quarter GiB through shared memory).
@@ -208,8 +209,8 @@ def one_process(args: argparse.Namespace) -> None:
         print(f"device synchronisations (save, async_save), two rounds: plain {counted['plain']}, instrumented "
               f"{counted['traced']}: {'none added' if added <= 0 else 'ADDED ' + str(added)}")  # fmt: skip
     print(f"medians over {args.reps} interleaved rounds, each arm first in turn (ratios to plain):")
-    for k, by_arm in times.items():
-        p, t, a = (statistics.median(by_arm[arm]) for arm in ("plain", "traced", "again"))
+    for k in ("save", "async_save", "load"):
+        p, t, a = (median(times, arm, k) for arm in ("plain", "traced", "again"))
         print(f"  {k:<11} plain {p * 1000:9.1f} ms   instrumented {t * 1000:9.1f} ms ({t / p:.3f})   "
               f"plain again {a * 1000:9.1f} ms ({a / p:.3f})")  # fmt: skip
     dist.destroy_process_group()

@@ -22,9 +22,8 @@ the reader's own thread, is not counted).
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,6 +41,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab import Measures, interleave, median, per_call  # noqa: E402
+
 import dcp_otel  # noqa: E402
 
 #: The settings compared, as DCP_OTEL_METRICS would say them.
@@ -89,37 +91,30 @@ def measure(repeats: int, steps: int) -> dict[str, dict[str, float]]:
 
     warm_up = _dcp_method_logger()(short)
 
-    def timed(fn: Callable[[], None]) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+    def sink(name: str) -> Measures:
+        dcp_otel.instrument(tracer_provider=spans, registry=CollectorRegistry(), meter_provider=meters,
+                            metrics=name, detail="full")  # fmt: skip
+        recorder = dcp_otel.DCPInstrumentor().recorder
+        assert recorder is not None
+        warm_up()  # a job instruments once: the first operation's one-off costs are not per step
+        recorder.drain(60.0)
+        busy_before = recorder.builder.busy_ns
+        caller = per_call(operation)
+        recorder.drain(60.0)
+        builder = (recorder.builder.busy_ns - busy_before) / 1e9
+        dcp_otel.uninstrument()
+        return {"caller": caller, "builder": builder}
 
-    caller: dict[str, list[float]] = {}
-    builder: dict[str, list[float]] = {}
-    arms = ("plain", *SINKS)
-    for i in range(repeats):  # interleaved, rotated: drift hits every arm alike
-        for name in arms[i % len(arms) :] + arms[: i % len(arms)]:
-            if name == "plain":
-                caller.setdefault(name, []).append(timed(operation))
-                continue
-            dcp_otel.instrument(tracer_provider=spans, registry=CollectorRegistry(), meter_provider=meters,
-                                metrics=name, detail="full")  # fmt: skip
-            recorder = dcp_otel.DCPInstrumentor().recorder
-            assert recorder is not None
-            warm_up()  # a job instruments once: the first operation's one-off costs are not per step
-            recorder.drain(60.0)
-            busy_before = recorder.builder.busy_ns
-            caller.setdefault(name, []).append(timed(operation))
-            recorder.drain(60.0)
-            builder.setdefault(name, []).append((recorder.builder.busy_ns - busy_before) / 1e9)
-            dcp_otel.uninstrument()
+    arms: dict[str, Callable[[], Measures]] = {"plain": lambda: {"caller": per_call(operation)}}
+    arms.update({name: functools.partial(sink, name) for name in SINKS})
+    found = interleave(arms, repeats)  # rotated: drift hits every arm alike
     meters.shutdown()
     spans.shutdown()
-    plain = statistics.median(caller["plain"])
+    plain = median(found, "plain", "caller")
     return {
-        name: {"step_us": statistics.median(caller[name]) / steps * 1e6,
-               "caller_us": (statistics.median(caller[name]) - plain) / steps * 1e6,
-               "builder_us": statistics.median(builder[name]) / steps * 1e6}  # fmt: skip
+        name: {"step_us": median(found, name, "caller") / steps * 1e6,
+               "caller_us": (median(found, name, "caller") - plain) / steps * 1e6,
+               "builder_us": median(found, name, "builder") / steps * 1e6}  # fmt: skip
         for name in SINKS
     }
 

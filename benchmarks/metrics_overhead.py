@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -37,6 +36,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from torch.distributed.elastic.metrics import api as elastic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab import Measures, interleave, median, per_call  # noqa: E402
+
 import dcp_otel  # noqa: E402
 
 
@@ -48,21 +50,16 @@ def put_metric_costs(calls: int, repeats: int) -> dict[str, dict[str, float]]:
         "NullMetricHandler": elastic.NullMetricHandler(),
     }
     paths = {"counter": "agent.step.success", "duration": "agent.step.duration.ms", "event": "agent.restarts"}
-    times: dict[tuple[str, str], list[float]] = {}
+
+    def calls_through(handler: elastic.MetricHandler) -> Measures:
+        elastic.configure(handler, group="bench")
+        return {path: per_call(functools.partial(elastic.put_metric, name, 1, "bench"), calls)
+                for path, name in paths.items()}  # fmt: skip
+
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
-        for _ in range(repeats):
-            for handler_name, handler in handlers.items():
-                elastic.configure(handler, group="bench")
-                for path, name in paths.items():
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        elastic.put_metric(name, 1, "bench")
-                    times.setdefault((handler_name, path), []).append((time.perf_counter() - t0) / calls)
+        found = interleave({name: functools.partial(calls_through, h) for name, h in handlers.items()}, repeats)
     elastic._metrics_map.pop("bench", None)
-    result: dict[str, dict[str, float]] = {}
-    for (handler_name, path), samples in times.items():
-        result.setdefault(path, {})[handler_name] = statistics.median(samples)
-    return result
+    return {path: {name: median(found, name, path) for name in handlers} for path in paths}
 
 
 def series(registry: CollectorRegistry) -> int:

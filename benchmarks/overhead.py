@@ -27,11 +27,11 @@ and the ranks run with glibc's mmap threshold pinned (see ``PINNED_MALLOC``).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +56,9 @@ from opentelemetry.sdk.trace.export import (
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab import Measures, Results, interleave, median, per_call  # noqa: E402
+
 import dcp_otel  # noqa: E402
 
 
@@ -143,25 +146,18 @@ def step_cost(repeats: int, steps: int) -> dict[str, float]:
     arms = {name: _dcp_method_logger()(fn) for name, fn in
             (("plain", plain_steps), ("bare", bare_steps), ("by_hand", by_hand_steps))}  # fmt: skip
 
-    def timed(fn: Callable[[], None]) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+    def traced() -> Measures:
+        dcp_otel.instrument(tracer_provider=provider)
+        elapsed = per_call(arms["plain"])
+        dcp_otel.uninstrument()
+        return {"s": elapsed}
 
-    times: dict[str, list[float]] = {}
-    for i in range(repeats):  # interleaved, so drift hits all alike; the traced arm moves around
-        order = ["plain", "traced", "bare", "by_hand"]
-        order = order[i % 4 :] + order[: i % 4]
-        for name in order:
-            if name == "traced":
-                dcp_otel.instrument(tracer_provider=provider)
-                elapsed = timed(arms["plain"])
-                dcp_otel.uninstrument()
-            else:
-                elapsed = timed(arms[name])
-            times.setdefault(name, []).append(elapsed)
+    # Interleaved, so drift hits all alike; the traced arm moves around.
+    times = interleave({"plain": lambda: {"s": per_call(arms["plain"])}, "traced": traced,
+                        "bare": lambda: {"s": per_call(arms["bare"])},
+                        "by_hand": lambda: {"s": per_call(arms["by_hand"])}}, repeats)  # fmt: skip
     provider.shutdown()
-    per_step = {name: statistics.median(values) / steps for name, values in times.items()}
+    per_step = {name: median(times, name, "s") / steps for name in times}
     return {"added_per_step_s": per_step["traced"] - per_step["plain"],
             "bare_span_s": per_step["bare"] - per_step["plain"],
             "equivalent_span_s": per_step["by_hand"] - per_step["plain"],
@@ -266,7 +262,7 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
     holder = [root]
     dist.broadcast_object_list(holder, src=0)
     root = holder[0]
-    times: dict[str, list[float]] = {}
+    times: dict[str, Results] = {}
     builds: dict[str, list[tuple[int, int, int]]] = {}  # the background builder's work, per traced block
     # One stager for every async save, as a training loop keeps one (torchtitan
     # does): it caches its CPU copies, so staging reuses memory that is already
@@ -288,7 +284,7 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
             shutil.rmtree(path, ignore_errors=True)  # writing into a filling /dev/shm would drift
         return elapsed
 
-    def block(name: str, case: Callable[[str], Any], traced: bool, count: int) -> None:
+    def block(name: str, case: Callable[[str], Any], traced: bool, count: int) -> list[Measures]:
         """``count`` timed calls in one arm, after one untimed call.
 
         A job instruments once, so the traced arm is measured in that steady
@@ -302,8 +298,7 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
         try:
             path = f"{root}/{'traced' if traced else 'plain'}"
             call(case, path)
-            for _ in range(count):
-                times.setdefault(f"{name}/{'traced' if traced else 'plain'}", []).append(call(case, path))
+            return [{"s": call(case, path)} for _ in range(count)]
         finally:
             if instrumented:
                 dcp_otel.flush(timeout_s=60)
@@ -326,10 +321,10 @@ def _rank(rank: int, world: int, store: str, repeats: int, out: str, only: str) 
             continue
         call(case, f"{root}/warm")  # the first call pays one-off costs (imports, gloo buffers, the executor)
         # 2 ranks on 2 cores scatter by a few percent from run to run; the
-        # 64 MiB cases are cheap, so they get 5 calls per block.
-        for i in range(repeats):
-            for traced in (False, True) if i % 2 == 0 else (True, False):  # alternate who goes first
-                block(name, case, traced, 5 if "64 MiB" in name else 1)
+        # 64 MiB cases are cheap, so they get 5 calls per block. (Both ranks run the same arms in the same order.)
+        count = 5 if "64 MiB" in name else 1
+        times[name] = interleave({kind: functools.partial(block, name, case, kind == "traced", count)
+                                  for kind in ("plain", "traced")}, repeats)  # fmt: skip
     stager.close()
     provider.shutdown()
     if rank == 0:
@@ -379,13 +374,10 @@ def checkpoint_ratios(repeats: int, only: str = "") -> dict[str, tuple[float, fl
         written = json.loads(Path(out).read_text())
     BUILDS.clear()
     BUILDS.update(written["builds"])
-    times = written["times"]
     result = {}
-    for key in times:
-        name, kind = key.split("/")
-        if kind == "plain":
-            plain, traced = statistics.median(times[key]), statistics.median(times[f"{name}/traced"])
-            result[name] = (plain, traced, traced / plain)
+    for name, times in written["times"].items():
+        plain, traced = median(times, "plain", "s"), median(times, "traced", "s")
+        result[name] = (plain, traced, traced / plain)
     return result
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ab import Arm, median, ratio_rows, rounds_to_resolve, run_job  # noqa: E402
+from ab import median, noise, ratio, rounds_to_resolve, run_blocks  # noqa: E402
 from training_loop import STEP  # noqa: E402
 
 JOB = r"""
@@ -205,19 +205,15 @@ def main() -> None:
     for case in args.cases.split(","):
         tensors, mb = (int(x) for x in case.split(":"))
         common = [str(tensors), str(mb), str(args.steps), str(args.every), str(args.reps), str(args.dim)]
-        counts: dict[str, float] = {}
-        results: dict[str, list[dict[str, float]]] = {"plain": [], "plain again": [], "instrumented": []}
-        for n in range(args.rounds):
-            order = "pqi"[n % 3:] + "pqi"[: n % 3]
-            for arm, measures in run_job(JOB, Arm("blocks", [order, *common, str(int(n == 0))])).items():
-                counts.update({m: measures.pop(m) for m in list(measures) if m.startswith("ops_")})
-                results[arm].append(measures)
+        results = run_blocks(JOB, "pqi", lambda order, n, common=common: [order, *common, str(int(n == 0))],
+                             args.rounds)  # fmt: skip
+        counts = results["instrumented"][0]  # (the Python instructions: counted in the first round only)
         label = f"{tensors} tensors, {mb} MiB"
-        rows = {(arm, m): (mine, theirs, r) for arm, m, mine, theirs, r in ratio_rows(results, "plain", ["return_cpu_ms"])}
-        mine, theirs, r = rows["instrumented", "return_cpu_ms"]
-        noise = abs(rows["plain again", "return_cpu_ms"][2] - 1)
-        print(f"{label:<22}{'async_save CPU on the caller, ms':<36}{mine:>13.2f}{theirs:>10.2f}{r:>8.3f}{noise:>8.3f}"
-              f"  <= 1.03 {'met' if r <= 1.03 else 'MISSED'} (rounds to resolve 3%: {rounds_to_resolve(noise, 0.03)})")
+        mine, theirs = median(results, "instrumented", "return_cpu_ms"), median(results, "plain", "return_cpu_ms")
+        r = ratio(results, "instrumented", "plain", "return_cpu_ms")
+        stray = noise(results, "plain", "plain again", "return_cpu_ms")
+        print(f"{label:<22}{'async_save CPU on the caller, ms':<36}{mine:>13.2f}{theirs:>10.2f}{r:>8.3f}{stray:>8.3f}"
+              f"  <= 1.03 {'met' if r <= 1.03 else 'MISSED'} (rounds to resolve 3%: {rounds_to_resolve(stray, 0.03)})")
 
         for shape in ("flat", "nested"):  # counted once (the first round): deterministic
             mine, theirs = counts[f"ops_{shape}"], counts[f"ops_plain_{shape}"]

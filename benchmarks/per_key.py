@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from ab import Measures, interleave, median, per_call  # noqa: E402
 from fixed_cost import gloo_world_of_one  # noqa: E402
 from overhead import bytecode  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
@@ -76,23 +76,24 @@ def measure(keys: int = 1000, timed_keys: int = 10_000, blocks: int = 6, saves: 
 
         timed = saver(_state(timed_keys))
         timed()
-        took: dict[str, list[float]] = {"plain": [], "traced": []}
-        for block in range(blocks):
-            for arm in ("plain", "traced") if block % 2 == 0 else ("traced", "plain"):
-                if arm == "traced":
-                    dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
-                timed()  # untimed: the first save after a switch
-                dcp_otel.flush(timeout_s=60)
-                gc.collect()
-                for _ in range(saves):
-                    cpu0 = time.thread_time()
-                    timed()
-                    took[arm].append(time.thread_time() - cpu0)
-                    dcp_otel.flush(timeout_s=60)  # untimed: the builder and the exporter finish
-                    exporter.clear()
-                if arm == "traced":
-                    dcp_otel.uninstrument()
-        found["cpu_plain"], found["cpu_traced"] = (statistics.median(took[arm]) for arm in ("plain", "traced"))
+
+        def block(traced: bool) -> list[Measures]:
+            if traced:
+                dcp_otel.instrument(tracer_provider=provider, registry=registry, detail="full")
+            timed()  # untimed: the first save after a switch
+            dcp_otel.flush(timeout_s=60)
+            gc.collect()
+            took = []
+            for _ in range(saves):
+                took.append({"cpu": per_call(timed, clock=time.thread_time)})
+                dcp_otel.flush(timeout_s=60)  # untimed: the builder and the exporter finish
+                exporter.clear()
+            if traced:
+                dcp_otel.uninstrument()
+            return took
+
+        took = interleave({"plain": lambda: block(False), "traced": lambda: block(True)}, blocks)
+        found["cpu_plain"], found["cpu_traced"] = (median(took, arm, "cpu") for arm in ("plain", "traced"))
     return found
 
 

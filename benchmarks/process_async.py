@@ -16,82 +16,59 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ab import Arm, median, run_rounds  # noqa: E402
 
 JOB = r"""
-import json, os, sys, tempfile, time, warnings
+import json, os, shutil, sys, tempfile, time, warnings
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-if __name__ == "__main__":
-    warnings.simplefilter("ignore")
-    port, instrumented, saves, mb = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1")
-    if instrumented:
-        from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        import dcp_otel
-        provider = TracerProvider()
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        trace.set_tracer_provider(provider)
-        dcp_otel.instrument()
-    dist.init_process_group("cpu:gloo")
-    state = {"w": torch.randn(mb * 1024 * 1024 // 4)}
-    folder = tempfile.mkdtemp()
-    times = []
-    for i in range(saves + 1):
-        start = time.perf_counter()
-        response = dcp.async_save(state, checkpoint_id=f"{folder}/{i}", async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-        getattr(response, "upload_completion", response).result()
-        times.append(time.perf_counter() - start)
-    print(json.dumps({"first": times[0], "uploads": times[1:]}), flush=True)
-    dist.destroy_process_group()
+warnings.simplefilter("ignore")
+instrumented, saves, mb = sys.argv[1] == "1", int(sys.argv[2]), int(sys.argv[3])
+os.environ["MASTER_ADDR"] = "127.0.0.1"  # (where the daemon's own store listens, on a free port it picks)
+if instrumented:
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    import dcp_otel
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    dcp_otel.instrument()
+folder = tempfile.mkdtemp()
+dist.init_process_group("cpu:gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+state = {"w": torch.randn(mb * 1024 * 1024 // 4)}
+times = []
+for i in range(saves + 1):
+    start = time.perf_counter()
+    process = AsyncCheckpointerType.PROCESS
+    response = dcp.async_save(state, checkpoint_id=f"{folder}/{i}", async_checkpointer_type=process)
+    getattr(response, "upload_completion", response).result()
+    times.append(time.perf_counter() - start)
+dist.destroy_process_group()
+shutil.rmtree(folder, ignore_errors=True)
+print(json.dumps([{"first": times[0]}, *({"upload": t} for t in times[1:])]), flush=True)  # a sample each
 """
-
-
-def run_job(script: Path, instrumented: bool, saves: int, mb: int, endpoint: str) -> dict[str, object]:
-    from tests.ports import free_port_range
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
-    run = subprocess.run([sys.executable, str(script), str(free_port_range(1)), "1" if instrumented else "0",
-                          str(saves), str(mb)], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
-    if run.returncode != 0:
-        raise SystemExit(run.stderr[-3000:])
-    result: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
-    return result
 
 
 def measure(rounds: int, saves: int, mb: int) -> dict[str, float]:
     """Medians of plain and traced jobs, side by side, order alternating."""
     from tests.otlp_receiver import OtlpReceiver
 
-    uploads: dict[bool, list[float]] = {False: [], True: []}
-    firsts: dict[bool, list[float]] = {False: [], True: []}
-    with tempfile.TemporaryDirectory() as tmp, OtlpReceiver() as receiver:
-        script = Path(tmp) / "job.py"
-        script.write_text(JOB)
-        for round_ in range(rounds):
-            for instrumented in ((False, True) if round_ % 2 == 0 else (True, False)):
-                result = run_job(script, instrumented, saves, mb, receiver.endpoint)
-                uploads[instrumented] += result["uploads"]  # type: ignore[arg-type]
-                firsts[instrumented].append(float(result["first"]))  # type: ignore[arg-type]
-        spans = len(receiver.spans)
-    return {
-        "upload_plain": statistics.median(uploads[False]), "upload_traced": statistics.median(uploads[True]),
-        "first_plain": statistics.median(firsts[False]), "first_traced": statistics.median(firsts[True]),
-        "spans": spans,
-    }  # fmt: skip
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
+        arms = [Arm(name, [flag, str(saves), str(mb)], env) for name, flag in (("plain", "0"), ("traced", "1"))]
+        found = run_rounds(JOB, arms, rounds, say=False)
+        medians = {f"{measure}_{arm}": median(found, arm, measure) for arm in ("plain", "traced")
+                   for measure in ("upload", "first")}  # fmt: skip
+        medians["spans"] = len(receiver.spans)
+    return medians
 
 
 def main() -> None:

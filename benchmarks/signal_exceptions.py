@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import signal
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +37,9 @@ from torch.distributed.elastic.multiprocessing.api import _terminate_process_han
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dcp_otel import OTelMetricHandler  # noqa: E402
 from dcp_otel.live.signal_exceptions import reraise_if_signalled  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab import Measures, interleave, median, per_call  # noqa: E402
 
 MONITOR_INTERVAL_S = 0.1  # torchrun's default --monitor-interval
 GROUPS = ("torchelastic", "workers")
@@ -75,33 +76,28 @@ def clause_with() -> None:
         reraise_if_signalled(exc)
 
 
-def per_call_us(function: Callable[[], None], calls: int) -> float:
-    start = time.perf_counter_ns()
-    for _ in range(calls):
-        function()
-    return (time.perf_counter_ns() - start) / calls / 1000
-
-
 def measure(repeats: int, calls: int) -> dict[str, float]:
-    handlers = {"torch": elastic_metrics.NullMetricHandler(),
-                "dcp-otel": OTelMetricHandler(CollectorRegistry(), metrics="prometheus")}  # fmt: skip
-    clauses = {"without": clause_without, "with": clause_with}
-    loops: dict[str, list[float]] = {name: [] for name in handlers}
-    errors: dict[str, list[float]] = {name: [] for name in clauses}
+    """Median microseconds per call: ``loop torch`` and ``loop dcp-otel`` (the agent's loop with each handler),
+    ``error without`` and ``error with`` (the error path), all four interleaved."""
+
+    def timed(call: Callable[[], None], handler: elastic_metrics.MetricHandler | None = None) -> Callable[[], Measures]:
+        def arm() -> Measures:
+            if handler is not None:
+                configure(handler)
+            return {"us": per_call(call, calls) * 1e6}
+
+        return arm
+
+    arms = {"loop torch": timed(agent_loop, elastic_metrics.NullMetricHandler()),
+            "loop dcp-otel": timed(agent_loop, OTelMetricHandler(CollectorRegistry(), metrics="prometheus")),
+            "error without": timed(clause_without), "error with": timed(clause_with)}  # fmt: skip
     previous = signal.signal(signal.SIGTERM, _terminate_process_handler)  # the agent's own handler
     try:
-        for _ in range(repeats):  # interleaved: drift hits both sides alike
-            for name, handler in handlers.items():
-                configure(handler)
-                loops[name].append(per_call_us(agent_loop, calls))
-            for name, clause in clauses.items():
-                errors[name].append(per_call_us(clause, calls))
+        found = interleave(arms, repeats)  # drift hits every side alike
     finally:
         signal.signal(signal.SIGTERM, previous)
         configure(elastic_metrics.NullMetricHandler())
-    median = {f"loop {k}": statistics.median(v) for k, v in loops.items()}
-    median.update({f"error {k}": statistics.median(v) for k, v in errors.items()})
-    return median
+    return {name: median(found, name, "us") for name in arms}
 
 
 def main() -> None:

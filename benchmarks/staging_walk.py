@@ -17,6 +17,7 @@ What it leaves out: big tensors (the copy then dwarfs the walk) and a GPU (scrip
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import statistics
 import sys
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from ab import Measures, interleave, median  # noqa: E402
 from fixed_cost import gloo_world_of_one  # noqa: E402
 from torch.distributed.checkpoint.staging import BlockingAsyncStager  # noqa: E402
 
@@ -50,27 +52,28 @@ def main() -> None:
         staged(BlockingAsyncStager(), state)
         walks.append(time.perf_counter() - start)
     walk = statistics.median(walks)
-    times: dict[str, list[float]] = {"plain": [], "instrumented": []}
     root = Path(tempfile.mkdtemp(prefix="dcp-otel-staging-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    saves = itertools.count()
     with gloo_world_of_one() as (provider, _):
-        for round_ in range(args.rounds + 1):  # the first round warms up, uncounted
-            arms = ("plain", "instrumented") if round_ % 2 == 0 else ("instrumented", "plain")
-            for arm in arms:
-                if arm == "instrumented":
-                    dcp_otel.instrument(tracer_provider=provider)
-                path = root / f"{round_}-{arm}"
-                start = time.perf_counter()
-                future = dcp.async_save(state, checkpoint_id=str(path))
-                took = time.perf_counter() - start
-                future.result()
-                if arm == "instrumented":
-                    dcp_otel.flush()
-                    dcp_otel.uninstrument()
-                shutil.rmtree(path, ignore_errors=True)
-                if round_:
-                    times[arm].append(took)
+
+        def arm(instrumented: bool) -> Measures:
+            if instrumented:
+                dcp_otel.instrument(tracer_provider=provider)
+            path = root / str(next(saves))
+            start = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=str(path))
+            took = time.perf_counter() - start
+            future.result()
+            if instrumented:
+                dcp_otel.flush()
+                dcp_otel.uninstrument()
+            shutil.rmtree(path, ignore_errors=True)
+            return {"s": took}
+
+        # (the first round warms up, uncounted)
+        times = interleave({"plain": lambda: arm(False), "instrumented": lambda: arm(True)}, args.rounds, warm=1)
     shutil.rmtree(root, ignore_errors=True)
-    plain, traced = statistics.median(times["plain"]), statistics.median(times["instrumented"])
+    plain, traced = median(times, "plain", "s"), median(times, "instrumented", "s")
     print(f"the walk alone: {walk * 1000:.2f} ms for {args.tensors} tensors ({walk / args.tensors * 1e6:.2f} us each)")
     print(f"async_save time to return, {args.tensors} tensors, medians of {args.rounds} interleaved rounds: "
           f"plain {plain * 1000:.1f} ms, instrumented {traced * 1000:.1f} ms, ratio {traced / plain:.3f} "

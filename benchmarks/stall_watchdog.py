@@ -24,6 +24,8 @@ multiprocess-mode gauges (a tick writes them only when where a call is changes).
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import logging
 import statistics
 import sys
@@ -41,6 +43,7 @@ from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ab import Measures, interleave, median, per_call  # noqa: E402
 from overhead import DiscardingExporter  # noqa: E402
 
 import dcp_otel  # noqa: E402
@@ -80,18 +83,17 @@ def instrumented(tick_s: float | None) -> Watchdog:
 def save_times(repeats: int, saves: int, root: str) -> dict[str, float]:
     """Per arm, the median seconds per save over interleaved blocks."""
     arms = {"watchdog stopped": None, "watchdog every 1 s": 1.0, "watchdog every 50 ms": 0.05}
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    for i in range(repeats):
-        order = list(arms) if i % 2 == 0 else list(reversed(arms))
-        for name in order:
-            instrumented(arms[name])
-            dcp.save(STATE, checkpoint_id=f"{root}/warm")
-            start = time.perf_counter()
-            for n in range(saves):
-                dcp.save(STATE, checkpoint_id=f"{root}/c{n % 4}")
-            times[name].append((time.perf_counter() - start) / saves)
-            dcp_otel.uninstrument()
-    return {name: statistics.median(found) for name, found in times.items()}
+    names = itertools.count()
+
+    def block(tick_s: float | None) -> Measures:
+        instrumented(tick_s)
+        dcp.save(STATE, checkpoint_id=f"{root}/warm")
+        took = per_call(lambda: dcp.save(STATE, checkpoint_id=f"{root}/c{next(names) % 4}"), saves)
+        dcp_otel.uninstrument()
+        return {"s": took}
+
+    times = interleave({name: functools.partial(block, tick) for name, tick in arms.items()}, repeats)
+    return {name: median(times, name, "s") for name in arms}
 
 
 def cpu_per_second(tick_s: float, seconds: float, root: str, *, open_call: bool) -> float:

@@ -15,11 +15,9 @@ fixed per call, so a small model shows it at its largest relative size.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,13 +28,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ab import Measures, Results, interleave, per_call, print_side_by_side  # noqa: E402
 from overhead import DiscardingExporter  # noqa: E402
 
 import dcp_otel  # noqa: E402
 
 
-def measure(repeats: int, calls: int) -> dict[str, dict[str, float]]:
-    """Per function: the seconds per call ``plain`` and ``traced`` (medians over interleaved blocks)."""
+def measure(repeats: int, calls: int) -> Results:
+    """Per function, the seconds per call ``plain`` and ``traced`` (interleaved blocks)."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     optim = torch.optim.Adam(model.parameters())
     model(torch.ones(4, 64)).sum().backward()
@@ -53,38 +52,22 @@ def measure(repeats: int, calls: int) -> dict[str, dict[str, float]]:
     return found
 
 
-def traced_vs_plain(
-    arms: dict[str, Callable[[], object]], provider: TracerProvider, repeats: int, calls: int
-) -> dict[str, dict[str, float]]:
-    """Per arm, the seconds per call ``plain`` and ``traced``: medians over blocks of ``calls``,
-    instrumented and not in turn (the order alternating), each block after one warm call."""
-    times: dict[tuple[str, str], list[float]] = {}
-    for i in range(repeats):
-        for traced in ((False, True) if i % 2 == 0 else (True, False)):
-            if traced:
-                dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
-            for name, call in arms.items():
-                call()  # warm: the first call after instrument() creates the tracer and series
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                times.setdefault((name, "traced" if traced else "plain"), []).append((time.perf_counter() - start) / calls)
-            if traced:
-                dcp_otel.uninstrument()
-    return medians(times, arms)
+def traced_vs_plain(calls: dict[str, Callable[[], object]], provider: TracerProvider, repeats: int, n: int) -> Results:
+    """Per call, its seconds per call in blocks of ``n``, instrumented (``traced``) and not (``plain``) in turn,
+    each block after one warm call."""
 
+    def block(traced: bool) -> Measures:
+        if traced:
+            dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry())
+        found = {}
+        for name, call in calls.items():
+            call()  # warm: the first call after instrument() creates the tracer and series
+            found[name] = per_call(call, n)
+        if traced:
+            dcp_otel.uninstrument()
+        return found
 
-def medians(times: dict[tuple[str, str], list[float]], names: Iterable[str]) -> dict[str, dict[str, float]]:
-    """Per name, the median of its ``plain`` and its ``traced`` times."""
-    return {name: {kind: statistics.median(times[(name, kind)]) for kind in ("plain", "traced")} for name in names}
-
-
-def print_side_by_side(found: dict[str, dict[str, float]], width: int) -> None:
-    """One row per call: plain and traced microseconds, what tracing added, and their ratio."""
-    print(f"{'call':<{width}} {'plain us':>10} {'traced us':>10} {'added us':>10} {'ratio':>7}")
-    for name, row in found.items():
-        plain, traced = row["plain"] * 1e6, row["traced"] * 1e6
-        print(f"{name:<{width}} {plain:>10.1f} {traced:>10.1f} {traced - plain:>10.1f} {traced / plain:>7.3f}")
+    return interleave({"plain": lambda: block(False), "traced": lambda: block(True)}, repeats)
 
 
 def main() -> None:
@@ -92,7 +75,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    print_side_by_side(measure(repeats=6 if args.quick else 20, calls=50 if args.quick else 200), width=16)
+    calls = ("get_state_dict", "set_state_dict")
+    print_side_by_side(measure(repeats=6 if args.quick else 20, calls=50 if args.quick else 200), calls, width=16)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,18 @@ from __future__ import annotations
 import argparse
 import gc
 import io
+import itertools
 import pickle
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ab import Measures, Results, interleave, median, per_call  # noqa: E402
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
 from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: E402
 from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
@@ -40,6 +44,43 @@ from dcp_otel.tracing.detail import named_straggler  # noqa: E402
 def results_of(rank: int, items: int) -> list[WriteResult]:
     return [WriteResult(MetadataIndex(f"model.layers.{rank}.{i}.weight", None, None), 1 << 20,
                         _StorageInfo(Path(f"__{rank}_0.distcp"), i << 20, 1 << 20)) for i in range(items)]  # fmt: skip
+
+
+def unpickled(bufs: list[bytes], every: list[list[WriteResult]], chunks: range, marks: bool) -> Callable[[], Measures]:
+    """An arm: the coordinator's unpickling of the next of ``chunks`` of ranks' results (plain, or marked and noted),
+    in seconds per rank; it stops when what it unpickled is not what the ranks wrote."""
+    starts = itertools.cycle(chunks)
+
+    def arm() -> Measures:
+        start = next(starts)
+        part = bufs[start:start + chunks.step]
+        t0 = time.perf_counter()
+        if marks:
+            with arrivals.receiving() as noted:
+                got = [arrivals.RecordingUnpickler(io.BytesIO(buf)).load() for buf in part]
+        else:
+            got = [pickle.Unpickler(io.BytesIO(buf)).load() for buf in part]
+        took = (time.perf_counter() - t0) / len(part)
+        # the same results, all noted
+        assert got == every[start:start + chunks.step] and (not marks or len(noted) == len(part))
+        return {"s": took}
+
+    return arm
+
+
+def pickled(every: list[list[WriteResult]], chunks: range, mark: bool) -> Callable[[], Measures]:
+    """An arm: each rank's side, its pickling of its results (plain, or marked), in seconds per rank, over the next
+    of ``chunks`` of ranks."""
+    starts = itertools.cycle(chunks)
+
+    def arm() -> Measures:
+        start = next(starts)
+        t0 = time.perf_counter()
+        for rank in range(start, start + chunks.step):
+            pickle.dumps(arrivals.tag(every[rank], rank, 1) if mark else every[rank])
+        return {"s": (time.perf_counter() - t0) / chunks.step}
+
+    return arm
 
 
 def main() -> None:
@@ -54,44 +95,27 @@ def main() -> None:
     # Per chunk of ranks, each arm's seconds per rank; the arms alternate chunk by chunk (and which goes first),
     # and the medians over every chunk of every block are taken: this 2-core VM has pauses of its own (up to 20 us
     # in a 55 us unpickling), which a sum would charge to whichever arm they hit.
-    chunk = 250
-    per_rank: dict[str, list[float]] = {"plain": [], "marked": []}
-    other: dict[str, list[float]] = {"named": [], "pickle plain": [], "pickle marked": []}
+    ranks = args.ranks
+    gathered, sent = range(0, ranks, 250), range(0, min(ranks, 2000), 100)  # (each rank's side: the same way)
+    unpickling = {"plain": unpickled(plain, every, gathered, marks=False),
+                  "marked": unpickled(marked, every, gathered, marks=True)}  # fmt: skip
+    pickling = {"pickle plain": pickled(every, sent, mark=False), "pickle marked": pickled(every, sent, mark=True)}
+    every_mark = [(rank, 1_000_000 + rank) for rank in range(ranks)]
+    found: Results = {"named": []}
     # The collector off while timing: its pauses scale with this script's results held for the comparison, not
     # with either arm.
     gc.collect()
     gc.disable()
-    ranks = args.ranks
-    for block in range(args.blocks):
-        for start in range(0, args.ranks, chunk):
-            bufs = {"plain": plain[start:start + chunk], "marked": marked[start:start + chunk]}
-            got: dict[str, list[object]] = {}
-            for arm in ("plain", "marked") if (block + start // chunk) % 2 == 0 else ("marked", "plain"):
-                t0 = time.perf_counter()
-                if arm == "plain":
-                    got[arm] = [pickle.Unpickler(io.BytesIO(buf)).load() for buf in bufs[arm]]
-                else:
-                    with arrivals.receiving() as marks:
-                        got[arm] = [arrivals.RecordingUnpickler(io.BytesIO(buf)).load() for buf in bufs[arm]]
-                per_rank[arm].append((time.perf_counter() - t0) / len(bufs[arm]))
-            assert got["marked"] == got["plain"] and len(marks) == len(got["plain"])  # the same results, all noted
-        every_mark = [(rank, 1_000_000 + rank) for rank in range(args.ranks)]
-        t2 = time.perf_counter()
-        named_straggler(every_mark)
-        t3 = time.perf_counter()
-        other["named"].append(t3 - t2)
-        for start in range(0, min(ranks, 2000), 100):  # each rank's side, the same way
-            for arm in ("pickle plain", "pickle marked") if (block + start // 100) % 2 == 0 else \
-                    ("pickle marked", "pickle plain"):  # fmt: skip
-                t0 = time.perf_counter()
-                for rank in range(start, start + 100):
-                    pickle.dumps(every[rank] if arm == "pickle plain" else arrivals.tag(every[rank], rank, 1))
-                other[arm].append((time.perf_counter() - t0) / 100)
+    for _ in range(args.blocks):
+        for arms, rounds in ((unpickling, len(gathered)), (pickling, len(sent))):
+            for arm, samples in interleave(arms, rounds).items():
+                found.setdefault(arm, []).extend(samples)
+        found["named"].append({"s": per_call(lambda: named_straggler(every_mark))})
         gc.collect()  # (between blocks, untimed)
-    med = {name: statistics.median(values) for name, values in (*per_rank.items(), *other.items())}
+    med = {name: median(found, name, "s") for name in found}
     extra = statistics.mean(len(m) - len(p) for m, p in zip(marked, plain, strict=True))
     print(f"the coordinator's write gather at {ranks:,} ranks of {args.items} write results each "
-          f"(medians over {args.blocks} blocks of chunks of {chunk} ranks, arms interleaved)")  # fmt: skip
+          f"(medians over {args.blocks} blocks of chunks of {gathered.step} ranks, arms interleaved)")  # fmt: skip
     print(f"  unpickling, plain / marked       {med['plain'] * ranks * 1e3:8.1f} / {med['marked'] * ranks * 1e3:8.1f} ms   "
           f"ratio {med['marked'] / med['plain']:.3f}   added {(med['marked'] - med['plain']) * ranks * 1e3:+.1f} ms")  # fmt: skip
     print(f"  naming from the marks (builder)  {med['named'] * 1e3:8.1f} ms")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ab import Arm, ratio_rows, rounds_to_resolve, run_job, run_rounds  # noqa: E402
+from ab import Arm, noise, ratio_rows, rounds_to_resolve, run_blocks, run_rounds  # noqa: E402
 
 #: The training step (``dim``, ``reps`` and ``device`` set before it): ``reps`` matmuls, a backward, an optimizer step.
 STEP = r"""
@@ -137,23 +137,16 @@ def main() -> None:
     for tensors, mb in cases:
         common = [str(tensors), str(mb), str(steps), str(every), str(args.reps), str(args.dim), args.device]
         if args.in_process:  # one process a round, every arm a block of it (the order rotating)
-            results: dict[str, list[dict[str, float]]] = {"plain": [], "plain again": [], "instrumented": []}
-            for n in range(rounds):
-                order = "pqi"[n % 3:] + "pqi"[: n % 3]
-                for arm, measures in run_job(JOB, Arm("alternating", [f"alt:{order}", *common])).items():
-                    results[arm].append(measures)
+            results = run_blocks(JOB, "pqi", lambda order, _, common=common: [f"alt:{order}", *common], rounds)
         else:
             arms = [Arm("plain", ["0", *common]), Arm("plain again", ["0", *common]), Arm("instrumented", ["1", *common])]
             results = run_rounds(JOB, arms, rounds)
         case = f"{tensors} tensors, {mb} MiB"
-        noise: dict[str, float] = {}
         for arm, measure, mine, theirs, r in ratio_rows(results, "plain", MEASURES):
             goal = GOALS.get(measure)
             verdict = "" if goal is None or arm != "instrumented" else f"<= {goal:.2f} {'met' if r <= goal else 'MISSED'}"
             print(f"{case:<22}{arm:<14}{measure:<16}{mine:>10.2f}{theirs:>10.2f}{r:>8.3f}  {verdict}")
-            if arm == "plain again" and r == r:  # (not nan)
-                noise[measure] = abs(r - 1)
-        worst = max(noise.get(m, 0.0) for m in GOALS)
+        worst = max(noise(results, "plain", "plain again", m) for m in GOALS)
         print(f"{case:<22}noise: plain again strays {worst:.3f} at most; rounds to resolve 1%: {rounds_to_resolve(worst)}")
 
 
