@@ -187,9 +187,10 @@ def test_instrumenting_again_starts_a_new_clock() -> None:
     assert not clock.installed and clock.removed_ns > 0
 
 
-def test_the_step_table_is_each_step_against_each_interval_whatever_they_are() -> None:
+def test_the_step_table_is_each_step_against_each_interval_whatever_the_intervals() -> None:
     """The builder finds each interval's steps by bisection; the definition is every step against every interval
-    (its time less its overlap with each blocked call, and whether any busy window overlaps it at all)."""
+    (its time less its overlap with each blocked call, and whether any busy window overlaps it at all). The ends
+    are in order: the clock keeps them so (the next test)."""
     import random
 
     from dcp_otel.tracing.interference import _overlap, step_table
@@ -210,3 +211,19 @@ def test_the_step_table_is_each_step_against_each_interval_whatever_they_are() -
         expected = ([b - a - sum(_overlap((a, b), i) for i in blocked) for a, b in steps],
                     [any(_overlap(step, w) for w in busy) for step in steps])  # fmt: skip
         assert step_table(ends, lo, hi, blocked, busy) == expected, (ends, lo, hi, blocked, busy)
+
+
+def test_a_wall_clock_stepped_back_makes_a_step_of_no_time_and_keeps_the_ends_in_order(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from dcp_otel.tracing import steps
+
+    times = iter([100, 200, 150, 300, 250, 400])
+    monkeypatch.setattr(steps, "time", SimpleNamespace(time_ns=lambda: next(times)))
+    clock, opt = StepClock(), object()
+    for _ in range(6):
+        clock._hook(opt, (), {})
+    assert clock.ends() == ([100, 200, 200, 300, 300, 400], 0)
+    ledger = StepLedger()
+    ends, first = clock.ends()
+    assert [s for s, _ in ledger.new_steps(ends, first, upto_ns=400)] == [1e-7, 0.0, 1e-7, 0.0, 1e-7]

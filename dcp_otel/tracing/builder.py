@@ -64,7 +64,7 @@ from dcp_otel.tracing.records import (
     DurationHistory,
     Operation,
 )
-from dcp_otel.tracing.step_measures import FOLD_EVERY_S, StepMeasures
+from dcp_otel.tracing.step_measures import FOLD_EVERY_S, FOLD_IDLE_S, StepMeasures
 from dcp_otel.tracing.steps import CLOCK, HURRY
 from dcp_otel.tracing.trace_ids import chosen_ids_tracer
 
@@ -135,6 +135,7 @@ class SpanBuilder(StepMeasures):
         # asked while one runs is another one (that one may have read the steps before the ask).
         self._folds_asked = self._folds_done = 0
         self._rank_label: str | None = None  # the rank the steps are of, as the last checkpoint said
+        self._count_seen = 0  # the steps seen as the builder last began to wait (see _next)
 
     def _after_fork_in_child(self) -> None:
         """The child builds nothing of the parent's: a new queue, a new thread when needed."""
@@ -217,9 +218,12 @@ class SpanBuilder(StepMeasures):
         with self._lock:
             queued = bool(self._queue)
             # The steps since the last checkpoint, into the histogram too (an application's flush, the exit's), by a
-            # builder that runs (one that does not has no checkpoint yet, and no rank to say the steps are of).
+            # builder that runs (one that does not has no checkpoint yet, and no rank to say the steps are of). Not
+            # for a drain of the metrics only (the async save process's answer to its rank, a metrics collection):
+            # the fold comes after the build under way, which may wait for a span exporter.
             fold = 0
-            if hurrying and self._rank_label is not None and self._thread is not None and self._thread.is_alive():
+            if hurrying and not metrics_only and self._rank_label is not None and CLOCK.count > self.ledger.observed \
+                    and self._thread is not None and self._thread.is_alive():  # fmt: skip
                 self._folds_asked += 1
                 fold = self._folds_asked
             self._cond.notify_all()  # (a submit cut short between queuing and waking the builder: woken here)
@@ -229,7 +233,7 @@ class SpanBuilder(StepMeasures):
             self._draining += hurrying
             try:
                 if metrics_only:
-                    return self._cond.wait_for(lambda: self._unmeasured == 0 and self._folds_done >= fold, timeout_s)
+                    return self._cond.wait_for(lambda: self._unmeasured == 0, timeout_s)
                 return self._cond.wait_for(lambda: self._unbuilt == 0 and self._folds_done >= fold, timeout_s)
             finally:
                 self._draining -= hurrying
@@ -310,7 +314,9 @@ class SpanBuilder(StepMeasures):
                     return None
                 self._hurry.clear()  # (every drain so far has what it waited for)
                 folding = self._rank_label is not None and self._metrics is not None and CLOCK.installed
-                if not self._cond.wait(FOLD_EVERY_S if folding else None):
+                # While the loop steps (steps since the last wait began), soon; else rarely, for steps to come.
+                stepping, self._count_seen = CLOCK.count != self._count_seen, CLOCK.count
+                if not self._cond.wait((FOLD_EVERY_S if stepping else FOLD_IDLE_S) if folding else None):
                     self._folds_asked += 1
             return self._queue.popleft()
 

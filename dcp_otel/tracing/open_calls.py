@@ -105,7 +105,10 @@ class OpenCalls:
 
     def open_since(self) -> int:
         """When the earliest operation with a call open now started (0: none): the training steps after it may yet
-        overlap its background work (see :meth:`SpanBuilder._fold`). Read from the builder's thread."""
+        overlap its background work (see :meth:`SpanBuilder._fold`). 1 while an upload has ended and is not handed
+        to the builder yet (its window is not known: no step is folded). Read from the builder's thread."""
+        if self.uploads.ending():
+            return 1
         return min((call.op.start_ns or call.start_ns for call, _ in self.open_calls() if call.op is not None),
                    default=0)  # fmt: skip
 

@@ -31,10 +31,10 @@ from dcp_otel.tracing.interference import StepLedger, assess
 from dcp_otel.tracing.records import Operation
 from dcp_otel.tracing.steps import CLOCK
 
-#: How often the builder folds the training steps seen into the step histogram between checkpoints (while steps
-#: are seen), and how recent a step it leaves for the next fold (an operation that just ended may not be queued).
+#: How often the builder folds the training steps seen into the step histogram between checkpoints: while the loop
+#: steps, and else (the loop paused, or no optimizer steps in this process) rarely.
 FOLD_EVERY_S: Final = 5.0
-FOLD_LAG_S: Final = 1.0
+FOLD_IDLE_S: Final = 60.0
 
 
 class StepMeasures:
@@ -54,15 +54,15 @@ class StepMeasures:
 
     def _fold(self) -> None:
         """The training steps seen since the last checkpoint into the step histogram (``overlaps="none"``), up to
-        the start of any operation still open (its background work may yet overlap them) and :data:`FOLD_LAG_S`
-        ago (an operation that just ended may not be queued yet). Between checkpoints too: else a scrape sees the
-        steps only at the next checkpoint's build, and a ring of 4,096 steps loses the rest of an hour's."""
+        the start of any operation still open (its background work may yet overlap them; see ``open_since``).
+        Between checkpoints too: else a scrape sees the steps only at the next checkpoint's build, and a ring of
+        4,096 step ends loses the rest of an hour's."""
         started = time.thread_time_ns()
         asked = self._folds_asked  # (asked before this reads the steps: done by this fold)
         metrics, rank = self._metrics, self._rank_label
         try:
             if metrics is not None and rank is not None and CLOCK.count and not self.checkpointing():
-                upto = time.time_ns() - int(FOLD_LAG_S * 1e9)
+                upto = time.time_ns()
                 since = self.open_since()
                 ends, first = CLOCK.ends()
                 for seconds, overlaps in self.ledger.new_steps(ends, first, min(upto, since) if since else upto,
@@ -83,6 +83,7 @@ class StepMeasures:
         blocked = list(CLOCK.blocked)
         ledger, metrics = self.ledger, self._metrics
         window, upto = op.background, op.end_ns
+        since = self.open_since()  # (another checkpoint's upload still open: the steps beside it wait for its build)
         if window is not None and not CLOCK.installed and CLOCK.removed_ns < window[1]:
             window = None  # uninstrumented while it uploaded: the steps after that are unseen, nothing is said
         if window is not None:
@@ -93,6 +94,8 @@ class StepMeasures:
                 op.attributes = {**op.attributes, **found.attributes()}  # (replaced, never mutated: shared)
                 if metrics is not None:
                     metrics.training_interference(op.name, op.rank_label, found.lost_s)
+        if since:
+            upto = min(upto, since)
         if metrics is not None:  # a step beside this checkpoint's work links to its trace
             for seconds, overlaps in ledger.new_steps(ends, first, upto, blocked):
                 exemplar = op.exemplar if overlaps == semconv.OVERLAPS_CHECKPOINT and window is not None else None

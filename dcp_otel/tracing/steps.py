@@ -60,8 +60,11 @@ class StepClock:
         if id(optimizer) != self._pace:  # (its id: a reference would keep a discarded optimizer's state alive)
             self._other(optimizer)
             return
-        n = self.count
-        self._ring[n & _MASK] = time.time_ns()
+        n, now = self.count, time.time_ns()
+        last = self._ring[(n - 1) & _MASK]
+        # Never earlier than the last end: a wall clock stepped back makes a step of 0 s, and the builder's
+        # bisections read the ends in order.
+        self._ring[n & _MASK] = now if now >= last else last
         self.count = n + 1
         if self._others:
             self._others.clear()

@@ -166,6 +166,10 @@ class InFlight:
             self._ending -= 1
             self._cond.notify_all()
 
+    def ending(self) -> bool:
+        """Whether a call has been claimed (it ended) and is not handed to the builder yet."""
+        return self._ending > 0
+
     def open_calls(self) -> list[Call]:
         with self._lock:
             return list(self._open.values())
