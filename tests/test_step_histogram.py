@@ -45,11 +45,17 @@ class Loop:
             self.optimizer.step()
 
 
-def test_a_flush_puts_the_steps_since_the_last_checkpoint_in_the_histogram(traced: Traced, tmp_path: Path) -> None:
+def after_a_checkpoint(tmp_path: Path, steps: int) -> Loop:
+    """A loop that stepped ``steps`` times and then saved, that checkpoint built (the builder knows the rank)."""
     loop = Loop()
-    loop.step(3)
+    loop.step(steps)
     dcp.save(STATE, checkpoint_id=str(tmp_path / "a"))
     assert dcp_otel.flush(timeout_s=30)
+    return loop
+
+
+def test_a_flush_puts_the_steps_since_the_last_checkpoint_in_the_histogram(traced: Traced, tmp_path: Path) -> None:
+    loop = after_a_checkpoint(tmp_path, 3)
     before = steps_counted(traced.registry, semconv.OVERLAPS_NONE)
     assert before == 2  # the steps between the first three ends
     loop.step(5)  # no checkpoint after these
@@ -65,10 +71,7 @@ def test_between_checkpoints_the_builder_folds_the_steps_unasked(traced: Traced,
     monkeypatch.setattr(building, "FOLD_EVERY_S", 0.05)
     monkeypatch.setattr(building, "FOLD_IDLE_S", 0.05)  # (the loop below may pause between two of its looks)
     builder = traced.recorder().builder
-    loop = Loop()
-    loop.step(3)
-    dcp.save(STATE, checkpoint_id=str(tmp_path / "a"))
-    assert dcp_otel.flush(timeout_s=30)  # (built; its fold asked, the builder's next wait is the patched one)
+    loop = after_a_checkpoint(tmp_path, 3)  # (the builder's next wait is the patched one)
     before = steps_counted(traced.registry, semconv.OVERLAPS_NONE)
     with builder._lock:
         folds = builder.folds
@@ -81,10 +84,7 @@ def test_between_checkpoints_the_builder_folds_the_steps_unasked(traced: Traced,
 def test_steps_beside_an_upload_in_flight_wait_for_its_checkpoint_and_count_as_overlapping_it(
         traced: Traced, tmp_path: Path) -> None:  # fmt: skip
     builder = traced.recorder().builder
-    loop = Loop()
-    loop.step(2)
-    dcp.save(STATE, checkpoint_id=str(tmp_path / "a"))
-    assert dcp_otel.flush(timeout_s=30)
+    loop = after_a_checkpoint(tmp_path, 2)
     loop.step(4)  # 4 steps between the checkpoints
     upload = HeldWriter(str(tmp_path / "async"))
     try:
@@ -155,10 +155,7 @@ def test_steps_beside_an_upload_that_ended_but_is_not_handed_on_yet_are_not_fold
         return part_done(op, end_ns, error, part)
 
     builder = traced.recorder().builder
-    loop = Loop()
-    loop.step(2)
-    dcp.save(STATE, checkpoint_id=str(tmp_path / "a"))
-    assert dcp_otel.flush(timeout_s=30)
+    loop = after_a_checkpoint(tmp_path, 2)
     monkeypatch.setattr(Operation, "part_done", held)
     upload = HeldWriter(str(tmp_path / "async"))
     try:
@@ -183,10 +180,7 @@ def test_steps_beside_an_upload_that_ended_but_is_not_handed_on_yet_are_not_fold
 def test_a_checkpoint_built_while_another_still_uploads_leaves_the_steps_beside_that_upload_for_its_build(
         traced: Traced, tmp_path: Path) -> None:  # fmt: skip
     builder = traced.recorder().builder
-    loop = Loop()
-    loop.step(2)
-    dcp.save(STATE, checkpoint_id=str(tmp_path / "a"))
-    assert dcp_otel.flush(timeout_s=30)
+    loop = after_a_checkpoint(tmp_path, 2)
     upload = HeldWriter(str(tmp_path / "async"))
     try:
         future = dcp.async_save(STATE, storage_writer=upload)
