@@ -306,8 +306,8 @@ class SpanBuilder(StepMeasures):
                 self._cond.notify_all()
 
     def _next(self) -> tuple[Operation, list[Call]] | None:
-        """The next queued operation, waited for; ``None``: fold the steps seen (every :data:`FOLD_EVERY_S` between
-        checkpoints while steps are seen, when a drain asks, at the close)."""
+        """The next queued operation, waited for; ``None``: fold the steps seen (between checkpoints every
+        :data:`FOLD_EVERY_S` while the loop steps, else every :data:`FOLD_IDLE_S`; when a drain asks; at the close)."""
         with self._lock:
             while not self._queue:
                 if self._folds_asked > self._folds_done or self._closed:

@@ -106,7 +106,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort, Ke
         self._seq = SequenceTables()
         self.uploads = InFlight()
         self.builder.checkpointing = self.checkpointing  # (it builds between checkpoints, not during one)
-        self.builder.open_since = self.open_since  # (the steps it folds are none's)
+        self.builder.open_since = self.open_since  # (steps after an open checkpoint's start wait for its build)
         #: Called on the caller's thread when a checkpoint operation's call ends (once a checkpoint): what waits
         #: while a thread is inside one (:meth:`checkpointing`) looks again, instead of looking every few ms.
         self.call_ended: list[Callable[[], None]] = [self.builder.nudge]
