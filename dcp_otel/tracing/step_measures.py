@@ -4,9 +4,9 @@ and every step into the step histogram, between checkpoints too.
 Both run on the builder's thread (:class:`~dcp_otel.tracing.builder.SpanBuilder` is a ``StepMeasures``), from
 the step ends the optimizer hook keeps (:data:`~dcp_otel.tracing.steps.CLOCK`) and the arithmetic of
 :mod:`dcp_otel.tracing.interference`. An async save's build measures its steps (:meth:`_interference`); while
-steps are seen and no checkpoint comes, the builder wakes every :data:`FOLD_EVERY_S` and folds the steps since
-into ``dcp_training_step_seconds{overlaps="none"}`` (:meth:`_fold`), as it does when a flush asks and at the
-close: a scrape between checkpoints sees every step, and an hour between checkpoints loses none to the ring.
+steps are seen and no checkpoint comes, the builder wakes every :data:`FOLD_EVERY_S` (:data:`FOLD_IDLE_S` while
+the loop pauses) and folds the steps since into ``dcp_training_step_seconds{overlaps="none"}`` (:meth:`_fold`),
+as it does when a flush asks and at the close: a scrape between checkpoints sees every step, and an hour between checkpoints loses none to the ring.
 
 Usage (the builder's loop)::
 
