@@ -92,7 +92,8 @@ def step_table(ends: Sequence[int], lo: int, hi: int, blocked: Iterable[Interval
     """Steps ``lo`` to ``hi - 1`` (``lo >= 1``): each one's nanoseconds less the time ``blocked`` inside it (may
     read below 0: clamp), and whether one of ``busy`` overlapped it. Each interval finds its steps by bisection,
     so the cost is the steps' plus the intervals', not their product (a step against every window near it took
-    1.3 ms of the builder's CPU a checkpoint at one every 10 steps: ``benchmarks/own_share.py``'s 10 tensors)."""
+    1.3 ms of the builder's CPU a checkpoint at one every 10 steps, 0.2 ms so: a scratch timing of the builder's
+    parts in ``benchmarks/own_share.py``'s 10-tensor loop)."""
     ns = [ends[k] - ends[k - 1] for k in range(lo, hi)]
     overlapped = [False] * len(ns)
     for interval in blocked:

@@ -56,7 +56,8 @@ class StepClock:
         self._waiter: Wake | None = None  # set when the next step ends (wake_on_step)
 
     def _hook(self, optimizer: object, args: object, kwargs: object) -> None:
-        # The hot path: every training step. A step of the pace optimizer is one list store and one int store.
+        # The hot path: every training step. A step of the pace optimizer is a list read, a comparison, one list
+        # store and one int store.
         if id(optimizer) != self._pace:  # (its id: a reference would keep a discarded optimizer's state alive)
             self._other(optimizer)
             return
