@@ -115,6 +115,9 @@ def test_a_key_of_a_state_dict_runs_nothing_of_dcp_otel_but_the_taps_two_frames(
     many = _dcp_otel_calls_during(lambda: dcp.save(large, checkpoint_id=str(tmp_path / "many")))
     extra = {name: many[name] - few[name] for name in many if many[name] != few[name]}
     assert extra.pop("slow", 0) < 100  # a key at least as slow as the 5 slowest so far (about 5 ln(1000 / 5))
+    # The call's end wakes the survivor when its periodic look fell inside the call (the longer save is likelier to
+    # hold one back): one release a checkpoint at most, never one a key.
+    assert extra.pop("set", 0) in (-1, 0, 1)
     assert extra == {"dcp_otel_logger_tap_debug": 2 * 1_000}
     keys = sorted(s.attributes[semconv.ATTR_STATE_DICT_KEYS] for s in named(traced.spans(), "dcp._stateful_to_state_dict"))
     assert keys == [10, 10, 1_010]
