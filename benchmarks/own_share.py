@@ -8,7 +8,10 @@ counts what dcp-otel runs, where it runs, with the same loop (torch's default st
 the next save), the arms as blocks of one process (plain, plain again, instrumented; the order rotating):
 
 - ``return_cpu_ms``: the training thread's CPU inside ``async_save`` (what delays its return when the
-  process has a core to itself): the instrumented / plain ratio, with the plain-again noise row;
+  process has a core to itself): the instrumented / plain ratio, with the plain-again noise row; split into
+  torch's conversion of the state dict (two log records a key, which dcp-otel's tap reads), its staging copy
+  and the rest (dcp-otel's wrappers), each timed alike in every arm, and how far one save's conversion is from
+  another's in one block (a spread the noise row of block medians does not show);
 - ``own_ms``: the CPU of dcp-otel's own threads per checkpoint (the builder, the watchdog, the
   survivor, the spool's writer, the OpenTelemetry SDK's export threads: ``pthread_getcpuclockid``),
   the builder's share of it apart (``builder_ms``);
