@@ -19,7 +19,8 @@ the next save), the arms as blocks of one process (plain, plain again, instrumen
   whose Python holds the interpreter lock all the time could lose to dcp-otel's threads (steps that
   release it, as matmuls and device waits do, lose less: the benchmark's own steps lost nothing
   measurable, see ``training_loop.py``); the goal is 1%;
-- ``ops_*``: the Python instructions the training thread runs in one ``async_save``, counted (deterministic,
+- ``ops_*``: the Python instructions the training thread runs in one ``async_save``, counted (deterministic
+  but for the slowest keys' heap, which a key enters by its time: a few dozen instructions a save,
   where the timed ratio needs hundreds of rounds), with the state dict flat (a key a tensor: torch logs two
   records a key, and dcp-otel reads each) and nested as a model's (``{"model": {...}}``);
 - ``hook_ns``: what the optimizer step hook adds to a step (the one thing dcp-otel runs in every step).
@@ -33,8 +34,10 @@ Usage::
     .venv/bin/python benchmarks/own_share.py                    # 10, 100 and 10,000 tensors; ~4 min
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --rounds 2 --steps 40    # a quick look
 
-What it leaves out: the waits themselves (two threads wanting the lock at once: ``training_loop.py``
-times those), the kernel's share of another thread's page faults, a real network store, more ranks.
+What it leaves out: the per-key records of the conversion torch's upload thread runs again on the staged copy,
+which dcp-otel reads there too (on neither the caller's nor dcp-otel's threads); the waits themselves (two
+threads wanting the lock at once: ``training_loop.py`` times those), the kernel's share of another thread's page
+faults, a real network store, more ranks.
 """
 
 from __future__ import annotations

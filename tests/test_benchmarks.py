@@ -250,6 +250,14 @@ def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_c
     out = done.stdout
     assert re.search(r"async_save CPU on the caller, ms +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +<= 1.03", out), out
     assert re.search(r"collections per checkpoint, ms +[\d.]+ +[\d.]+", out), out
+    # The caller's CPU split by phase, timed in both arms: the conversion and the staging copy take some; the rest,
+    # a save's whole less its two phases, is never below zero (no phase counted twice, none beyond its save).
+    for phase in ("converting", "staging the copy", "the rest"):
+        row = re.search(rf"  of it {phase}.*? +(-?[\d.]+) +(-?[\d.]+) +[\d.na]+ +[\d.]+\n" if phase != "the rest"
+                        else r"  the rest \(dcp-otel's wrappers in it\) +(-?[\d.]+) +(-?[\d.]+)", out)  # fmt: skip
+        assert row is not None, out
+        mine, plain = float(row.group(1)), float(row.group(2))
+        assert (mine > 0 and plain > 0) if phase != "the rest" else (mine >= 0 and plain >= 0), (phase, out)
     builder = re.search(r"dcp-otel-builder, ms +([\d.]+)", out)  # its CPU clock, read from outside the thread
     assert builder is not None and float(builder.group(1)) > 0, out
     assert re.search(r"own threads share of the loop +[\d.]+ +<= 0.01", out), out
