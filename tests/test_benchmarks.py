@@ -266,6 +266,10 @@ def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_c
     for shape in ("flat", "nested"):  # counted: the instrumented arm runs more of them than plain, never fewer
         counted = re.search(rf"Python instructions, {shape}.*? +([\d.]+)M +([\d.]+)M +([\d.]+) +\+(\d+) a save", out)
         assert counted is not None and float(counted.group(3)) >= 1.0 and int(counted.group(4)) > 0, out
+    # Torch's upload thread converts the staged copy again, and dcp-otel reads its records there: counted apart.
+    uploads = re.findall(r"on the upload thread +([\d.]+)M +([\d.]+)M +([\d.]+) +([+-]\d+) a save", out)
+    assert len(uploads) == 2 and all(float(plain) > 0 for _, plain, _, _ in uploads), out
+    assert int(uploads[0][3]) > 0, out  # the flat state dict's keys, read on the upload thread too
 
 
 def test_faulthandler_dumps_runs_every_arm_and_counts_the_dumps_it_sent() -> None:
