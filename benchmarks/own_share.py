@@ -32,7 +32,7 @@ processes left there: 100 ms with this machine's 87).
 
 Usage::
 
-    .venv/bin/python benchmarks/own_share.py                    # 10, 100 and 10,000 tensors; ~4 min
+    .venv/bin/python benchmarks/own_share.py                    # 10, 100 and 10,000 tensors; ~15 min
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --rounds 2 --steps 40    # a quick look
 
 What it leaves out: the CPU of torch's upload thread, which converts the staged copy again and whose per-key
@@ -273,7 +273,7 @@ def main() -> None:
         # the machine's own spread, which the noise row (medians of blocks) does not show.
         print(f"{label:<22}{'  converting, slowest / fastest save':<36}{median(results, 'instrumented', 'convert_spread'):>13.2f}"
               f"{median(results, 'plain', 'convert_spread'):>10.2f}")
-        for shape in ("flat", "nested"):  # counted once (the first round): deterministic
+        for shape in ("flat", "nested"):  # counted once (the first round): deterministic on the caller
             mine, theirs = counts[f"ops_{shape}"], counts[f"ops_plain_{shape}"]
             r = mine / theirs
             title = f"  Python instructions, {shape}" + (f" ({tensors} keys)" if shape == "flat" else " (2 keys)")
