@@ -204,3 +204,59 @@ def test_a_stand_in_logger_of_another_kind_gets_every_record_and_the_tap_never_r
     tap.debug({"event": "end"}, stacklevel=3)
     assert fed == [{"event": "start"}, {"event": "end"}]
     assert stand_in.seen == [({"event": "start"}, {}), ({"event": "end"}, {"stacklevel": 3})]
+
+
+class _Silences:
+    """A Stateful whose ``state_dict`` sets torch's logger to WARNING while its conversion runs."""
+
+    def __init__(self, torch_logger: logging.Logger) -> None:
+        self.torch_logger = torch_logger
+
+    def state_dict(self) -> dict:
+        import torch
+
+        self.torch_logger.setLevel(logging.WARNING)
+        return {"x": torch.ones(1)}
+
+    def load_state_dict(self, state: dict) -> None:  # pragma: no cover - Stateful protocol
+        pass
+
+
+def _keys_logged(torch_logger: logging.Logger, path: Path) -> list[tuple[str, str]]:
+    """(function, event) of each record torch's logger handles in a save whose third key silences it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    seen: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.msg["func_name"], record.msg["event"]))
+
+    keep, level = Keep(), torch_logger.level
+    torch_logger.addHandler(keep)
+    try:
+        state = {"a": torch.ones(1), "b": torch.ones(1), "quiet": _Silences(torch_logger), "c": torch.ones(1)}
+        dcp.save(state, checkpoint_id=str(path))
+    finally:
+        torch_logger.removeHandler(keep)
+        torch_logger.setLevel(level)
+    return seen
+
+
+def test_a_level_set_while_a_state_dict_converts_counts_from_the_next_record_as_without_the_tap(traced, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The tap's per-key reader asks the logger's level for every record, as ``Logger.debug`` does: a key that
+    silences torch's logger has its own start logged and nothing after it, with the tap as without it."""
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    tap = dcp_logging._dcp_logger
+    with_tap = _keys_logged(tap.logger, tmp_path / "a")
+    assert traced.spans(), "the save was traced: the tap was in place"
+    dcp_logging._dcp_logger = tap.logger
+    try:
+        without = _keys_logged(tap.logger, tmp_path / "b")
+    finally:
+        dcp_logging._dcp_logger = tap
+    assert with_tap == without
+    assert with_tap[-1] == ("_stateful_to_state_dict.quiet", "start")
+    assert ("_stateful_to_state_dict.b", "end") in with_tap

@@ -175,3 +175,39 @@ def problems_counted() -> dict[str, int]:
     import dcp_otel
 
     return {name: n for name, n in dcp_otel.diagnostics().items() if name != "open_spans"}
+
+
+def test_the_taps_per_key_reader_stands_as_debug_only_while_its_conversion_is_open(traced, tmp_path: Path) -> None:
+    """While a conversion holds the lane, the tap's ``debug`` is a reader of that lane's records (one frame a
+    record), on whichever thread the conversion runs; before and after, the method; uninstrumenting puts torch's
+    logger back with nothing of dcp-otel's on it."""
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    tap = dcp_logging._dcp_logger
+    torch_logger = tap.logger
+    seen: list[tuple[bool, str]] = []
+
+    class Looks:
+        def state_dict(self) -> dict:
+            debug = dcp_logging._dcp_logger.debug
+            seen.append(("debug" in tap.__dict__, getattr(debug, "__func__", debug).__code__.co_name))
+            return {"x": torch.ones(1)}
+
+        def load_state_dict(self, state: dict) -> None:  # pragma: no cover - Stateful protocol
+            pass
+
+    assert "debug" not in tap.__dict__
+    dcp.save({"a": torch.ones(1), "look": Looks()}, checkpoint_id=str(tmp_path / "a"))
+    assert seen == [(True, "dcp_otel_logger_tap_debug")]
+    assert "debug" not in tap.__dict__  # (the method again)
+    held = threading.Thread(target=lambda: dcp.save({"look": Looks()}, checkpoint_id=str(tmp_path / "b")))
+    held.start()
+    held.join(60)
+    assert seen[-1] == (True, "dcp_otel_logger_tap_debug") and "debug" not in tap.__dict__
+    keys = sorted(s.attributes[semconv.ATTR_STATE_DICT_KEYS] for s in named(traced.spans(), "dcp._stateful_to_state_dict"))
+    assert keys == [1, 2]
+    import dcp_otel
+
+    dcp_otel.uninstrument()
+    assert dcp_logging._dcp_logger is torch_logger and "debug" not in torch_logger.__dict__
+    dcp_otel.instrument(tracer_provider=traced.provider, registry=traced.registry)  # (the fixture uninstruments)

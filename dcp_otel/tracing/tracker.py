@@ -125,7 +125,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort, Ke
         self._local = threading.local()
         self._open = {}
         self._stacks = {}
-        self.lane = None
+        self.drop_lane()  # (the parent's: its thread's ident may be this thread's)
         self._interrupted = {}
         self._stale_tokens = {}
         self._interrupt_lock = threading.RLock()  # the ending thread and atexit may both end the open calls
@@ -156,7 +156,7 @@ class SpanRecorder(OpenCalls, CallFacts, CollectiveCalls, CallEnds, CutShort, Ke
     def close(self) -> None:
         """Stop building (on uninstrument); what is queued is still built."""
         self.closed = True  # torch's records no longer reach us: a call open now never sees its end
-        self.lane = None  # (nor its keys: the tap, inert, reads no lane)
+        self.drop_lane()  # (nor its keys: the tap, inert, reads no lane)
         self.starter.close()
         self.builder.close()
         self._hooks.remove_all()
