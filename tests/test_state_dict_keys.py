@@ -211,3 +211,27 @@ def test_the_taps_per_key_reader_stands_as_debug_only_while_its_conversion_is_op
     dcp_otel.uninstrument()
     assert dcp_logging._dcp_logger is torch_logger and "debug" not in torch_logger.__dict__
     dcp_otel.instrument(tracer_provider=traced.provider, registry=traced.registry)  # (the fixture uninstruments)
+
+
+def test_a_wrapper_someone_put_over_the_taps_debug_sees_every_key_and_stays_until_they_remove_it(traced, tmp_path: Path) -> None:
+    """A tool (or a benchmark counting calls) that sets the tap's ``debug`` on the instance keeps it through a
+    conversion: the lane's reader does not stand over it, nor takes it away when the lane is released."""
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    tap = dcp_logging._dcp_logger
+    seen: list[str] = []
+    method = tap.debug
+
+    def counting(msg: dict, *args: object, **kwargs: object) -> None:
+        seen.append(msg["func_name"])
+        method(msg, *args, **kwargs)
+
+    tap.debug = counting
+    try:
+        dcp.save({"a": torch.ones(1), "b": torch.ones(1)}, checkpoint_id=str(tmp_path / "a"))
+        assert tap.__dict__["debug"] is counting
+    finally:
+        del tap.debug
+    assert seen.count("_stateful_to_state_dict.a") == 2 and seen.count("_stateful_to_state_dict.b") == 2
+    (conversion,) = named(traced.spans(), "dcp._stateful_to_state_dict")
+    assert conversion.attributes[semconv.ATTR_STATE_DICT_KEYS] == 2

@@ -67,12 +67,15 @@ class DCPLoggerTap:
         self.recorder = recorder
         self._fast = recorder.on_record
         self._debug_of: KeyLane | None = None  # the lane whose reader stands as ``debug`` now, if any
+        self._reader: Any = None  # that reader
         recorder.lane_watch = self
 
     def go_inert(self) -> None:
         """Feed nothing from now on, and pass every call on to torch's logger (left under another stand-in)."""
         self._fast = _fed_nothing
-        self.__dict__.pop("debug", None)
+        if self._reader is not None and self.__dict__.get("debug") is self._reader:
+            del self.__dict__["debug"]
+        self._debug_of = self._reader = None
 
     def lane_opened(self, lane: KeyLane) -> None:
         """A conversion opened ``lane``: its records are read by a reader of its own (see :func:`_lane_reader`)
@@ -80,17 +83,21 @@ class DCPLoggerTap:
         logger = self.logger
         if self._fast is _fed_nothing or not _plain_logger(logger):
             return  # (inert; a logger of its own kind: the general way, where its debug is called)
-        self.debug = _lane_reader(self, lane)  # type: ignore[method-assign]
+        standing = self.__dict__.get("debug")
+        if standing is not None and standing is not self._reader:
+            return  # someone's own wrapper of the tap's debug (a counting one, say): left as it is, the method's way
+        self.debug = self._reader = _lane_reader(self, lane)  # type: ignore[method-assign]
         self._debug_of = lane
 
     def lane_released(self, lane: KeyLane) -> None:
         """``lane`` is free: its reader, if it stands as ``debug``, gives way to the method."""
         if self._debug_of is lane:
-            self.__dict__.pop("debug", None)
-            self._debug_of = None
+            if self.__dict__.get("debug") is self._reader:  # (not a wrapper someone put over it since)
+                del self.__dict__["debug"]
+            self._debug_of = self._reader = None
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("logger", "recorder", "_fast", "_debug_of"):  # not set yet (a copy being built): never recurse
+        if name in ("logger", "recorder", "_fast", "_debug_of", "_reader"):  # not set yet (a copy being built): never recurse
             raise AttributeError(name)
         return getattr(self.logger, name)
 
