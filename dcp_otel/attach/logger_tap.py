@@ -66,16 +66,13 @@ class DCPLoggerTap:
         self.logger = logger
         self.recorder = recorder
         self._fast = recorder.on_record
-        self._debug_of: KeyLane | None = None  # the lane whose reader stands as ``debug`` now, if any
-        self._reader: Any = None  # that reader
         recorder.lane_watch = self
 
     def go_inert(self) -> None:
         """Feed nothing from now on, and pass every call on to torch's logger (left under another stand-in)."""
         self._fast = _fed_nothing
-        if self._reader is not None and self.__dict__.get("debug") is self._reader:
+        if _reader_of(self.__dict__.get("debug")) is not None:
             del self.__dict__["debug"]
-        self._debug_of = self._reader = None
 
     def lane_opened(self, lane: KeyLane) -> None:
         """A conversion opened ``lane``: its records are read by a reader of its own (see :func:`_lane_reader`)
@@ -84,20 +81,17 @@ class DCPLoggerTap:
         if self._fast is _fed_nothing or not _plain_logger(logger):
             return  # (inert; a logger of its own kind: the general way, where its debug is called)
         standing = self.__dict__.get("debug")
-        if standing is not None and standing is not self._reader:
+        if standing is not None and _reader_of(standing) is None:
             return  # someone's own wrapper of the tap's debug (a counting one, say): left as it is, the method's way
-        self.debug = self._reader = _lane_reader(self, lane)  # type: ignore[method-assign]
-        self._debug_of = lane
+        self.debug = _lane_reader(self, lane)  # type: ignore[method-assign]
 
     def lane_released(self, lane: KeyLane) -> None:
         """``lane`` is free: its reader, if it stands as ``debug``, gives way to the method."""
-        if self._debug_of is lane:
-            if self.__dict__.get("debug") is self._reader:  # (not a wrapper someone put over it since)
-                del self.__dict__["debug"]
-            self._debug_of = self._reader = None
+        if _reader_of(self.__dict__.get("debug")) is lane:  # (not another lane's, nor a wrapper put over it since)
+            del self.__dict__["debug"]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("logger", "recorder", "_fast", "_debug_of", "_reader"):  # not set yet (a copy being built): never recurse
+        if name in ("logger", "recorder", "_fast"):  # not set yet (a copy being built): never recurse
             raise AttributeError(name)
         return getattr(self.logger, name)
 
@@ -266,7 +260,15 @@ def _lane_reader(tap: DCPLoggerTap, lane: KeyLane) -> Any:
         method(tap, other, *args, **kwargs)  # everything else (it makes whole what it is cut short in itself)
 
     dcp_otel_logger_tap_debug.__code__ = _READER_CODE  # (the same code for every lane: passes_records_along's)
+    dcp_otel_logger_tap_debug.lane = lane  # type: ignore[attr-defined]  # (whose it is: _reader_of)
     return dcp_otel_logger_tap_debug
+
+
+def _reader_of(debug: Any) -> KeyLane | None:
+    """The lane ``debug`` (what stands as the tap's ``debug``) is the reader of; ``None``: not a lane's reader."""
+    if getattr(debug, "__code__", None) is _READER_CODE:
+        return debug.lane  # type: ignore[no-any-return]
+    return None
 
 
 def _plain_logger(logger: Any) -> bool:
