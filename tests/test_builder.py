@@ -18,7 +18,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 import dcp_otel
 from dcp_otel import _selftelemetry
@@ -346,6 +346,23 @@ def test_the_end_of_the_checkpoint_call_wakes_the_builder_instead_of_a_look_ever
         dcp_otel.uninstrument()
 
 
+def _an_upload_ended_inside_a_step(tmp_path: Path) -> torch.optim.Optimizer:
+    """Eight usual training steps, then an async save whose upload ends while the next step is under way: its
+    optimizer step (which ends that step) is the caller's to take."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(8):
+        model(torch.ones(4)).sum().backward()
+        optimizer.step()
+    upload = HeldWriter(str(tmp_path / "async"))
+    future = dcp.async_save(STATE, storage_writer=upload)
+    assert upload.inside.wait(30)
+    model(torch.ones(4)).sum().backward()  # the step under way as the upload ends
+    upload.release.set()
+    future.result(timeout=30)
+    return optimizer
+
+
 def test_the_training_step_an_upload_ended_in_wakes_the_builder_when_it_ends(
         tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     """An async save is measured against the training step its upload ended in: the optimizer hook wakes the
@@ -355,23 +372,50 @@ def test_the_training_step_an_upload_ended_in_wakes_the_builder_when_it_ends(
 
     monkeypatch.setattr(building, "_LOOK_EVERY_S", 60.0)
     monkeypatch.setattr(interference, "WAIT_BOUNDS_S", (60.0, 60.0))  # (it would wait a minute for that step)
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     dcp_otel.instrument(tracer_provider=TracerProvider(), registry=CollectorRegistry())
     builder = dcp_otel.DCPInstrumentor().recorder.builder
     try:
-        for _ in range(5):  # the loop's usual step
-            model(torch.ones(4)).sum().backward()
-            optimizer.step()
-        upload = HeldWriter(str(tmp_path / "async"))
-        future = dcp.async_save(STATE, storage_writer=upload)
-        assert upload.inside.wait(30)
-        model(torch.ones(4)).sum().backward()  # a step under way as the upload ends
-        upload.release.set()
-        future.result(timeout=30)
+        optimizer = _an_upload_ended_inside_a_step(tmp_path)
         assert builder.drain(0.3, hurry=False) is False  # it waits for that step to end
         optimizer.step()
         assert builder.drain(20, hurry=False)
     finally:
         HeldWriter.release_all()
         dcp_otel.uninstrument()
+
+
+def test_a_scrape_while_the_builder_waits_for_that_step_does_not_cut_its_measure_short(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A Prometheus scrape and an OTel collection are background readers: each waits (bounded) for what is
+    queued, but never hurries an async save's build past the step its upload ended in. Hurried, the span said one
+    step fewer than the histogram, whose later fold found that step overlapping the upload (a CI run, 44 vs 43)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from dcp_otel import semconv
+    from dcp_otel.tracing import builder as building
+    from dcp_otel.tracing import interference
+
+    monkeypatch.setattr(building, "_LOOK_EVERY_S", 60.0)
+    monkeypatch.setattr(interference, "WAIT_BOUNDS_S", (60.0, 60.0))  # (it would wait a minute for that step)
+    exporter, registry, reader = InMemorySpanExporter(), CollectorRegistry(), InMemoryMetricReader()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    dcp_otel.instrument(tracer_provider=provider, registry=registry, meter_provider=MeterProvider([reader]))
+    builder = dcp_otel.DCPInstrumentor().recorder.builder
+    try:
+        optimizer = _an_upload_ended_inside_a_step(tmp_path)
+        assert builder.drain(30, metrics_only=True, hurry=False)  # (its metrics recorded: now it waits for the step)
+        generate_latest(registry)  # a Prometheus scrape
+        reader.get_metrics_data()  # an OTel collection
+        assert builder.drain(0.3, hurry=False) is False  # it still waits for that step to end
+        optimizer.step()
+        assert dcp_otel.flush(timeout_s=30)
+        counted = sum(s.value for m in registry.collect() for s in m.samples
+                      if s.name == f"{semconv.METRIC_TRAINING_STEP}_count" and s.labels.get(semconv.LABEL_OVERLAPS) == semconv.OVERLAPS_CHECKPOINT)  # fmt: skip
+    finally:
+        HeldWriter.release_all()
+        dcp_otel.uninstrument()
+    (op,) = [s for s in exporter.get_finished_spans() if s.name == semconv.span_name("async_save")]
+    assert op.attributes is not None and op.attributes[semconv.ATTR_INTERFERENCE_STEPS] == 1  # the step it ran in
+    assert counted == 1  # the histogram says as many

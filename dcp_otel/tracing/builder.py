@@ -206,8 +206,9 @@ class SpanBuilder(StepMeasures):
         ``metrics_only``: until their metrics are recorded, which never waits
         for a span exporter (the async save process relays them per save).
         ``hurry``: an async save waiting for the training step its upload ended
-        in is built now, with the steps seen so far (``False``: dcp-otel's own
-        background confirmations, which must not cut the measurement short).
+        in is built now, with the steps seen so far (``False``: readers in the
+        background, a scrape, an OTel collection, dcp-otel's own confirmations,
+        which must not cut the measurement short).
         """
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
