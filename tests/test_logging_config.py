@@ -15,7 +15,9 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from unittest.mock import MagicMock
 
 import pytest
 
@@ -206,23 +208,40 @@ def test_a_stand_in_logger_of_another_kind_gets_every_record_and_the_tap_never_r
     assert stand_in.seen == [({"event": "start"}, {}), ({"event": "end"}, {"stacklevel": 3})]
 
 
-class _Silences:
-    """A Stateful whose ``state_dict`` sets torch's logger to WARNING while its conversion runs."""
+class _Quiet(logging.Logger):
+    def debug(self, msg: object, *args: object, **kwargs: object) -> None:
+        pass
 
-    def __init__(self, torch_logger: logging.Logger) -> None:
-        self.torch_logger = torch_logger
+
+#: What a key's ``state_dict`` does to torch's logger while its conversion runs: each silences it from then on.
+_SILENCERS = {
+    "its level": lambda logger: logger.setLevel(logging.WARNING),
+    "a debug set on it": lambda logger: setattr(logger, "debug", lambda msg, *args, **kwargs: None),  # (a mock's)
+    "a mock set as its debug": lambda logger: setattr(logger, "debug", MagicMock()),  # (mock.patch.object's)
+    "an isEnabledFor set on it": lambda logger: setattr(logger, "isEnabledFor", lambda level: False),
+    "its class": lambda logger: setattr(logger, "__class__", _Quiet),
+    "Logger's own isEnabledFor": lambda logger: setattr(logging.Logger, "isEnabledFor", lambda self, level: False),
+    "Logger's own debug": lambda logger: setattr(logging.Logger, "debug", lambda self, msg, *args, **kwargs: None),
+}
+
+
+class _Silences:
+    """A Stateful whose ``state_dict`` silences torch's logger (one of ``_SILENCERS``) while its conversion runs."""
+
+    def __init__(self, torch_logger: logging.Logger, silence: Callable[[logging.Logger], None]) -> None:
+        self.torch_logger, self.silence = torch_logger, silence
 
     def state_dict(self) -> dict:
         import torch
 
-        self.torch_logger.setLevel(logging.WARNING)
+        self.silence(self.torch_logger)
         return {"x": torch.ones(1)}
 
     def load_state_dict(self, state: dict) -> None:  # pragma: no cover - Stateful protocol
         pass
 
 
-def _keys_logged(torch_logger: logging.Logger, path: Path) -> list[tuple[str, str]]:
+def _keys_logged(torch_logger: logging.Logger, path: Path, silence: Callable[[logging.Logger], None]) -> list[tuple[str, str]]:
     """(function, event) of each record torch's logger handles in a save whose third key silences it."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -233,28 +252,36 @@ def _keys_logged(torch_logger: logging.Logger, path: Path) -> list[tuple[str, st
         def emit(self, record: logging.LogRecord) -> None:
             seen.append((record.msg["func_name"], record.msg["event"]))
 
-    keep, level = Keep(), torch_logger.level
+    keep, level, enabled, debug = Keep(), torch_logger.level, logging.Logger.isEnabledFor, logging.Logger.debug
     torch_logger.addHandler(keep)
+    torch_logger.setLevel(logging.DEBUG)
     try:
-        state = {"a": torch.ones(1), "b": torch.ones(1), "quiet": _Silences(torch_logger), "c": torch.ones(1)}
+        state = {"a": torch.ones(1), "b": torch.ones(1), "quiet": _Silences(torch_logger, silence), "c": torch.ones(1)}
         dcp.save(state, checkpoint_id=str(path))
     finally:
+        logging.Logger.isEnabledFor, logging.Logger.debug = enabled, debug  # type: ignore[method-assign]
+        torch_logger.__class__ = logging.Logger
+        for name in ("debug", "isEnabledFor"):
+            torch_logger.__dict__.pop(name, None)
         torch_logger.removeHandler(keep)
         torch_logger.setLevel(level)
     return seen
 
 
-def test_a_level_set_while_a_state_dict_converts_counts_from_the_next_record_as_without_the_tap(traced, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The tap's per-key reader asks the logger's level for every record, as ``Logger.debug`` does: a key that
-    silences torch's logger has its own start logged and nothing after it, with the tap as without it."""
+@pytest.mark.parametrize("silencer", list(_SILENCERS))
+def test_a_logger_changed_while_a_state_dict_converts_is_as_without_the_tap_from_the_next_record(traced, tmp_path: Path, silencer: str) -> None:  # type: ignore[no-untyped-def]
+    """The tap's per-key reader does what ``Logger.debug`` and ``isEnabledFor`` do in its own frame: it reads the
+    level for every record, and at every key's end whether the logger's debug and isEnabledFor are still logging's
+    own (else the tap's method reads every record from then on). A key whose conversion silences torch's logger,
+    any of these ways, has its own start logged and nothing after it, with the tap as without."""
     import torch.distributed.checkpoint.logger as dcp_logging
 
     tap = dcp_logging._dcp_logger
-    with_tap = _keys_logged(tap.logger, tmp_path / "a")
+    with_tap = _keys_logged(tap.logger, tmp_path / "a", _SILENCERS[silencer])
     assert traced.spans(), "the save was traced: the tap was in place"
     dcp_logging._dcp_logger = tap.logger
     try:
-        without = _keys_logged(tap.logger, tmp_path / "b")
+        without = _keys_logged(tap.logger, tmp_path / "b", _SILENCERS[silencer])
     finally:
         dcp_logging._dcp_logger = tap
     assert with_tap == without

@@ -212,11 +212,16 @@ def _lane_reader(tap: DCPLoggerTap, lane: KeyLane) -> Any:
     alone, 5.5% of that save's (``benchmarks/own_share.py``); this reader does the same work with ~80. Whatever
     it does not take (another thread's record, a call inside a key, anything the method treats apart) it hands
     to the method, which reads the lane the general way. Torch's logger is known to be a plain ``Logger`` (the
-    tap reads that when the lane opens); its level is asked for every record, as ``Logger.debug`` asks it.
+    tap reads that when the lane opens); its level is asked for every record, as ``Logger.debug`` asks it, and at
+    every key's end whether its ``debug`` and ``isEnabledFor`` are still logging's (set on it, on its class, or its
+    class changed, by the key's own ``state_dict``: the method reads every record from then on, as exactly as
+    without the tap). A change that no key's conversion makes (another thread's, a handler's of a key's end) is
+    seen at the next key's end, one record late (asked at every record, it would cost as much again: 12 a key).
     """
     thread, stack, call, stats = lane.thread, lane.stack, lane.call, lane.stats
     logger: Any = tap.logger  # (a plain Logger: its level cache is read as isEnabledFor reads it)
     method = DCPLoggerTap.debug
+    debug_code, enabled_code = _LOGGER_DEBUG.__code__, _LOGGER_IS_ENABLED_FOR.__code__
 
     def dcp_otel_logger_tap_debug(msg: Any, *args: Any, **kwargs: Any) -> None:
         other: Any  # (what the method is handed: the record the reader did not take)
@@ -225,7 +230,12 @@ def _lane_reader(tap: DCPLoggerTap, lane: KeyLane) -> Any:
                 # The order is the cost's: a key's end is known by its dict alone (held: the lane's thread's own
                 # record), a start needs the thread and its name.
                 if msg is lane.held and stack[-1] is call and msg["event"] == "end":  # the open key's end: torch
-                    took = msg["times_spent"]  # ends a call with the dict it began it with; its end less its start
+                    # ends a call with the dict it began it with. The logger still plain? What the key's own
+                    # conversion (a state_dict) did to it, a debug or an isEnabledFor set on it or on its class, is
+                    # honoured from this record on: the method's way (see the except).
+                    if logger.debug.__code__ is not debug_code or logger.isEnabledFor.__code__ is not enabled_code:
+                        raise LookupError("torch's logger changed")
+                    took = msg["times_spent"]  # its end less its start
                     if took < 0:  # (the wall clock stepped back meanwhile; not a number: TypeError)
                         took = 0
                     lane.held = None
@@ -243,6 +253,8 @@ def _lane_reader(tap: DCPLoggerTap, lane: KeyLane) -> Any:
             except Exception as exc:  # noqa: BLE001 - not the lane's (no dict, a field missing): the method's
                 reraise_if_signalled(exc)
                 other = msg
+                if not _plain_logger(logger):  # changed: the method reads every record from here on
+                    tap.lane_released(lane)
             else:
                 if msg is not None:  # taken: logged as Logger.debug would, its isEnabledFor done here too
                     if not logger.disabled:
