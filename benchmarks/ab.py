@@ -107,15 +107,16 @@ def run_rounds(job: str, arms: list[Arm], rounds: int, say: bool = True) -> Resu
     return interleave({arm.name: functools.partial(run_job, job, arm) for arm in arms}, rounds, say=say)
 
 
-def run_blocks(job: str, codes: str, args: Callable[[str, int], list[str]], rounds: int) -> Results:
+def run_blocks(job: str, codes: str, args: Callable[[str, int], list[str]], rounds: int,
+               timeout_s: float = 600.0) -> Results:  # fmt: skip
     """Every round one fresh process of ``job`` running every arm as a block of it (the same heap and caches).
 
     The job gets ``args(order, round)``, ``order`` the arms' one-letter ``codes`` rotated for the round, and
-    prints ``{arm: measures}``.
+    prints ``{arm: measures}``; each process may run ``timeout_s``.
     """
     results: Results = {}
     for r in range(rounds):
-        for name, measures in run_job(job, Arm("blocks", args("".join(rotated(codes, r)), r))).items():
+        for name, measures in run_job(job, Arm("blocks", args("".join(rotated(codes, r)), r)), timeout_s).items():
             results.setdefault(name, []).append(measures)
     return results
 
