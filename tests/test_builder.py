@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -386,9 +387,10 @@ def test_the_training_step_an_upload_ended_in_wakes_the_builder_when_it_ends(
 
 def test_a_scrape_while_the_builder_waits_for_that_step_does_not_cut_its_measure_short(
         tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
-    """A Prometheus scrape and an OTel collection are background readers: each waits (bounded) for what is
-    queued, but never hurries an async save's build past the step its upload ended in. Hurried, the span said one
-    step fewer than the histogram, whose later fold found that step overlapping the upload (a CI run, 44 vs 43)."""
+    """A Prometheus scrape and an OTel collection from another thread (a metrics server's, a periodic reader's)
+    wait, bounded, for what is queued, but never hurry an async save's build past the step its upload ended in.
+    Hurried, the span said one step fewer than the histogram, whose later fold found that step overlapping the
+    upload (a CI run: 43 against 44)."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -406,16 +408,59 @@ def test_a_scrape_while_the_builder_waits_for_that_step_does_not_cut_its_measure
     try:
         optimizer = _an_upload_ended_inside_a_step(tmp_path)
         assert builder.drain(30, metrics_only=True, hurry=False)  # (its metrics recorded: now it waits for the step)
-        generate_latest(registry)  # a Prometheus scrape
-        reader.get_metrics_data()  # an OTel collection
+        _elsewhere(lambda: (generate_latest(registry), reader.get_metrics_data()))  # a scrape, an OTel collection
         assert builder.drain(0.3, hurry=False) is False  # it still waits for that step to end
         optimizer.step()
         assert dcp_otel.flush(timeout_s=30)
-        counted = sum(s.value for m in registry.collect() for s in m.samples
-                      if s.name == f"{semconv.METRIC_TRAINING_STEP}_count" and s.labels.get(semconv.LABEL_OVERLAPS) == semconv.OVERLAPS_CHECKPOINT)  # fmt: skip
+        counted = _steps_beside_a_checkpoint(registry)
     finally:
         HeldWriter.release_all()
         dcp_otel.uninstrument()
     (op,) = [s for s in exporter.get_finished_spans() if s.name == semconv.span_name("async_save")]
     assert op.attributes is not None and op.attributes[semconv.ATTR_INTERFERENCE_STEPS] == 1  # the step it ran in
     assert counted == 1  # the histogram says as many
+
+
+def test_a_reader_that_would_lose_something_by_waiting_for_that_step_hurries_it(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A scrape while a save is queued behind that wait sees the save (waiting, it missed it and took 1 s); a read
+    on the training thread, whose step cannot end while it waits, builds at once (it took 1 s, and missed it)."""
+    from dcp_otel import semconv
+    from dcp_otel.tracing import builder as building
+    from dcp_otel.tracing import interference
+
+    monkeypatch.setattr(building, "_LOOK_EVERY_S", 60.0)
+    monkeypatch.setattr(interference, "WAIT_BOUNDS_S", (60.0, 60.0))
+    registry = CollectorRegistry()
+    dcp_otel.instrument(tracer_provider=TracerProvider(), registry=registry)
+    builder = dcp_otel.DCPInstrumentor().recorder.builder
+    saves = f"{semconv.METRIC_OPERATION_DURATION}_count"
+    try:
+        _an_upload_ended_inside_a_step(tmp_path / "one")
+        assert builder.drain(30, metrics_only=True, hurry=False)
+        dcp.save(STATE, checkpoint_id=str(tmp_path / "queued"))  # queued behind the wait for the step
+        seen: list[float | None] = []
+        _elsewhere(lambda: seen.append(registry.get_sample_value(saves, {"operation": "save", "status": "success", "rank": "0"})))
+        assert seen == [1.0]
+        _an_upload_ended_inside_a_step(tmp_path / "two")
+        assert builder.drain(30, metrics_only=True, hurry=False)
+        registry.get_sample_value(saves, {"operation": "save", "status": "success", "rank": "0"})  # the training thread's
+        assert builder.drain(0.3, hurry=False)  # built: the read did not wait for the step
+    finally:
+        HeldWriter.release_all()
+        dcp_otel.uninstrument()
+
+
+def _elsewhere(read: Callable[[], object]) -> None:
+    """``read`` on a thread of its own (a metrics server's, a periodic reader's), waited for."""
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def _steps_beside_a_checkpoint(registry: CollectorRegistry) -> float:
+    from dcp_otel import semconv
+
+    return sum(s.value for m in registry.collect() for s in m.samples
+               if s.name == f"{semconv.METRIC_TRAINING_STEP}_count" and s.labels.get(semconv.LABEL_OVERLAPS) == semconv.OVERLAPS_CHECKPOINT)  # fmt: skip

@@ -156,7 +156,7 @@ class OTelCheckpointMetrics:
         """Called at the start of every collection: record what the builder has queued first."""
         builder = self.builder
         if builder is not None:
-            builder.drain(COLLECT_TIMEOUT_S, metrics_only=True, hurry=False)  # (never cuts a step's wait short)
+            builder.drain(COLLECT_TIMEOUT_S, metrics_only=True, hurry=builder.readers_hurry())  # (see DrainOnCollect)
 
     def _problem(self, reason: str) -> None:
         self.telemetry_problems.add(1, {semconv.LABEL_REASON: bounded_name(reason), semconv.LABEL_RANK: self._rank})

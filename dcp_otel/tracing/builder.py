@@ -206,9 +206,9 @@ class SpanBuilder(StepMeasures):
         ``metrics_only``: until their metrics are recorded, which never waits
         for a span exporter (the async save process relays them per save).
         ``hurry``: an async save waiting for the training step its upload ended
-        in is built now, with the steps seen so far (``False``: readers in the
-        background, a scrape, an OTel collection, dcp-otel's own confirmations,
-        which must not cut the measurement short).
+        in is built now, with the steps seen so far (``False``: dcp-otel's own
+        confirmations, which must not cut the measurement short; a scrape's and
+        an OTel collection's: :meth:`readers_hurry`).
         """
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
@@ -238,6 +238,14 @@ class SpanBuilder(StepMeasures):
                 return self._cond.wait_for(lambda: self._unbuilt == 0 and self._folds_done >= fold, timeout_s)
             finally:
                 self._draining -= hurrying
+
+    def readers_hurry(self) -> bool:
+        """Whether a reader of the metrics (a scrape, an OTel collection) hurries what it waits for: only where
+        waiting would lose it something. An async save's build waits for the training step its upload ended in;
+        hurried, it is measured with the steps seen so far (its span a step short of the histogram). A reader
+        waits (1 s at most) unless an operation is queued behind that wait (which it would miss), or it reads on
+        the training thread (whose step cannot end while it waits)."""
+        return bool(self._queue) or CLOCK.thread == threading.get_ident()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Let the thread end once the queue is empty (waited for, at most ``timeout_s``).

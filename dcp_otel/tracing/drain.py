@@ -106,8 +106,8 @@ class DrainOnCollect:
     def collect(self) -> Iterable[Any]:
         builder = self.builder
         if builder is not None:
-            # Spans too: what emitting them counts (a span queue that drops) is a metric as well. Never hurried: a
-            # scrape that came while an async save waits for the training step its upload ended in would cut that
-            # measure short, its span a step short of the histogram (a scrape waits, at most the timeout, instead).
-            builder.drain(COLLECT_TIMEOUT_S, hurry=False)
+            # Spans too: what emitting them counts (a span queue that drops) is a metric as well. Hurried only where
+            # waiting loses something (readers_hurry): a scrape that came while an async save waits for the training
+            # step its upload ended in would cut that measure short, its span a step short of the histogram.
+            builder.drain(COLLECT_TIMEOUT_S, hurry=builder.readers_hurry())
         return ()
