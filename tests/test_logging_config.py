@@ -213,11 +213,16 @@ class _Quiet(logging.Logger):
         pass
 
 
+_QUIET = logging.getLogger("tests.quiet")
+_QUIET.setLevel(logging.CRITICAL)
+
 #: What a key's ``state_dict`` does to torch's logger while its conversion runs: each silences it from then on.
 _SILENCERS = {
     "its level": lambda logger: logger.setLevel(logging.WARNING),
     "a debug set on it": lambda logger: setattr(logger, "debug", lambda msg, *args, **kwargs: None),  # (a mock's)
     "a mock set as its debug": lambda logger: setattr(logger, "debug", MagicMock()),  # (mock.patch.object's)
+    "another logger's debug set on it": lambda logger: setattr(logger, "debug", logging.getLogger("tests.elsewhere").debug),
+    "another logger's isEnabledFor set on it": lambda logger: setattr(logger, "isEnabledFor", _QUIET.isEnabledFor),
     "an isEnabledFor set on it": lambda logger: setattr(logger, "isEnabledFor", lambda level: False),
     "its class": lambda logger: setattr(logger, "__class__", _Quiet),
     "Logger's own isEnabledFor": lambda logger: setattr(logging.Logger, "isEnabledFor", lambda self, level: False),
@@ -287,3 +292,65 @@ def test_a_logger_changed_while_a_state_dict_converts_is_as_without_the_tap_from
     assert with_tap == without
     assert with_tap[-1] == ("_stateful_to_state_dict.quiet", "start")
     assert ("_stateful_to_state_dict.b", "end") in with_tap
+
+
+class _Raises:
+    """A Stateful whose ``state_dict`` raises: torch logs its key's, and the save's, exception records."""
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("boom")
+
+    def load_state_dict(self, state: dict) -> None:  # pragma: no cover - Stateful protocol
+        pass
+
+
+class _ErrorWithoutKeywords(logging.Logger):
+    """A logger whose ``error`` takes no keyword arguments (torch passes none)."""
+
+    seen: list[tuple[object, ...]] = []  # noqa: RUF012
+
+    def error(self, msg: object, *args: object) -> None:  # type: ignore[override]
+        _ErrorWithoutKeywords.seen.append((msg["func_name"], args))  # type: ignore[index]
+
+
+def _errors_seen(torch_logger: logging.Logger, path: Path, kind: str) -> tuple[str, list[tuple[object, ...]]]:
+    """What a save whose key raises raised, and what torch's logger's ``error`` was handed (``kind``: whose)."""
+    import torch.distributed.checkpoint as dcp
+
+    seen: list[tuple[object, ...]] = []
+    if kind == "an error without keywords":
+        _ErrorWithoutKeywords.seen = seen
+        torch_logger.__class__ = _ErrorWithoutKeywords
+    else:
+        mock = MagicMock()
+        torch_logger.error = mock  # type: ignore[method-assign]
+    try:
+        try:
+            dcp.save({"a": _Raises()}, checkpoint_id=str(path))
+            raised = "nothing"
+        except Exception as exc:  # noqa: BLE001 - what the save raised is what is compared
+            raised = f"{type(exc).__name__}: {exc}"
+        if kind != "an error without keywords":
+            seen = [(c.args[0]["func_name"], c.args[1:], c.kwargs) for c in mock.call_args_list]
+    finally:
+        torch_logger.__class__ = logging.Logger
+        torch_logger.__dict__.pop("error", None)
+    return raised, seen
+
+
+@pytest.mark.parametrize("kind", ["an error without keywords", "a mock as its error"])
+def test_torchs_exception_records_reach_its_loggers_own_error_as_without_the_tap(traced, tmp_path: Path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """The tap's ``error`` passes torch's call on as torch made it (its frame is logging's own, as its ``debug``'s):
+    it once added ``stacklevel``, which an ``error`` taking no keywords raised on, in place of the user's error."""
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    tap = dcp_logging._dcp_logger
+    with_tap = _errors_seen(tap.logger, tmp_path / "a", kind)
+    assert traced.spans(), "the save was traced: the tap was in place"
+    dcp_logging._dcp_logger = tap.logger
+    try:
+        without = _errors_seen(tap.logger, tmp_path / "b", kind)
+    finally:
+        dcp_logging._dcp_logger = tap
+    assert with_tap == without
+    assert with_tap[0] == "RuntimeError: boom" and with_tap[1], with_tap

@@ -156,7 +156,9 @@ class DCPLoggerTap:
             lane = self.recorder.lane
             if lane is None or lane.thread != _get_ident() or not _lane_failed(self.recorder, lane, msg):
                 self.feed(msg)  # (not a hot path: debug inlines feed, error need not)
-            self.logger.error(msg, *args, stacklevel=kwargs.pop("stacklevel", 1) + 1, **kwargs)
+            # This frame counts as logging's own too: the call passes as torch made it (a stand-in's error of its
+            # own, with no stacklevel to take, a mock's, get what they would without the tap).
+            self.logger.error(msg, *args, **kwargs)
         except BaseException:
             self.cut_short(msg)
             raise
@@ -221,7 +223,7 @@ def _lane_reader(tap: DCPLoggerTap, lane: KeyLane) -> Any:
     thread, stack, call, stats = lane.thread, lane.stack, lane.call, lane.stats
     logger: Any = tap.logger  # (a plain Logger: its level cache is read as isEnabledFor reads it)
     method = DCPLoggerTap.debug
-    debug_code, enabled_code = _LOGGER_DEBUG.__code__, _LOGGER_IS_ENABLED_FOR.__code__
+    own_debug, own_enabled = logger.debug, logger.isEnabledFor  # (logging's: the lane opens only for a plain Logger)
 
     def dcp_otel_logger_tap_debug(msg: Any, *args: Any, **kwargs: Any) -> None:
         other: Any  # (what the method is handed: the record the reader did not take)
@@ -233,8 +235,8 @@ def _lane_reader(tap: DCPLoggerTap, lane: KeyLane) -> Any:
                     # ends a call with the dict it began it with. The logger still plain? What the key's own
                     # conversion (a state_dict) did to it, a debug or an isEnabledFor set on it or on its class, is
                     # honoured from this record on: the method's way (see the except).
-                    if logger.debug.__code__ is not debug_code or logger.isEnabledFor.__code__ is not enabled_code:
-                        raise LookupError("torch's logger changed")
+                    if logger.debug != own_debug or logger.isEnabledFor != own_enabled:  # (bound methods: equal
+                        raise LookupError("torch's logger changed")  # while the same function of the same logger)
                     took = msg["times_spent"]  # its end less its start
                     if took < 0:  # (the wall clock stepped back meanwhile; not a number: TypeError)
                         took = 0
@@ -365,14 +367,15 @@ def _as_loggings_own(method: Any) -> None:
     method.__code__ = _loggings_own(method.__code__)
 
 
-def _loggings_own(code: CodeType) -> CodeType:
+def _loggings_own(code: CodeType, name: str = "dcp_otel_logger_tap_debug") -> CodeType:
     srcfile = getattr(logging, "_srcfile", None)  # None: this Python's logging finds no caller at all
     if isinstance(srcfile, str) and srcfile:
-        return code.replace(co_filename=srcfile, co_name="dcp_otel_logger_tap_debug")
+        return code.replace(co_filename=srcfile, co_name=name)
     return code
 
 
 _as_loggings_own(DCPLoggerTap.debug)
+DCPLoggerTap.error.__code__ = _loggings_own(DCPLoggerTap.error.__code__, "dcp_otel_logger_tap_error")
 #: The lane reader's code, once, under logging's file name (every lane's reader is a closure of it).
 _READER_CODE: CodeType = _loggings_own(next(c for c in _lane_reader.__code__.co_consts if isinstance(c, CodeType)))
 passes_records_along(DCPLoggerTap.debug, DCPLoggerTap.error, DCPLoggerTap.feed, DCPLoggerTap._general, _ended_in_a_copy,
