@@ -240,11 +240,10 @@ class SpanBuilder(StepMeasures):
                 self._draining -= hurrying
 
     def readers_hurry(self) -> bool:
-        """Whether a reader of the metrics (a scrape, an OTel collection) hurries what it waits for: only where
-        waiting would lose it something. An async save's build waits for the training step its upload ended in;
-        hurried, it is measured with the steps seen so far (its span a step short of the histogram). A reader
-        waits (1 s at most) unless an operation is queued behind that wait (which it would miss), or it reads on
-        the training thread (whose step cannot end while it waits)."""
+        """Whether a reader of the metrics (a scrape, an OTel collection) hurries what it waits for: an async
+        save's build waits for the training step its upload ended in, and hurried it is measured with the steps seen
+        so far (its span a step short of the histogram). A reader waits (1 s at most) unless an operation is queued
+        behind that wait (it would miss it), or it reads on the training thread (whose step cannot end meanwhile)."""
         return bool(self._queue) or CLOCK.thread == threading.get_ident()
 
     def close(self, timeout_s: float = 5.0) -> None:
