@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest.mock import MagicMock
 
 import pytest
@@ -208,6 +209,22 @@ def test_a_stand_in_logger_of_another_kind_gets_every_record_and_the_tap_never_r
     assert stand_in.seen == [({"event": "start"}, {}), ({"event": "end"}, {"stacklevel": 3})]
 
 
+def _with_and_without_the_tap(traced, tmp_path: Path, run: Callable[[logging.Logger, Path], Any]) -> tuple[Any, Any]:  # type: ignore[no-untyped-def]
+    """``run(torch's logger, a checkpoint path)`` with the tap in place (the save traced), then with torch's own
+    logger standing where the tap stood (as without dcp-otel)."""
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    tap = dcp_logging._dcp_logger
+    with_tap = run(tap.logger, tmp_path / "a")
+    assert traced.spans(), "the save was traced: the tap was in place"
+    dcp_logging._dcp_logger = tap.logger
+    try:
+        without = run(tap.logger, tmp_path / "b")
+    finally:
+        dcp_logging._dcp_logger = tap
+    return with_tap, without
+
+
 class _Quiet(logging.Logger):
     def debug(self, msg: object, *args: object, **kwargs: object) -> None:
         pass
@@ -279,16 +296,7 @@ def test_a_logger_changed_while_a_state_dict_converts_is_as_without_the_tap_from
     level for every record, and at every key's end whether the logger's debug and isEnabledFor are still logging's
     own (else the tap's method reads every record from then on). A key whose conversion silences torch's logger,
     any of these ways, has its own start logged and nothing after it, with the tap as without."""
-    import torch.distributed.checkpoint.logger as dcp_logging
-
-    tap = dcp_logging._dcp_logger
-    with_tap = _keys_logged(tap.logger, tmp_path / "a", _SILENCERS[silencer])
-    assert traced.spans(), "the save was traced: the tap was in place"
-    dcp_logging._dcp_logger = tap.logger
-    try:
-        without = _keys_logged(tap.logger, tmp_path / "b", _SILENCERS[silencer])
-    finally:
-        dcp_logging._dcp_logger = tap
+    with_tap, without = _with_and_without_the_tap(traced, tmp_path, lambda logger, path: _keys_logged(logger, path, _SILENCERS[silencer]))
     assert with_tap == without
     assert with_tap[-1] == ("_stateful_to_state_dict.quiet", "start")
     assert ("_stateful_to_state_dict.b", "end") in with_tap
@@ -342,15 +350,6 @@ def _errors_seen(torch_logger: logging.Logger, path: Path, kind: str) -> tuple[s
 def test_torchs_exception_records_reach_its_loggers_own_error_as_without_the_tap(traced, tmp_path: Path, kind: str) -> None:  # type: ignore[no-untyped-def]
     """The tap's ``error`` passes torch's call on as torch made it (its frame is logging's own, as its ``debug``'s):
     it once added ``stacklevel``, which an ``error`` taking no keywords raised on, in place of the user's error."""
-    import torch.distributed.checkpoint.logger as dcp_logging
-
-    tap = dcp_logging._dcp_logger
-    with_tap = _errors_seen(tap.logger, tmp_path / "a", kind)
-    assert traced.spans(), "the save was traced: the tap was in place"
-    dcp_logging._dcp_logger = tap.logger
-    try:
-        without = _errors_seen(tap.logger, tmp_path / "b", kind)
-    finally:
-        dcp_logging._dcp_logger = tap
+    with_tap, without = _with_and_without_the_tap(traced, tmp_path, lambda logger, path: _errors_seen(logger, path, kind))
     assert with_tap == without
     assert with_tap[0] == "RuntimeError: boom" and with_tap[1], with_tap

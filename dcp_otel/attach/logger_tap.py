@@ -351,8 +351,9 @@ def _fed_nothing(msg: Any) -> bool:
     return True  # "taken": the general path is not tried either
 
 
-def _as_loggings_own(method: Any) -> None:
-    """Make ``method``'s frame one that ``logging`` skips when it looks for the line that logged.
+def _as_loggings_own(method: Any, name: str = "dcp_otel_logger_tap_debug") -> None:
+    """Make ``method``'s frame one that ``logging`` skips when it looks for the line that logged (its code named
+    ``name``).
 
     A record names the line that logged it (``%(filename)s:%(lineno)s``): ``Logger.findCaller`` walks up the
     stack past logging's own frames, known by their file name. The tap's ``debug`` stands where
@@ -364,7 +365,7 @@ def _as_loggings_own(method: Any) -> None:
     through it shows ``logging/__init__.py`` (this file's line numbers) in ``dcp_otel_logger_tap_debug``
     (it raises nothing of its own: the recorder never raises).
     """
-    method.__code__ = _loggings_own(method.__code__)
+    method.__code__ = _loggings_own(method.__code__, name)
 
 
 def _loggings_own(code: CodeType, name: str = "dcp_otel_logger_tap_debug") -> CodeType:
@@ -375,7 +376,7 @@ def _loggings_own(code: CodeType, name: str = "dcp_otel_logger_tap_debug") -> Co
 
 
 _as_loggings_own(DCPLoggerTap.debug)
-DCPLoggerTap.error.__code__ = _loggings_own(DCPLoggerTap.error.__code__, "dcp_otel_logger_tap_error")
+_as_loggings_own(DCPLoggerTap.error, "dcp_otel_logger_tap_error")
 #: The lane reader's code, once, under logging's file name (every lane's reader is a closure of it).
 _READER_CODE: CodeType = _loggings_own(next(c for c in _lane_reader.__code__.co_consts if isinstance(c, CodeType)))
 passes_records_along(DCPLoggerTap.debug, DCPLoggerTap.error, DCPLoggerTap.feed, DCPLoggerTap._general, _ended_in_a_copy,
