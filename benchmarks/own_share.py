@@ -44,12 +44,13 @@ faults, a real network store, more ranks.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ab import median, noise, ratio, rounds_to_resolve, run_blocks  # noqa: E402
+from ab import Results, median, noise, ratio, rounds_to_resolve, run_blocks  # noqa: E402
 from training_loop import STEP  # noqa: E402
 
 JOB = r"""
@@ -113,6 +114,19 @@ def own_cpu_ns(seen):
             except (OSError, ProcessLookupError):
                 pass
     return sum(seen.values())
+# Which other threads ran while the steps did, and how much: a step that holds the interpreter most of the time waits
+# for it while another thread runs Python (torch's upload thread, dcp-otel's), so this names what the waits are for.
+beside = {}
+def others_cpu_ns():
+    found, me = {}, threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and t.ident is not None:
+            name = t.name if t.name.startswith("dcp-otel") else t.name.split("_")[0]  # (torch numbers its executors)
+            try:
+                found[(t.ident, name)] = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ProcessLookupError):
+                pass
+    return found
 def block(instrumented):
     builder = None
     if instrumented:
@@ -123,21 +137,33 @@ def block(instrumented):
     gc0 = full0 = busy0 = 0
     future, previous, returns, returns_gc, phases = None, None, [], [], {"convert": [], "stage": []}
     saves, started = 0, time.perf_counter()
+    waited = stepped = 0  # (the steps' wall time less their CPU, and their CPU: counted as the rest)
     for s in range(steps):
+        others0 = others_cpu_ns()
+        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         step()
+        stepped_ns = time.thread_time_ns() - c0
+        for key, ns in others_cpu_ns().items():  # (a thread alive at both ends of the step)
+            if key in others0:
+                beside[key[1]] = beside.get(key[1], 0) + ns - others0[key]
+        waited, stepped = waited + time.perf_counter_ns() - w0 - stepped_ns, stepped + stepped_ns
         if s % every == every - 1:
             if future is not None:
                 future.result()
                 shutil.rmtree(previous, ignore_errors=True)
-            if saves == 1:  # counted from the second checkpoint: the first has what happens once (threads start,
-                # the survivor's first read of the spool: 100 ms with this machine's 87 leftover records), and
-                # each checkpoint's build counted once (the first built before the count starts)
+            if s == 2 * every - 1:  # counted from the second checkpoint: the first has what happens once (threads
+                # start, the survivor's first read of the spool: 100 ms with this machine's 87 leftover records), and
+                # each checkpoint's build counted once (the first built before the count starts). (Until 2026-11-29
+                # this asked ``saves == 1``, true again at every later checkpoint: the count restarted at each, and
+                # the block measured its last checkpoint alone, the steps before it left out.)
                 if instrumented:
                     dcp_otel.flush(timeout_s=60)
                 own_cpu_ns(before)
                 gc0, full0 = sum(gc_ns.values()), full[0]
                 busy0 = builder.busy_ns if builder else 0
                 saves, started = 0, time.perf_counter()
+                waited = stepped = 0
+                beside.clear()
             previous = f"{folder}/{s}-{time.monotonic_ns()}"
             t1, g1 = time.thread_time_ns(), gc_ns.get(me, 0)
             phase_ns.clear()
@@ -166,7 +192,9 @@ def block(instrumented):
             **{f"{phase}_cpu_ms": statistics.median(ns[1:]) / 1e6 for phase, ns in phases.items()},
             "convert_spread": max(phases["convert"][1:]) / max(1, min(phases["convert"][1:])),
             "return_gc_ms": sum(returns_gc[1:]) / 1e6 / saves,
-            "own_ms": own_ns / 1e6 / saves, "builder_ms": busy_ns / 1e6 / saves, "own_share": own_ns / 1e9 / wall_s,
+            **{f"beside:{name}": ns / 1e6 / saves for name, ns in beside.items()},
+            "own_ms": own_ns / 1e6 / saves, "step_wait_ms": waited / 1e6 / saves, "step_cpu_ms": stepped / 1e6 / saves,
+            "loop_ms": wall_s * 1e3 / saves, "builder_ms": busy_ns / 1e6 / saves, "own_share": own_ns / 1e9 / wall_s,
             "gc_ms": (sum(gc_ns.values()) - gc0) / 1e6 / saves, "full_gcs": (full[0] - full0) / saves, "loop_s": wall_s,
             **{f"own:{name}": ms for name, ms in by_name.items()}}
 def hook_ns():
@@ -242,6 +270,12 @@ print(json.dumps(out))
 """
 
 
+def added_share(results: Results, arm: str) -> float:
+    """The median over rounds of the steps' waits ``arm`` added to plain's in the same round, over plain's loop time."""
+    pairs = zip(results[arm], results["plain"], strict=True)
+    return statistics.median((a["step_wait_ms"] - p["step_wait_ms"]) / p["loop_ms"] for a, p in pairs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="10:64,100:256,10000:64", help="tensors:MiB,...")
@@ -302,6 +336,21 @@ def main() -> None:
         share = median(results, "instrumented", "own_share")
         print(f"{label:<22}{'own threads share of the loop':<36}{share:>13.4f}{'':>26}  <= 0.01 "
               f"{'met' if share <= 0.01 else 'MISSED'}")
+        # What the steps themselves paid: each step's wall time less its CPU on the training thread is its waits (for
+        # the interpreter lock, for a core): dcp-otel's threads add to them only where they take the lock or a core
+        # the step wanted, while its own CPU time moves with the machine's caches and clocks, in both arms alike.
+        for title, measure in (("the steps' waits per checkpoint, ms", "step_wait_ms"),
+                               ("the steps' CPU per checkpoint, ms", "step_cpu_ms")):  # fmt: skip
+            print(f"{label:<22}{title:<36}{median(results, 'instrumented', measure):>13.2f}"
+                  f"{median(results, 'plain', measure):>10.2f}{ratio(results, 'instrumented', 'plain', measure):>8.3f}"
+                  f"{noise(results, 'plain', 'plain again', measure):>8.3f}")
+        for name in sorted({m for arm in ("instrumented", "plain") for r in results[arm] for m in r if m.startswith("beside:")}):
+            mine, theirs = (sorted(r.get(name, 0.0) for r in results[arm])[len(results[arm]) // 2]
+                            for arm in ("instrumented", "plain"))  # fmt: skip
+            print(f"{label:<22}{'  CPU of ' + name[7:] + ' beside them, ms':<36}{mine:>13.2f}{theirs:>10.2f}")
+        added, stray = added_share(results, "instrumented"), abs(added_share(results, "plain again"))
+        print(f"{label:<22}{'waits added to the steps, of the loop':<36}{added:>13.4f}{'':>18}{stray:>8.4f}  <= 0.01 "
+              f"{'met' if added + stray <= 0.01 else 'not resolved' if added - stray <= 0.01 else 'MISSED'}")
         print(f"{label:<22}{'optimizer hook per step, ns':<36}{median(results, 'instrumented', 'hook_ns'):>13.0f}")
 
 
