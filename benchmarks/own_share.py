@@ -13,7 +13,7 @@ the next save), the arms as blocks of one process (plain, plain again, instrumen
   and the rest (dcp-otel's wrappers), each timed alike in every arm, and how far one save's conversion is from
   another's in one block (a spread the noise row of block medians does not show);
 - ``own_ms``: the CPU of dcp-otel's own threads per checkpoint (the builder, the watchdog, the
-  survivor, the spool's writer, the OpenTelemetry SDK's export threads: ``pthread_getcpuclockid``),
+  survivor, the spool's writer, the OpenTelemetry SDK's export threads: each thread's CPU clock),
   the builder's share of it apart (``builder_ms``);
 - ``own_share``: ``own_ms`` over the training loop's wall time per checkpoint: the most that steps
   whose Python holds the interpreter lock all the time could lose to dcp-otel's threads (steps that
@@ -24,7 +24,10 @@ the next save), the arms as blocks of one process (plain, plain again, instrumen
   where the timed ratio needs hundreds of rounds), with the state dict flat (a key a tensor: torch logs two
   records a key, and dcp-otel reads each) and nested as a model's (``{"model": {...}}``);
 - ``upload_ops_*``: the same count on torch's upload thread (``AsyncCheckpointExecutor``), up to the upload's end;
-- ``hook_ns``: what the optimizer step hook adds to a step (the one thing dcp-otel runs in every step).
+- ``hook_ns``: what the optimizer step hook adds to a step (the one thing dcp-otel runs in every step);
+- ``step_wait_ms``: the steps' wall time less their CPU on the training thread, per checkpoint: what the steps
+  waited for (the interpreter lock, a core), with the CPU each other thread ran beside them (``beside:*``); the
+  waits the instrumented arm adds to plain's, over the loop's time, is what the steps paid dcp-otel.
 
 The CPU and wall time are counted from the second checkpoint of each block on: the first has what happens once
 in a process (threads starting, the survivor's first read of the spool, whose cost grows with the records other
@@ -34,6 +37,7 @@ Usage::
 
     .venv/bin/python benchmarks/own_share.py                    # 10, 100 and 10,000 tensors; ~15 min
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --rounds 2 --steps 40    # a quick look
+    .venv/bin/python benchmarks/own_share.py --cases 10:64 --spans-elsewhere   # and the share left without spans
 
 What it leaves out: the CPU of torch's upload thread, which converts the staged copy again and whose per-key
 records dcp-otel reads there too (its instructions are counted: ``on the upload thread``); the waits themselves (two
@@ -60,6 +64,7 @@ warnings.simplefilter("ignore")
 order, (tensors, mb, steps, every, reps, dim, count) = sys.argv[1], map(int, sys.argv[2:9])
 torch.set_num_threads(1)
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import NoOpTracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 class Discard(SpanExporter):
     def export(self, spans): return SpanExportResult.SUCCESS
@@ -104,13 +109,18 @@ def timed_phase(owner, name, phase):
     setattr(owner, name, timed)
 timed_phase(saver_module, "_stateful_to_state_dict", "convert")
 timed_phase(DefaultStager, "stage", "stage")
+def thread_cpu_ns(t):
+    # The kernel's CPU clock of a thread by its id: for a thread that has just ended it answers EINVAL, where
+    # pthread_getcpuclockid on its stale handle is undefined (it crashed this script once torch's upload threads,
+    # which end after every save, were read too).
+    return time.clock_gettime_ns(((~t.native_id) << 3) | 6)  # (CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED)
 def own_cpu_ns(seen):
     # Each of dcp-otel's live threads' CPU clock less its collections; a thread that ended keeps its last reading
     # (the short-lived flush threads are counted while they run, or not at all).
     for t in threading.enumerate():
-        if t.name.startswith(OWN) and t.ident is not None:
+        if t.name.startswith(OWN) and t.native_id is not None:
             try:
-                seen[t] = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident)) - gc_ns.get(t, 0)
+                seen[t] = thread_cpu_ns(t) - gc_ns.get(t, 0)
             except (OSError, ProcessLookupError):
                 pass
     return sum(seen.values())
@@ -120,17 +130,19 @@ beside = {}
 def others_cpu_ns():
     found, me = {}, threading.current_thread()
     for t in threading.enumerate():
-        if t is not me and t.ident is not None:
+        if t is not me and t.native_id is not None:
             name = t.name if t.name.startswith("dcp-otel") else t.name.split("_")[0]  # (torch numbers its executors)
             try:
-                found[(t.ident, name)] = time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
+                found[(t.ident, name)] = thread_cpu_ns(t)
             except (OSError, ProcessLookupError):
                 pass
     return found
-def block(instrumented):
-    builder = None
+def block(arm):
+    builder, instrumented = None, arm in "in"
     if instrumented:
-        dcp_otel.instrument(tracer_provider=provider)
+        # "n": no spans (a tracer that records nothing): what the training process would keep if a process beside
+        # it built and exported the spans from its record (the design that would take them off the steps).
+        dcp_otel.instrument(tracer_provider=provider if arm == "i" else NoOpTracerProvider())
         builder = dcp_otel.DCPInstrumentor().recorder.builder
     gc.collect()  # (each block starts from the same heap)
     before, after, me = {}, {}, threading.current_thread()
@@ -257,8 +269,8 @@ def counted():
         dcp_otel.flush(timeout_s=60)
         dcp_otel.uninstrument()
     return found
-names = {"p": "plain", "q": "plain again", "i": "instrumented"}
-out = {names[c]: block(c == "i") for c in order}
+names = {"p": "plain", "q": "plain again", "i": "instrumented", "n": "spans elsewhere"}
+out = {names[c]: block(c) for c in order}
 for arm in out.values():
     arm["hook_ns"] = 0.0
 out["instrumented"]["hook_ns"] = hook_ns()
@@ -284,6 +296,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--reps", type=int, default=10, help="matmuls per step (256 x 256: about 2 ms each here)")
     parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--spans-elsewhere", action="store_true",
+                        help="a fourth arm: instrumented, its spans to a tracer that records nothing (the training "
+                             "process's share if another process built the spans)")  # fmt: skip
     args = parser.parse_args()
     print(f"dcp-otel's own share, counted in CPU time: {args.steps} steps, async_save every {args.every} "
           f"(torch's default stager), {args.rounds} rounds, the arms as blocks of one process")
@@ -292,7 +307,7 @@ def main() -> None:
         tensors, mb = (int(x) for x in case.split(":"))
         common = [str(tensors), str(mb), str(args.steps), str(args.every), str(args.reps), str(args.dim)]
         # (The first round also counts instructions under settrace: 10,000 tensors' took over 600 s.)
-        results = run_blocks(JOB, "pqi", lambda order, n, common=common: [order, *common, str(int(n == 0))],
+        results = run_blocks(JOB, "pqin" if args.spans_elsewhere else "pqi", lambda order, n, common=common: [order, *common, str(int(n == 0))],
                              args.rounds, timeout_s=600 + 0.15 * tensors)  # fmt: skip
         counts = results["instrumented"][0]  # (the Python instructions: counted in the first round only)
         label = f"{tensors} tensors, {mb} MiB"
@@ -351,6 +366,14 @@ def main() -> None:
         added, stray = added_share(results, "instrumented"), abs(added_share(results, "plain again"))
         print(f"{label:<22}{'waits added to the steps, of the loop':<36}{added:>13.4f}{'':>18}{stray:>8.4f}  <= 0.01 "
               f"{'met' if added + stray <= 0.01 else 'not resolved' if added - stray <= 0.01 else 'MISSED'}")
+        if args.spans_elsewhere:
+            for title, measure in (("own threads' CPU per checkpoint, ms", "own_ms"),
+                                   ("  the builder by its own clock, ms", "builder_ms"),
+                                   ("own threads share of the loop", "own_share"),
+                                   ("the steps' waits per checkpoint, ms", "step_wait_ms")):  # fmt: skip
+                print(f"{label:<22}{'[spans elsewhere] ' + title:<36}{median(results, 'spans elsewhere', measure):>13.4f}")
+            print(f"{label:<22}{'[spans elsewhere] waits added, of the loop':<36}"
+                  f"{added_share(results, 'spans elsewhere'):>13.4f}")
         print(f"{label:<22}{'optimizer hook per step, ns':<36}{median(results, 'instrumented', 'hook_ns'):>13.0f}")
 
 
