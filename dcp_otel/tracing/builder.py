@@ -16,8 +16,9 @@ daemon thread per process (``dcp-otel-builder``) then, per operation:
    ``async_save``'s staging often starts as the previous upload is awaited, and building beside it took
    the interpreter from the caller's call (:meth:`SpanBuilder.defer`);
 4. asks the :class:`~dcp_otel.tracing.detail.DetailPolicy` how much to export;
-5. emits ordinary SDK spans with the recorded start and end times and the ids chosen on the hot path (so
-   spans that a storage plugin started inside a step nest under it), names, attributes, events, links, statuses.
+5. emits ordinary SDK spans with the recorded start and end times and the ids
+   chosen on the hot path (so spans that a storage plugin started inside a step
+   nest under it), with the same names, attributes, events, links and statuses.
 
 Metrics come first, so a stuck span exporter never holds up a metric.
 :meth:`SpanBuilder.drain` waits, bounded, until everything queued is built:
@@ -84,9 +85,8 @@ _LOOK_EVERY_S: Final = 0.5
 DEFER_MAX_QUEUED: Final = 64
 
 
-#: The builder's CPU between offers of the interpreter (``sleep(0)``): the training thread waits about this long at
-#: most, not a switch interval (5 ms). One after every span took 0.87 of 3.65 ms a checkpoint (own_share.py).
-YIELD_AFTER_NS: Final = 1_000_000
+def _yield() -> None:
+    time.sleep(0)
 
 
 class SpanBuilder(StepMeasures):
@@ -426,14 +426,14 @@ class SpanBuilder(StepMeasures):
         emit = Emitter(op, self._twin(op.tracer), [] if keep is not None else None)
         if op.root_span_id and not late:
             emit.root(straggler)
-        offered = time.thread_time_ns()
         for call in calls:
             if not detailed and call.kind in _DETAIL_KINDS:
                 continue
             emit.span(call, summary if call is op_call else None)
-            if time.thread_time_ns() - offered >= YIELD_AFTER_NS:
-                time.sleep(0)  # (see YIELD_AFTER_NS)
-                offered = time.thread_time_ns()
+            # Let other threads have the interpreter between spans: the training thread never
+            # waits a whole switch interval (5 ms) for it, and the SDK's batch worker takes
+            # its batches as they come, as when spans ended one by one during the checkpoint.
+            _yield()
         if keep is not None and emit.ended:
             keep(emit.ended)  # until an exporter confirms them: a death now would lose them with the SDK's queue
 
