@@ -17,6 +17,7 @@ what each call returned or raised and the rank's metrics.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from datetime import timedelta
@@ -88,19 +89,26 @@ def make_writer(rank_info: RankInfo, port: int) -> CheckpointWriter:
 
 
 def settle_torchs_close_race(checkpointer: Any) -> None:
-    """Let the SIGINT torch's ``close()`` sends its checkpoint process land where torch expects it.
+    """Let the SIGINT torch's ``close()`` sends its checkpoint process land where torch expects it (torch < 2.15).
 
-    torch spawns the process from its executor's thread with ``PR_SET_PDEATHSIG=SIGINT``, and ``close()``
-    first shuts that executor down: the thread's exit sends the process a SIGINT, which torch's entry point
-    swallows while the process waits for a request. Should the thread's exit come late (a loaded machine), the
-    SIGINT lands after the process took ``close()``'s terminate request and left its entry point, and ``close()``
-    raises ``ProcessExitedException``: torch's own race, plain as instrumented (a SIGINT 8 to 250 ms after the
-    request ends it so in both; docs/limitations.md). Here the executor is shut down and the process's end
-    awaited first, so the job's exit says what dcp-otel does, not how the race fell.
+    torch spawns the process from its executor's thread with ``PR_SET_PDEATHSIG=SIGINT``, and before 2.15
+    ``close()`` shuts that executor down before it sends the terminate request: the thread's exit sends the process
+    a SIGINT, which ``torch.multiprocessing.spawn``'s wrapper swallows while the process waits for a request.
+    Should the thread's exit come late (a loaded machine), the SIGINT lands after the process took the terminate
+    request and left its entry point, and ``close()`` raises ``ProcessExitedException``: torch's own race, plain as
+    instrumented (docs/limitations.md). There the executor is shut down and the process's end awaited first, and
+    its exit code must be 0, as ``close()`` would have required. torch 2.15 sends the request first: nothing to do.
     """
     process = checkpointer._checkpoint_process
+    source = inspect.getsource(inspect.unwrap(type(process).close))
+    shutdown, terminate = source.find("_executor.shutdown"), source.find("TERMINATE_PROCESS")
+    if not 0 <= shutdown < terminate:
+        return
     process._executor.shutdown(wait=True)
-    process.process.processes[0].join(timeout=60)
+    child = process.process.processes[0]
+    child.join(timeout=60)
+    if child.exitcode != 0:
+        raise SystemExit(f"the checkpoint process ended with {child.exitcode}")
 
 
 def outcome(call: Any) -> dict[str, Any]:
