@@ -133,7 +133,7 @@ def others_cpu_ns():
         if t is not me and t.native_id is not None:
             name = t.name if t.name.startswith("dcp-otel") else t.name.split("_")[0]  # (torch numbers its executors)
             try:
-                found[(t.ident, name)] = thread_cpu_ns(t)
+                found[(t.native_id, name)] = thread_cpu_ns(t)
             except (OSError, ProcessLookupError):
                 pass
     return found
@@ -154,12 +154,14 @@ def block(arm):
         others0 = others_cpu_ns()
         w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         step()
-        stepped_ns = time.thread_time_ns() - c0
+        stepped_ns, walled_ns = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
         for key, ns in others_cpu_ns().items():  # (a thread alive at both ends of the step)
             if key in others0:
                 beside[key[1]] = beside.get(key[1], 0) + ns - others0[key]
-        waited, stepped = waited + time.perf_counter_ns() - w0 - stepped_ns, stepped + stepped_ns
-        if s % every == every - 1:
+        waited, stepped = waited + walled_ns - stepped_ns, stepped + stepped_ns
+        # (No checkpoint at the last step: the last one counted has its `every` steps beside its upload too, so the
+        # steps and the checkpoints counted cover the same stretch of the loop.)
+        if s % every == every - 1 and s < steps - 1:
             if future is not None:
                 future.result()
                 shutil.rmtree(previous, ignore_errors=True)
@@ -300,6 +302,8 @@ def main() -> None:
                         help="a fourth arm: instrumented, its spans to a tracer that records nothing (the training "
                              "process's share if another process built the spans)")  # fmt: skip
     args = parser.parse_args()
+    if args.steps < 3 * args.every:  # (the first checkpoint is not counted; the last counted needs steps after it)
+        parser.error(f"--steps must be at least 3 x --every ({3 * args.every})")
     print(f"dcp-otel's own share, counted in CPU time: {args.steps} steps, async_save every {args.every} "
           f"(torch's default stager), {args.rounds} rounds, the arms as blocks of one process")
     print(f"{'case':<22}{'measure':<36}{'instrumented':>13}{'plain':>10}{'ratio':>8}{'noise':>8}  goal")

@@ -244,8 +244,9 @@ def test_the_ab_harness_compares_arms_round_by_round_and_says_the_rounds_noise_n
 
 
 def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_collector() -> None:
-    done = subprocess.run([sys.executable, "benchmarks/own_share.py", "--cases", "10:8", "--rounds", "1", "--steps", "20",
-                           "--reps", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run([sys.executable, "benchmarks/own_share.py", "--cases", "10:8", "--rounds", "1", "--steps", "40",
+                           "--reps", "2", "--spans-elsewhere"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert re.search(r"async_save CPU on the caller, ms +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +<= 1.03", out), out
@@ -261,6 +262,17 @@ def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_c
     builder = re.search(r"dcp-otel-builder, ms +([\d.]+)", out)  # its CPU clock, read from outside the thread
     assert builder is not None and float(builder.group(1)) > 0, out
     assert re.search(r"own threads share of the loop +[\d.]+ +<= 0.01", out), out
+    # What the steps waited for and took, per checkpoint, in both arms; beside them, torch's upload thread's CPU (a
+    # row of its own, as every thread that ran beside them has) and the share the instrumented arm's waits add.
+    for title in ("the steps' waits per checkpoint, ms", "the steps' CPU per checkpoint, ms"):
+        row = re.search(rf"{re.escape(title)} +([\d.]+) +([\d.]+) ", out)
+        assert row is not None, (title, out)
+        assert title.startswith("the steps' waits") or (float(row.group(1)) > 0 and float(row.group(2)) > 0), out
+    upload = re.search(r"CPU of AsyncCheckpointExecutor beside them, ms +([\d.]+) +([\d.]+)", out)
+    assert upload is not None, out
+    assert re.search(r"waits added to the steps, of the loop +-?[\d.]+ +[\d.]+ +<= 0.01", out), out
+    elsewhere = re.search(r"\[spans elsewhere\]   the builder by its own clock, ms +([\d.]+)", out)
+    assert elsewhere is not None and float(elsewhere.group(1)) > 0, out  # (metrics and interference still built)
     hook = re.search(r"optimizer hook per step, ns +(-?\d+)", out)
     assert hook is not None and abs(int(hook.group(1))) < 100_000, out
     for shape in ("flat", "nested"):  # counted: the instrumented arm runs more of them than plain, never fewer
