@@ -39,10 +39,11 @@ Usage::
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --rounds 2 --steps 40    # a quick look
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --spans-elsewhere   # and the share left without spans
 
-What it leaves out: the CPU of torch's upload thread, which converts the staged copy again and whose per-key
-records dcp-otel reads there too (its instructions are counted: ``on the upload thread``); the waits themselves (two
-threads wanting the lock at once: ``training_loop.py`` times those), the kernel's share of another thread's page
-faults, a real network store, more ranks.
+What it leaves out: the CPU of torch's upload thread outside the steps (it converts the staged copy again, and
+dcp-otel reads its per-key records there too: its instructions are counted, ``on the upload thread``); the caller's
+waits inside ``async_save`` (``training_loop.py`` times those); a real span exporter (the arms' discards what it is
+given: an OTLP exporter's encoding and request would run beside the steps too); the kernel's share of another
+thread's page faults, a real network store, more ranks.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def block(arm):
     gc0 = full0 = busy0 = 0
     future, previous, returns, returns_gc, phases = None, None, [], [], {"convert": [], "stage": []}
     saves, started = 0, time.perf_counter()
-    waited = stepped = 0  # (the steps' wall time less their CPU, and their CPU: counted as the rest)
+    waited = stepped = 0  # (the steps' wall time less their CPU on this thread, and that CPU)
     for s in range(steps):
         others0 = others_cpu_ns()
         w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
