@@ -108,15 +108,18 @@ def run_rounds(job: str, arms: list[Arm], rounds: int, say: bool = True) -> Resu
 
 
 def run_blocks(job: str, codes: str, args: Callable[[str, int], list[str]], rounds: int,
-               timeout_s: float = 600.0) -> Results:  # fmt: skip
+               timeout_s: float = 600.0, env: Mapping[str, str] | None = None) -> Results:  # fmt: skip
     """Every round one fresh process of ``job`` running every arm as a block of it (the same heap and caches).
 
     The job gets ``args(order, round)``, ``order`` the arms' one-letter ``codes`` rotated for the round, and
-    prints ``{arm: measures}``; each process may run ``timeout_s``.
+    prints ``{arm: measures}``; each process may run ``timeout_s``, with ``env`` added to its environment.
+    A block's place in its process shows in what it measures (the heap the blocks before it left): only
+    ``len(codes)`` rounds, or a multiple, put every arm in every place alike.
     """
     results: Results = {}
     for r in range(rounds):
-        for name, measures in run_job(job, Arm("blocks", args("".join(rotated(codes, r)), r)), timeout_s).items():
+        arm = Arm("blocks", args("".join(rotated(codes, r)), r), dict(env or {}))
+        for name, measures in run_job(job, arm, timeout_s).items():
             results.setdefault(name, []).append(measures)
     return results
 

@@ -245,10 +245,15 @@ def test_the_ab_harness_compares_arms_round_by_round_and_says_the_rounds_noise_n
 
 def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_collector() -> None:
     done = subprocess.run([sys.executable, "benchmarks/own_share.py", "--cases", "10:8", "--rounds", "1", "--steps", "40",
-                           "--reps", "2", "--spans-elsewhere"], cwd=REPO, capture_output=True, text=True,
+                           "--reps", "2", "--spans-elsewhere", "--otlp"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
+    # The spans went over OTLP/HTTP to the benchmark's receiver, on the confirming thread (a flush a checkpoint).
+    received = re.search(r"spans the OTLP receiver decoded +(\d+)", out)
+    assert received is not None and int(received.group(1)) > 0, out
+    confirm = re.search(r"dcp-otel-spool-confirm, ms +([\d.]+)", out)
+    assert confirm is not None and float(confirm.group(1)) > 0, out
     assert re.search(r"async_save CPU on the caller, ms +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +<= 1.03", out), out
     assert re.search(r"collections per checkpoint, ms +[\d.]+ +[\d.]+", out), out
     # The caller's CPU split by phase, timed in both arms: the conversion and the staging copy take some; the rest,
@@ -271,6 +276,9 @@ def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_c
     upload = re.search(r"CPU of AsyncCheckpointExecutor beside them, ms +([\d.]+) +([\d.]+)", out)
     assert upload is not None, out
     assert re.search(r"waits added to the steps, of the loop +-?[\d.]+ +[\d.]+ +<= 0.01", out), out
+    # Each round's, with the blocks' places in their process: one round, the arms in their first order (pqin).
+    assert re.search(r"instrumented, by round \(places\) +[-+][\d.]+% \(3 on 1\)$", out, re.M), out
+    assert re.search(r"plain again, by round \(places\) +[-+][\d.]+% \(2 on 1\)$", out, re.M), out
     elsewhere = re.search(r"\[spans elsewhere\]   the builder by its own clock, ms +([\d.]+)", out)
     assert elsewhere is not None and float(elsewhere.group(1)) > 0, out  # (metrics and interference still built)
     hook = re.search(r"optimizer hook per step, ns +(-?\d+)", out)
