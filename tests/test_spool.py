@@ -289,6 +289,36 @@ def test_the_spool_never_holds_up_uninstrument_on_a_stuck_flush_and_outlives_an_
         provider.force_flush = original  # type: ignore[method-assign]
 
 
+def test_checkpoints_closer_than_the_gap_share_one_export_request_and_the_next_one_goes_out_after_it(
+        spool: Path, traced: Traced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Each of the confirming thread's flushes is an export request beside the training steps: checkpoints less than
+    MIN_GAP_S apart share one, and every span is confirmed all the same once it has gone out."""
+    import dcp_otel.spool.spans as spans_module
+
+    keep = dcp_otel.DCPInstrumentor()._spool.keep  # type: ignore[union-attr]
+    monkeypatch.setattr(spans_module, "MIN_GAP_S", 3.0)  # (two tiny saves take a few ms: far less)
+    provider, flushes = traced.provider, []
+    original = provider.force_flush
+
+    def counted(timeout_millis: int = 30_000) -> bool:
+        if threading.current_thread().name == "dcp-otel-spool-confirm":
+            flushes.append(time.monotonic())
+        return original(timeout_millis)
+
+    provider.force_flush = counted  # type: ignore[method-assign]
+    try:
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "first"))
+        assert traced.recorder().drain(30) and keep.wait_idle(30) and len(flushes) == 1 and not keep.unconfirmed
+        for name in ("second", "third"):
+            dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / name))
+        assert traced.recorder().drain(30) and keep.wait_idle(30)
+        assert len(flushes) == 2 and not keep.unconfirmed  # both in one request, and confirmed
+        assert flushes[1] - flushes[0] >= 3.0  # (after the gap, not before)
+        assert len(traced.exporter.get_finished_spans()) > 0
+    finally:
+        provider.force_flush = original  # type: ignore[method-assign]
+
+
 def test_a_process_without_a_checkpoint_of_its_own_never_waits_at_exit_on_a_dead_peers_spans(
     spool: Path, blocked: Blocked
 ) -> None:

@@ -40,6 +40,11 @@ from dcp_otel.version import __version__
 
 #: The most a process keeps unconfirmed; past it, spans are not kept (a stuck exporter).
 MAX_BYTES: Final = 4 << 20
+#: The least time between two of the confirming thread's flushes. Each flush is an export request, whose encoding
+#: and round trip run beside the training steps: over OTLP/HTTP on loopback, 3.5 ms of that thread's CPU for a
+#: checkpoint's 16 spans (``benchmarks/own_share.py --otlp``). Checkpoints less than this apart share one (what is
+#: kept meanwhile is in the record, for a survivor to send should the process die); further apart, nothing waits.
+MIN_GAP_S: Final = 1.0
 
 
 class SpanSpool:
@@ -58,6 +63,7 @@ class SpanSpool:
         self._seq = 0
         self._size = 0
         self._wanted = threading.Event()
+        self._hurry = threading.Event()  # cuts the gap between two flushes short (stop)
         self._thread: threading.Thread | None = None
         self._flush: BoundedFlush | None = None
         self._flushing = False  # the confirming thread is in the provider's force_flush (see confirm)
@@ -66,6 +72,7 @@ class SpanSpool:
         self._idle = threading.Condition()  # notified as the confirming thread finishes what was asked of it
         self._busy = False
         self._started_at = 0.0
+        self._flushed_at = -MIN_GAP_S  # (monotonic) the confirming thread's last flush ended
 
     def _after_fork_in_child(self) -> None:
         self._reset()
@@ -135,12 +142,16 @@ class SpanSpool:
         # For as long as the instrumentation: a process that checkpoints every hour starts it once, not every hour.
         while not self._stopped:
             self._wanted.wait()
+            gap = self._flushed_at + MIN_GAP_S - time.monotonic()
+            if gap > 0:  # (what is added meanwhile goes out with this flush)
+                self._hurry.wait(gap)
             with self._idle:
                 self._busy = True
                 self._wanted.clear()
             try:
                 if not self._stopped:
                     self.confirm()
+                    self._flushed_at = time.monotonic()
             except BaseException as exc:  # noqa: BLE001 - an exporter's SystemExit: this thread goes on confirming
                 reraise_if_signalled(exc)  # (never here, off the main thread; what the library's rule asks)
                 report("spool_error", "dcp_otel could not confirm a record's exported spans: %s", type(exc).__name__)
@@ -157,6 +168,7 @@ class SpanSpool:
     def stop(self, timeout_s: float) -> None:
         """End the confirming thread (uninstrument); what it was flushing is given ``timeout_s``."""
         self._stopped = True
+        self._hurry.set()
         self._wanted.set()
         thread = self._thread
         # Not waited for while it is in the provider's flush (a stuck exporter never returns from it; the thread is
