@@ -210,10 +210,12 @@ def block(arm):
     wall_s = time.perf_counter() - started
     last_ns = time.thread_time_ns()
     if instrumented:
-        dcp_otel.flush(timeout_s=60)  # (the last checkpoint's spans built and handed to the exporter)
+        # The last checkpoint's spans built (on the builder's thread, counted), then what the confirming thread had
+        # not sent yet (checkpoints less than a second apart share its flush) encoded and sent here, on the caller,
+        # counted as dcp-otel's own: dcp_otel.flush() would export on a thread of its own, ended before it is read.
+        dcp_otel.DCPInstrumentor().recorder.drain(60)
         provider.force_flush()
-    # What the block's last flush did here, on the caller, counts as dcp-otel's own: the spans of the checkpoints
-    # since the confirming thread's last flush (checkpoints less than a second apart share one), encoded and sent.
+        dcp_otel.flush(timeout_s=60)
     last_ns = time.thread_time_ns() - last_ns
     own_ns = own_cpu_ns(after) - sum(before.get(t, 0) for t in after) + last_ns
     by_name = {}
