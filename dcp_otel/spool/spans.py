@@ -72,7 +72,7 @@ class SpanSpool:
         self._idle = threading.Condition()  # notified as the confirming thread finishes what was asked of it
         self._busy = False
         self._started_at = 0.0
-        self._flushed_at = -MIN_GAP_S  # (monotonic) the confirming thread's last flush ended
+        self._flushed_at = float("-inf")  # (monotonic) the confirming thread's last flush that went out ended
 
     def _after_fork_in_child(self) -> None:
         self._reset()
@@ -149,8 +149,7 @@ class SpanSpool:
                 self._busy = True
                 self._wanted.clear()
             try:
-                if not self._stopped:
-                    self.confirm()
+                if not self._stopped and self.confirm():  # (a look that sent nothing, or failed, holds back no other)
                     self._flushed_at = time.monotonic()
             except BaseException as exc:  # noqa: BLE001 - an exporter's SystemExit: this thread goes on confirming
                 reraise_if_signalled(exc)  # (never here, off the main thread; what the library's rule asks)
