@@ -41,9 +41,10 @@ from dcp_otel.version import __version__
 #: The most a process keeps unconfirmed; past it, spans are not kept (a stuck exporter).
 MAX_BYTES: Final = 4 << 20
 #: The least time between two of the confirming thread's flushes. Each flush is an export request, whose encoding
-#: and round trip run beside the training steps: over OTLP/HTTP on loopback, 3.5 ms of that thread's CPU for a
-#: checkpoint's 16 spans (``benchmarks/own_share.py --otlp``). Checkpoints less than this apart share one (what is
-#: kept meanwhile is in the record, for a survivor to send should the process die); further apart, nothing waits.
+#: and round trip run beside the training steps: over OTLP/HTTP on loopback, 4.2 ms of that thread's CPU for a
+#: checkpoint's 16 spans, 1.7 ms a checkpoint with this gap at a checkpoint every 0.16 s (``benchmarks/own_share.py
+#: --otlp``, docs/performance.md). Checkpoints less than this apart share one (what is kept meanwhile is in the
+#: record, for a survivor to send should the process die); further apart, nothing waits.
 MIN_GAP_S: Final = 1.0
 
 
