@@ -327,9 +327,10 @@ def places(results: Results, arm: str, values: list[float]) -> str:
     """Each round's value (``arm``'s against plain's) with the two blocks' places in their process (1st, 2nd, ...):
     ``+6.6% (3 on 1)``.
 
-    With 10,000 tensors a block's place is larger than dcp-otel's effect: a later block's full collections walk
-    a heap the blocks before it left (its waits for torch's upload thread grew 4 to 8% of the loop from the first
-    place to the third, plain too), so a round alone, or rounds that leave an arm more often last, tell nothing.
+    With 10,000 tensors a block's place and its round move its waits more than dcp-otel does: up to 7% of the
+    loop either way, in either arm (the four rounds with the instrumented block last read +3.8 to +8.5%, the three
+    with it first or second -3.1 to +2.7%), so a round alone, or rounds that leave an arm more often last, tell
+    nothing.
     """
     pairs = zip(values, results[arm], results["plain"], strict=True)
     return ", ".join(f"{v:+.1%} ({a['place'] + 1} on {p['place'] + 1})" for v, a, p in pairs)
