@@ -319,6 +319,34 @@ def test_checkpoints_closer_than_the_gap_share_one_export_request_and_the_next_o
         provider.force_flush = original  # type: ignore[method-assign]
 
 
+def test_a_flush_drops_the_lines_it_confirmed_though_more_were_kept_while_it_ran(tmp_path: Path) -> None:
+    """Checkpoints back to back keep lines while a flush runs: the lines it confirmed leave the file all the same,
+    the later ones stay (a file emptied only when nothing came meanwhile filled its 4 MiB in a soak)."""
+    import json
+    from types import SimpleNamespace
+
+    from dcp_otel.spool.spans import SpanSpool
+
+    record, meanwhile = SimpleNamespace(directory=str(tmp_path), mm=bytearray(layout.OFF_EXPORTED + 8)), []
+
+    class Provider:
+        def force_flush(self, timeout_millis: int = 30_000) -> bool:
+            if not meanwhile:  # (once) a checkpoint's spans are kept while this flush runs
+                meanwhile.append(keep.add([["meanwhile"]]))
+            return True
+
+    provider = Provider()
+    keep = SpanSpool(record, lambda: provider, lambda timeout_s: True, timeout_s=10)  # type: ignore[arg-type]
+    keep.stop(0)  # (no confirming thread: this one confirms)
+    keep.add([["first"]])
+    keep.add([["second"]])
+    kept = tmp_path / layout.SPANS_FILE
+    assert keep.confirm(10) and layout.U64.unpack_from(record.mm, layout.OFF_EXPORTED)[0] == 2
+    assert [(line[0], line[2]) for line in map(json.loads, kept.read_text().splitlines())] == [(3, [["meanwhile"]])]
+    assert keep.unconfirmed and keep.confirm(10) and kept.read_text() == "" and not keep.unconfirmed
+    assert layout.U64.unpack_from(record.mm, layout.OFF_EXPORTED)[0] == 3
+
+
 def test_a_process_without_a_checkpoint_of_its_own_never_waits_at_exit_on_a_dead_peers_spans(
     spool: Path, blocked: Blocked
 ) -> None:

@@ -63,6 +63,7 @@ class SpanSpool:
     def _reset(self) -> None:
         self._seq = 0
         self._size = 0
+        self._ends: list[tuple[int, int]] = []  # (seq, the file's size through its line) of the lines kept
         self._wanted = threading.Event()
         self._hurry = threading.Event()  # cuts the gap between two flushes short (stop)
         self._thread: threading.Thread | None = None
@@ -95,7 +96,8 @@ class SpanSpool:
                 with open(os.path.join(directory, layout.SPANS_FILE), "a", encoding="utf-8") as out:
                     out.write(line + "\n")
                 self._seq = seq
-                self._size += len(line) + 1
+                self._size += len(line) + 1  # (bytes: the JSON is ASCII)
+                self._ends.append((seq, self._size))
             self._request()
         except Exception as exc:  # noqa: BLE001 - the builder goes on
             reraise_if_signalled(exc)
@@ -165,6 +167,26 @@ class SpanSpool:
         with self._idle:
             return self._idle.wait_for(lambda: not self._busy and not self._wanted.is_set(), timeout_s)
 
+    def _drop_through(self, path: str, target: int) -> None:
+        """The lines through ``target`` went out: the file keeps only those added since (under the lock). Checkpoints
+        back to back add while a flush runs: a file emptied only when nothing was added meanwhile would fill up."""
+        ends = self._ends
+        cut = 0
+        while ends and ends[0][0] <= target:
+            cut = ends.pop(0)[1]
+        if not ends:  # nothing added since: empty the file
+            with open(path, "w", encoding="utf-8"):
+                pass
+        elif cut:  # the rest, in a file of its own first: a survivor reading meanwhile sees one or the other whole
+            with open(path, "rb") as kept:
+                kept.seek(cut)
+                rest = kept.read()
+            with open(path + ".new", "wb") as out:
+                out.write(rest)
+            os.replace(path + ".new", path)
+            self._ends = [(seq, end - cut) for seq, end in ends]
+        self._size -= cut
+
     def stop(self, timeout_s: float) -> None:
         """End the confirming thread (uninstrument); what it was flushing is given ``timeout_s``."""
         self._stopped = True
@@ -211,10 +233,8 @@ class SpanSpool:
             with self._lock:
                 layout.U64.pack_into(self._record.mm, layout.OFF_EXPORTED, target)
                 directory = self._record.directory
-                if target == self._seq and directory is not None:  # nothing added since: empty the file
-                    with open(os.path.join(directory, layout.SPANS_FILE), "w", encoding="utf-8"):
-                        pass
-                    self._size = 0
+                if directory is not None:
+                    self._drop_through(os.path.join(directory, layout.SPANS_FILE), target)
             return True
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
