@@ -62,7 +62,6 @@ class SpanSpool:
 
     def _reset(self) -> None:
         self._seq = 0
-        self._size = 0
         self._ends: list[tuple[int, int]] = []  # (seq, the file's size through its line) of the lines kept
         self._wanted = threading.Event()
         self._hurry = threading.Event()  # cuts the gap between two flushes short (stop)
@@ -89,15 +88,15 @@ class SpanSpool:
             with self._lock:
                 seq = self._seq + 1
                 line = json.dumps([seq, [SCOPE_NAME, __version__], items], separators=(",", ":"), default=str)
-                if self._size + len(line) > MAX_BYTES:
+                size = self._ends[-1][1] if self._ends else 0  # (the file's, in bytes: the JSON is ASCII)
+                if size + len(line) > MAX_BYTES:
                     report("spool_spans_full", "dcp_otel keeps %d MiB of unexported spans per process: these are "
                            "not kept (the span exporter is stuck or slow)", MAX_BYTES >> 20)  # fmt: skip
                     return
                 with open(os.path.join(directory, layout.SPANS_FILE), "a", encoding="utf-8") as out:
                     out.write(line + "\n")
                 self._seq = seq
-                self._size += len(line) + 1  # (bytes: the JSON is ASCII)
-                self._ends.append((seq, self._size))
+                self._ends.append((seq, size + len(line) + 1))
             self._request()
         except Exception as exc:  # noqa: BLE001 - the builder goes on
             reraise_if_signalled(exc)
@@ -105,7 +104,7 @@ class SpanSpool:
 
     @property
     def unconfirmed(self) -> bool:
-        return self._size > 0
+        return bool(self._ends)
 
     def start(self) -> None:
         """Start the confirming thread now (the instrumentation calls it as the first operation starts, on the
@@ -185,7 +184,6 @@ class SpanSpool:
                 out.write(rest)
             os.replace(path + ".new", path)
             self._ends = [(seq, end - cut) for seq, end in ends]
-        self._size -= cut
 
     def stop(self, timeout_s: float) -> None:
         """End the confirming thread (uninstrument); what it was flushing is given ``timeout_s``."""
