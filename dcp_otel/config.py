@@ -75,6 +75,17 @@ class InstrumentOptions:
             1-in-K sample sized by ``span_budget``. Up to about
             ``span_budget / 8`` ranks the sample is every rank, which is ``full``.
             See :mod:`dcp_otel.tracing.detail`.
+        span_export: who exports the checkpoint spans. ``"process"`` (the
+            default): this process, through its tracer provider. ``"node"``:
+            the survivor of torchelastic's agent (``dcp-otel-run``, or ``torchrun``
+            under ``opentelemetry-instrument``), through the agent's exporters:
+            this process writes each checkpoint's spans into its record in the
+            spool and makes no SDK span and no export request for them, which
+            takes their cost off the training steps (docs/performance.md). The
+            spans reach the backend within about a second of being built; a
+            stall's span and the process's span at its exit are still sent by
+            the process. Needs the spool (``$DCP_OTEL_SPOOL_DIR``). See
+            :mod:`dcp_otel.spool.spans`.
         span_budget: the step spans one checkpoint may carry across all ranks
             in ``auto`` mode, in a balanced job (16 to 10,000,000).
         max_queued_operations: finished operations waiting for the background
@@ -118,6 +129,7 @@ class InstrumentOptions:
     flush_timeout_s: int = 10
     detail: DetailMode = "auto"
     span_budget: int = 2000
+    span_export: str = semconv.SPAN_EXPORT_PROCESS
     max_queued_operations: int = 4096
     meter_provider: MeterProvider | None = None
     metrics: tuple[str, ...] = (semconv.SINK_PROMETHEUS,)
@@ -144,6 +156,8 @@ class InstrumentOptions:
         if self.detail not in DETAIL_MODES:
             raise ValueError(f"detail must be one of {list(DETAIL_MODES)}, got {self.detail!r}")
         _check_int("span_budget", self.span_budget, 16, 10_000_000)
+        if self.span_export not in semconv.SPAN_EXPORT_MODES:
+            raise ValueError(f"span_export must be one of {list(semconv.SPAN_EXPORT_MODES)}, got {self.span_export!r}")
         _check_int("max_queued_operations", self.max_queued_operations, 1, 10_000_000)
         if self.process_setup is not None:
             resolve_callable(self.process_setup)  # a typo fails here, not in the daemon
@@ -183,6 +197,14 @@ class InstrumentOptions:
                 values["detail"] = env.lower()
             else:
                 logger.warning("ignoring %s=%r: expected one of %s", semconv.ENV_DETAIL, env, list(DETAIL_MODES))
+        if values.get("span_export") is None and (env := os.environ.get(semconv.ENV_SPAN_EXPORT, "").strip()):
+            if env.lower() in semconv.SPAN_EXPORT_MODES:
+                values["span_export"] = env.lower()
+            else:
+                logger.warning("ignoring %s=%r: expected one of %s", semconv.ENV_SPAN_EXPORT, env,
+                               list(semconv.SPAN_EXPORT_MODES))  # fmt: skip
+        if values.get("span_export") is None:
+            values.pop("span_export", None)
         if values.get("step_pattern") is None and (env := os.environ.get(semconv.ENV_STEP_PATTERN, "").strip()):
             try:
                 compiled(env)

@@ -198,7 +198,8 @@ class DCPInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         from dcp_otel.spool.process import ProcessSpool, is_multiprocessing_child, watch_when_imported
 
         assert self._recorder is not None and self._undo is not None
-        spool = self._spool = ProcessSpool.open(self._recorder, options.flush_timeout_s, process_name)
+        spool = self._spool = ProcessSpool.open(self._recorder, options.flush_timeout_s, process_name,
+                                                node=options.span_export == semconv.SPAN_EXPORT_NODE and relay is None)
         if spool is None or relay is not None:
             return  # a checkpoint helper keeps its record; its rank and the rank's agent survive it
         survivor = spool.survivor

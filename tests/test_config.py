@@ -33,9 +33,14 @@ def test_process_setup_must_name_an_importable_callable() -> None:
 def test_bad_new_environment_variables_warn_and_use_the_default(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv(semconv.ENV_PROCESS_SETUP, "not a function")
     monkeypatch.setenv(semconv.ENV_FLUSH_TIMEOUT_S, "-3")
+    monkeypatch.setenv(semconv.ENV_SPAN_EXPORT, "agent")
     with caplog.at_level(logging.WARNING, logger="dcp_otel"):
         options = InstrumentOptions.from_kwargs({})
     assert options.process_setup is None and options.flush_timeout_s == InstrumentOptions().flush_timeout_s
+    assert options.span_export == semconv.SPAN_EXPORT_PROCESS
+    assert f"ignoring {semconv.ENV_SPAN_EXPORT}='agent'" in caplog.text
+    monkeypatch.setenv(semconv.ENV_SPAN_EXPORT, " Node ")
+    assert InstrumentOptions.from_kwargs({}).span_export == semconv.SPAN_EXPORT_NODE
     assert f"ignoring {semconv.ENV_PROCESS_SETUP}='not a function'" in caplog.text
     assert f"ignoring {semconv.ENV_FLUSH_TIMEOUT_S}='-3'" in caplog.text
     with pytest.raises(ValueError, match="flush_timeout_s must be an integer from 0 to 600"):

@@ -203,6 +203,11 @@ ENV_MAX_OPEN_SPANS: Final = "DCP_OTEL_MAX_OPEN_SPANS"
 ENV_PROCESS_SETUP: Final = "DCP_OTEL_PROCESS_SETUP"  # module:function configuring the async save daemon
 ENV_FLUSH_TIMEOUT_S: Final = "DCP_OTEL_FLUSH_TIMEOUT_S"  # seconds; bounds the flushes dcp-otel starts
 ENV_DETAIL: Final = "DCP_OTEL_DETAIL"  # full or auto
+ENV_SPAN_EXPORT: Final = "DCP_OTEL_SPAN_EXPORT"  # process or node: who exports the checkpoint spans
+#: ``span_export``'s values: the process exports its checkpoint spans, or the node's exporter (the agent) does.
+SPAN_EXPORT_PROCESS: Final = "process"
+SPAN_EXPORT_NODE: Final = "node"
+SPAN_EXPORT_MODES: Final = (SPAN_EXPORT_PROCESS, SPAN_EXPORT_NODE)
 ENV_SPAN_BUDGET: Final = "DCP_OTEL_SPAN_BUDGET"  # step spans one checkpoint may carry across all ranks (auto)
 ENV_MAX_QUEUED_OPERATIONS: Final = "DCP_OTEL_MAX_QUEUED_OPERATIONS"  # finished operations waiting to be built
 #: Seconds without progress after which an open DCP call is reported stalled; "auto" (default): from its history.

@@ -75,3 +75,23 @@ def decode_lines(text: str, exported_through: int, resource: Resource, damaged: 
             if damaged is not None:
                 damaged.append(line[:80])
     return spans
+
+
+def decode_sent_lines(text: str, exported_through: int, resource: Resource) -> tuple[list[ReadableSpan], int]:
+    """The spans of a live process's ``spans.jsonl`` after the mark, and the last line's number they reach. A last
+    line with no newline yet is the one its process is writing now: read next time; a damaged whole line is skipped."""
+    spans: list[ReadableSpan] = []
+    through = exported_through
+    lines = text.split("\n")[:-1]  # (what follows the last newline is not whole yet)
+    for line in lines:
+        try:
+            seq, scope, items = json.loads(line)
+            if int(seq) <= exported_through:
+                continue
+            found = InstrumentationScope(str(scope[0]), str(scope[1]) if scope[1] else None)
+            decoded = [decode(item, resource, found) for item in items]
+        except (ValueError, TypeError, KeyError, IndexError):
+            continue
+        spans.extend(decoded)
+        through = max(through, int(seq))
+    return spans, through

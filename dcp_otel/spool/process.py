@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import wrapt
 from opentelemetry import trace
 
+from dcp_otel import semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel.attach import worker_exits
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
@@ -75,31 +76,43 @@ def is_multiprocessing_child() -> bool:
 class ProcessSpool:
     """The spool of one recorder (see the module)."""
 
-    def __init__(self, spool_dir: str, recorder: SpanRecorder, flush_timeout_s: float, where: str | None) -> None:
+    def __init__(self, spool_dir: str, recorder: SpanRecorder, flush_timeout_s: float, where: str | None,
+                 node: bool = False) -> None:  # fmt: skip
         self.spool_dir = spool_dir
         self._recorder = recorder
         self._where = where
+        self.node = node  # span_export="node": the node's exporter sends the spans, this process none
         self.record = ProcessRecord(spool_dir, self._identity)
         timeout = float(flush_timeout_s or 10)
         # (Its confirmations never hurry the builder: an async save's measurement waits for its training step.)
-        self.keep = SpanSpool(self.record, recorder.provider, lambda t: recorder.builder.drain(t, hurry=False), timeout)
+        self.keep = SpanSpool(self.record, recorder.provider, lambda t: recorder.builder.drain(t, hurry=False), timeout,
+                              node=node)  # fmt: skip
         self.survivor = Survivor(spool_dir, Delivery(recorder.provider, timeout), job_key(),
                                  own=lambda: self.record.directory, checkpointing=recorder.checkpointing)  # fmt: skip
         recorder.call_ended.append(self.survivor.nudge)
         recorder.record = recorder.builder.record = self.record
         recorder.builder.keep = self.keep.add
+        recorder.builder.direct = node
 
     @classmethod
-    def open(cls, recorder: SpanRecorder, flush_timeout_s: float, where: str | None) -> ProcessSpool | None:
-        """The spool of ``DCP_OTEL_SPOOL_DIR`` (or the default); ``None``, said once, where it is off or unusable."""
-        spool_dir = usable_spool_dir("a death of this process is reported by nobody")
-        return cls(spool_dir, recorder, flush_timeout_s, where) if spool_dir is not None else None
+    def open(cls, recorder: SpanRecorder, flush_timeout_s: float, where: str | None,
+             node: bool = False) -> ProcessSpool | None:  # fmt: skip
+        """The spool of ``DCP_OTEL_SPOOL_DIR`` (or the default); ``None``, said once, where it is off or unusable
+        (then ``span_export="node"`` falls back to this process's exporter, said too)."""
+        lost = "a death of this process is reported by nobody"
+        spool_dir = usable_spool_dir(lost + (", and this process exports its spans itself (span_export=node needs "
+                                             "the spool)" if node else ""))  # fmt: skip
+        if spool_dir is None and node and spool_dir_from_env() is None:
+            report("setup_error", "dcp_otel: span_export=node needs the spool (%s is off): this process exports its "
+                   "spans itself", semconv.ENV_SPOOL_DIR)  # fmt: skip
+        return cls(spool_dir, recorder, flush_timeout_s, where, node) if spool_dir is not None else None
 
     def _identity(self) -> dict[str, Any]:
         provider = self._recorder.provider()
         resource = getattr(provider, "resource", None)
         attributes = dict(getattr(resource, "attributes", {}) or {})
-        return {"job": job_key(), "where": self._where, "resource": attributes}
+        return {"job": job_key(), "where": self._where, "resource": attributes,
+                "span_export": "node" if self.node else "process"}
 
     def close(self, clean: bool, exiting: bool = False) -> None:
         """At a normal end: the record goes if ``clean`` (nothing left open, every span sent), else it stays,
@@ -107,6 +120,8 @@ class ProcessSpool:
         exit flush keeps: the threads are told to stop, not waited for (they are daemons)."""
         self.survivor.stop(0 if exiting else _STOP_S)
         self.keep.stop(0 if exiting else _STOP_S)
+        if self.node and clean:  # what the node has not sent yet stays, for it to send once this process is gone
+            clean = self.keep.confirm()
         self.record.close(clean=clean)
 
     def settled(self, timeout_s: float) -> bool:
@@ -184,4 +199,5 @@ def agent_survivor(flush_timeout_s: float = 10.0) -> Survivor | None:
     if spool_dir is None:
         return None
     provider: Callable[[], object] = trace.get_tracer_provider
-    return Survivor(spool_dir, Delivery(provider, flush_timeout_s), job_key())
+    # (No training process: the node's exporter too, for the processes that leave their spans to it.)
+    return Survivor(spool_dir, Delivery(provider, flush_timeout_s), job_key(), live=True)

@@ -13,6 +13,14 @@ not confirm may reach the backend twice; ``dcp-otel report`` drops duplicates.
 The file is bounded (:data:`MAX_BYTES`): past it, spans are not kept (counted
 as ``spool_spans_full``), never waited for.
 
+Where the node exports the spans (``node=True``: ``span_export="node"``), this
+process exports none: a survivor of the node that is no training process
+(torchelastic's agent under ``dcp-otel-run`` or ``opentelemetry-instrument``)
+sends the lines as they come and moves ``exported_through`` itself; this
+process drops the lines through that mark as it adds more, and says once
+(``spool_spans_unsent``) when no such survivor has moved it for
+:data:`UNSENT_WARN_S`.
+
 Usage::
 
     keep = SpanSpool(record, recorder.provider, recorder.drain, timeout_s=10)
@@ -46,14 +54,17 @@ MAX_BYTES: Final = 4 << 20
 #: --otlp``, docs/performance.md). Checkpoints less than this apart share one (what is kept meanwhile is in the
 #: record, for a survivor to send should the process die); further apart, nothing waits.
 MIN_GAP_S: Final = 1.0
+#: How long spans may wait in the record, the node exporting them, before this process says nobody sends them.
+UNSENT_WARN_S: Final = 30.0
 
 
 class SpanSpool:
     """The unconfirmed spans of one process (see the module); :meth:`add` never blocks on an exporter."""
 
     def __init__(self, record: ProcessRecord, provider: Callable[[], object], drain: Callable[[float], object],
-                 timeout_s: float) -> None:  # fmt: skip
+                 timeout_s: float, node: bool = False) -> None:  # fmt: skip
         self._record = record
+        self.node = node  # the node's exporter sends the lines and moves the mark (see the module)
         self._provider = provider
         self._drain = drain  # the builder: what it is building goes into the flush that confirms it
         self._timeout_s = timeout_s or 10.0
@@ -74,6 +85,8 @@ class SpanSpool:
         self._busy = False
         self._started_at = 0.0
         self._flushed_at = float("-inf")  # (monotonic) the confirming thread's last flush that went out ended
+        self._mark = 0  # (node) the node exporter's mark, as last read
+        self._waiting_since = 0.0  # (node, monotonic) since when kept lines wait for the mark to move
 
     def _after_fork_in_child(self) -> None:
         self._reset()
@@ -86,6 +99,8 @@ class SpanSpool:
             return
         try:
             with self._lock:
+                if self.node:
+                    self._take_mark(directory)
                 seq = self._seq + 1
                 line = json.dumps([seq, [SCOPE_NAME, __version__], items], separators=(",", ":"), default=str)
                 size = self._ends[-1][1] if self._ends else 0  # (the file's, in bytes: the JSON is ASCII)
@@ -97,10 +112,26 @@ class SpanSpool:
                     out.write(line + "\n")
                 self._seq = seq
                 self._ends.append((seq, size + len(line) + 1))
-            self._request()
+            if not self.node:
+                self._request()
         except Exception as exc:  # noqa: BLE001 - the builder goes on
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not keep a checkpoint's spans in its record", exc_info=True)
+
+    def _take_mark(self, directory: str) -> None:
+        """(node, under the lock) Drop the lines the node's exporter has sent; say once if it sends nothing."""
+        mark = layout.U64.unpack_from(self._record.mm, layout.OFF_EXPORTED)[0]
+        now = time.monotonic()
+        if mark != self._mark:
+            self._mark, self._waiting_since = mark, now
+            self._drop_through(os.path.join(directory, layout.SPANS_FILE), mark)
+        if not self._ends:
+            self._waiting_since = now
+        elif now - self._waiting_since > UNSENT_WARN_S:
+            report("spool_spans_unsent", "dcp_otel: no exporter of the node has sent this process's spans for %.0f s "
+                   "(span_export=node needs torchelastic's agent under dcp-otel-run or opentelemetry-instrument); "
+                   "they wait in %s", UNSENT_WARN_S, directory)  # fmt: skip
+            self._waiting_since = now
 
     @property
     def unconfirmed(self) -> bool:
@@ -110,7 +141,7 @@ class SpanSpool:
         """Start the confirming thread now (the instrumentation calls it as the first operation starts, on the
         caller's thread: cheap once it runs); never raises."""
         try:
-            if self._stopped or self._running():
+            if self._stopped or self.node or self._running():  # (node: this process flushes nothing)
                 return
             with self._lock:
                 if self._running():
@@ -204,6 +235,12 @@ class SpanSpool:
         kept waits (bounded) for the next look.
         """
         try:
+            if self.node:  # the node's exporter sends them: whether it has, now (never waited for)
+                with self._lock:
+                    directory = self._record.directory
+                    if directory is not None:
+                        self._take_mark(directory)
+                    return not self._ends
             target = self._seq
             if target == 0 or (self._flush is not None and self._flush.running()) or (
                     self._flushing and threading.current_thread() is not self._thread):  # fmt: skip

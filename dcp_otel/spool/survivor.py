@@ -24,6 +24,11 @@ reported. A survivor that cannot send anywhere claims nothing; one that dies
 while sending leaves a claim another takes over. Reported records stay for
 ``dcp-otel report <spool dir>`` for :data:`KEEP_S`.
 
+A survivor that is no training process (``live=True``: the agent's) is also the
+node's exporter for the processes that leave theirs to it (``span_export="node"``):
+each look, it sends the lines of their ``spans.jsonl`` past the record's
+``exported_through`` and moves that mark (:mod:`dcp_otel.spool.node`).
+
 Usage::
 
     survivor = Survivor(spool_dir, Delivery(provider, 10), own=record)
@@ -50,6 +55,7 @@ from dcp_otel._selftelemetry import report
 from dcp_otel._wake import Wake
 from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
 from dcp_otel.spool import layout
+from dcp_otel.spool.node import NodeExport
 from dcp_otel.spool.reader import Death, RecordError, read_record
 
 #: How long a survivor that was not told how a process died leaves its record to the one that was.
@@ -102,8 +108,10 @@ class Survivor:
 
     def __init__(self, spool_dir: str, deliver: Callable[[Sequence[ReadableSpan]], bool], job: str | None,
                  own: Callable[[], str | None] = lambda: None, interval_s: float = INTERVAL_S,
-                 grace_s: float = GRACE_S, checkpointing: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+                 grace_s: float = GRACE_S, checkpointing: Callable[[], bool] = lambda: False,
+                 live: bool = False) -> None:  # fmt: skip
         self.spool_dir = spool_dir
+        self._live = live  # the node's exporter: it sends the spans of live processes that leave them to it
         self._checkpointing = checkpointing  # whether this process is inside a checkpoint call now
         self._deliver = deliver
         self._can_deliver: Callable[[], bool] = getattr(deliver, "can_deliver", lambda: True)
@@ -137,6 +145,9 @@ class Survivor:
         self._dead: dict[str, _DeadFacts] = {}
         self._mtimes: dict[str, float] = {}  # name -> its mtime, for records that change no more (dead, reported)
         self.reported = 0
+        self.spans_sent = 0  # the spans of the deaths reported
+        # The node's exporter: it sends the spans of live processes that leave them to it (spool.node).
+        self.node = NodeExport(self._deliver, self._can_deliver) if self._live else None
         self.delivering = False  # another process's spans are on their way (through this process's exporters)
 
     def _after_fork_in_child(self) -> None:
@@ -275,10 +286,12 @@ class Survivor:
         reported: list[tuple[float, str]] = []
         names = self._names()
         parents = self._survivors(names, host)
-        if self._dead or self._mtimes:
+        if self._dead or self._mtimes or self.node is not None:
             listed = set(names)
             self._dead = {name: facts for name, facts in self._dead.items() if name in listed}
             self._mtimes = {name: mtime for name, mtime in self._mtimes.items() if name in listed}
+            if self.node is not None:
+                self.node.forget(listed)
         for name in names:
             parsed = layout.parse_name(name)
             if parsed is None or parsed.host != host or parsed.state == layout.SURVIVOR:
@@ -297,6 +310,8 @@ class Survivor:
                 if layout.alive(int(claimer), int(start)):
                     continue  # its claimer is at it
             elif name not in self._dead and layout.alive(parsed.pid, parsed.start):  # (seen dead: dead for good)
+                if self.node is not None and not parsed.state:
+                    self.node.send(name, path, (me, self._my_start), self.job)
                 continue
             death = self._death_if_ours(parsed, path, me, now_ns, parents)
             if death is not None and self._report(parsed, path, death):
@@ -401,6 +416,7 @@ class Survivor:
             os.rename(claimed, os.path.join(self.spool_dir, f"{parsed.base}.{layout.REPORTED}"))
             self._forget(parsed)
             self.reported += 1
+            self.spans_sent += len(spans)
             self._seen_dead.pop(parsed.base, None)
             return True
         except RecordError:  # not one this dcp-otel reads (another version's): left as it was found

@@ -50,7 +50,7 @@ from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, 
 from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.detail import DetailPolicy, named_straggler, summary_attributes
-from dcp_otel.tracing.emit import Emitter
+from dcp_otel.tracing.emit import DirectEmitter, Emitter
 from dcp_otel.tracing.interference import StepLedger, wait_until_ns
 from dcp_otel.tracing.measure import count_bytes, measure
 from dcp_otel.tracing.outcome import at_risk
@@ -105,6 +105,7 @@ class SpanBuilder(StepMeasures):
         #: confirmation (dcp_otel.spool): set by the instrumentor, None where nothing is written ahead.
         self.record: ProcessRecord | None = None
         self.keep: Callable[[list[list[Any]]], None] | None = None
+        self.direct = False  # span_export="node": spans written straight into the record (emit.DirectEmitter)
         #: Whether a thread is inside a checkpoint operation's call now (set by the recorder): see :meth:`defer`.
         self.checkpointing: Callable[[], bool] = _never
         #: When the earliest operation still open started (0: none; set by the recorder): see :meth:`_fold`.
@@ -408,9 +409,8 @@ class SpanBuilder(StepMeasures):
         steps = [call for call in calls if call.kind == KIND_STEP and call.span_id]
         collectives = [call for call in calls if call.kind == KIND_COLLECTIVE]
         op_call = next((call for call in calls if call.kind == KIND_OPERATION), None)
-        if late:
-            detailed, summary = True, None
-        else:
+        detailed, summary = True, None
+        if not late:
             detailed, reason = self.policy.decide(op, steps, op_call, len(collectives))
             summary = summary_attributes(op, steps, detailed, reason, collectives) if op_call is not None else None
         if not op.sampled:
@@ -423,17 +423,18 @@ class SpanBuilder(StepMeasures):
                 if straggler:
                     call.extra = {**(call.extra or {}), **straggler}
         keep = self.keep
-        emit = Emitter(op, self._twin(op.tracer), [] if keep is not None else None)
+        direct = self.direct and keep is not None
+        emit = DirectEmitter(op, []) if direct else Emitter(op, self._twin(op.tracer), [] if keep is not None else None)
         if op.root_span_id and not late:
             emit.root(straggler)
         for call in calls:
             if not detailed and call.kind in _DETAIL_KINDS:
                 continue
             emit.span(call, summary if call is op_call else None)
-            # Let other threads have the interpreter between spans: the training thread never
-            # waits a whole switch interval (5 ms) for it, and the SDK's batch worker takes
-            # its batches as they come, as when spans ended one by one during the checkpoint.
-            _yield()
+            # Let other threads have the interpreter between SDK spans: the training thread never waits a whole
+            # switch interval (5 ms) for it, and the SDK's batch worker takes its batches as they come.
+            if not direct:  # (written straight, a span takes tens of us: no offer between them)
+                _yield()
         if keep is not None and emit.ended:
             keep(emit.ended)  # until an exporter confirms them: a death now would lose them with the SDK's queue
 
@@ -442,8 +443,7 @@ def _never() -> bool:
     return False
 
 
-def _none_open() -> int:
-    return 0
+_none_open: Callable[[], int] = int  # (0: no operation open)
 
 
 #: The calls only a detailed rank exports: its steps, and DCP's collectives between them.

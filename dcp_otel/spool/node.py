@@ -1,0 +1,110 @@
+"""The node's exporter: a survivor that is no training process sends the spans live processes leave to it.
+
+A process instrumented with ``span_export="node"`` builds no SDK span: it writes
+each checkpoint's spans into its record's ``spans.jsonl`` (:mod:`dcp_otel.spool.spans`)
+and exports nothing. The survivor of torchelastic's agent (``dcp-otel-run``, or
+``torchrun`` under ``opentelemetry-instrument``) looks at the spool every second
+(:mod:`dcp_otel.spool.survivor`) and, for each live record of its own children
+or of its job that says ``span_export: node``, sends the lines past the record's
+``exported_through`` through the agent's exporters (:mod:`dcp_otel.spool.delivery`,
+with the rank's own resource) and moves that mark in the record's file. The rank
+reads the mark through its mapping and drops the lines it covers as it adds more.
+Only the agent writes the mark of such a record; only the rank writes its lines.
+
+Should the rank die, the lines past the mark are its death's survivor's to send,
+as for any record: a line sent by both (the agent died while sending) reaches the
+backend twice, and ``dcp-otel report`` counts each span once.
+
+Usage::
+
+    node = NodeExport(Delivery(provider, 10))
+    node.send(name, path, (os.getpid(), start_ticks), job)   # for each live record, each look
+    node.forget(set(os.listdir(spool_dir)))                  # records gone
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from opentelemetry.sdk.trace import ReadableSpan
+
+from dcp_otel._selftelemetry import report
+from dcp_otel.live.signal_exceptions import reraise_if_signalled
+from dcp_otel.semconv import SPAN_EXPORT_NODE
+from dcp_otel.spool import layout
+from dcp_otel.spool.encoding import decode_sent_lines
+from dcp_otel.spool.reader import RecordError, read_record
+
+#: How long a record whose spans could not be sent waits before the next try.
+RETRY_S: Final = 30.0
+
+
+class NodeExport:
+    """Sends the spans of the live processes that leave them to the node (see the module)."""
+
+    def __init__(self, deliver: Callable[[Sequence[ReadableSpan]], bool],
+                 can_deliver: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
+        self._deliver = deliver
+        self._can_deliver = can_deliver
+        # A live record, read once (its identity never changes): whether its spans are ours to send, and its resource.
+        self._records: dict[str, tuple[bool, Any]] = {}
+        self._retry_at: dict[str, float] = {}
+        self.sent = 0  # spans sent
+
+    def forget(self, listed: set[str]) -> None:
+        """The records no longer in the spool (dead and claimed, or removed at a clean end)."""
+        self._records = {name: facts for name, facts in self._records.items() if name in listed}
+        self._retry_at = {name: at for name, at in self._retry_at.items() if name in listed}
+
+    def _facts(self, name: str, path: str, me: tuple[int, int | None], job: str | None) -> tuple[bool, Any] | None:
+        facts = self._records.get(name)
+        if facts is None:
+            try:
+                record = read_record(path)
+            except RecordError:
+                return None  # (a record being made: read again next look)
+            identity = record.identity
+            child = identity.get("ppid") == me[0] and identity.get("parent_start") == me[1]
+            ours = identity.get("span_export") == SPAN_EXPORT_NODE and (child or (bool(job) and identity.get("job") == job))
+            facts = self._records[name] = (ours, record.resource if ours else None)
+        return facts
+
+    def send(self, name: str, path: str, me: tuple[int, int | None], job: str | None) -> int:
+        """Send what the live process of record ``path`` left to the node since the last look (``me``: this
+        process's pid and start ticks, whose children's records are ours; ``job``: our run id); the spans sent.
+        Never raises."""
+        try:
+            facts = self._facts(name, path, me, job)
+            if facts is None or not facts[0] or time.monotonic() < self._retry_at.get(name, 0.0):
+                return 0
+            try:
+                with open(os.path.join(path, layout.SPANS_FILE), encoding="utf-8") as src:
+                    text = src.read()
+                if not text:
+                    return 0
+                with open(os.path.join(path, layout.RECORD_FILE), "rb") as rec:
+                    mark = layout.U64.unpack(os.pread(rec.fileno(), layout.U64.size, layout.OFF_EXPORTED))[0]
+            except OSError:
+                return 0  # (gone meanwhile: a death, reported as one)
+            spans, through = decode_sent_lines(text, mark, facts[1])
+            if not spans or not self._can_deliver():
+                return 0
+            if not self._deliver(spans):
+                self._retry_at[name] = time.monotonic() + RETRY_S
+                report("survivor_not_sent", "dcp_otel could not send the spans of %s for the node; they wait in its "
+                       "record", name)  # fmt: skip
+                return 0
+            self.sent += len(spans)
+            try:
+                with open(os.path.join(path, layout.RECORD_FILE), "r+b") as rec:
+                    os.pwrite(rec.fileno(), layout.U64.pack(through), layout.OFF_EXPORTED)
+            except OSError:
+                pass  # (it died meanwhile: its death's survivor sends them again; the report counts each once)
+            return len(spans)
+        except Exception as exc:  # noqa: BLE001 - the survivor goes on
+            reraise_if_signalled(exc)
+            report("survivor_error", "dcp_otel could not send a live process's spans for the node", exc_info=True)
+            return 0

@@ -1,0 +1,239 @@
+"""``span_export="node"``: the rank writes its checkpoint spans into its record, the node's agent sends them.
+
+A rank that leaves its spans to the node makes no SDK span for its checkpoints and sends no export request: its
+builder writes the spans straight into the record's ``spans.jsonl``, and the survivor of torchelastic's agent sends
+them through the agent's exporters, with the rank's resource, and moves the record's mark. The spans that reach the
+backend are the ones the rank would have sent itself (ids, parents, statuses, attributes, events, links), each once;
+the rank drops what the agent has sent; a rank whose spans nobody sends says so once; a rank that exits before the
+agent sent its last spans leaves them for the agent. Real torchrun (2 gloo ranks) under
+``opentelemetry-instrument``, a loopback OTLP/HTTP receiver: the same spans reach it as without the option, none of
+them through the ranks' own providers, and the job does what it does plain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+import dcp_otel
+from dcp_otel import _selftelemetry, semconv
+from dcp_otel.instrumentor import DCPInstrumentor
+from dcp_otel.spool import layout
+from dcp_otel.spool.delivery import Delivery
+from dcp_otel.spool.node import NodeExport
+from dcp_otel.spool.reader import read_record
+from tests.otlp_receiver import OtlpReceiver
+from tests.ranks import WORKERS, rank_env
+
+JOB = "node-export-test"
+BIN = Path(sys.executable).parent
+TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1"]
+
+
+class Failing(dcp.FileSystemWriter):
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        raise OSError("the disk is gone")
+
+
+def checkpoints(root: Path) -> None:
+    """A save, an async save, a failed save and a load, in one process."""
+    state = {"w": torch.arange(16.0), "b": torch.ones(4)}
+    dcp.save(state, checkpoint_id=str(root / "step-1"))
+    dcp.async_save(state, checkpoint_id=str(root / "step-2")).result()
+    with pytest.raises(dcp.api.CheckpointException):
+        dcp.save(state, storage_writer=Failing(str(root / "step-3")))
+    dcp.load({"w": torch.zeros(16), "b": torch.zeros(4)}, checkpoint_id=str(root / "step-2"))
+    assert dcp_otel.flush(30)
+
+
+#: Attributes whose presence depends on which of torch's threads comes first (the async save's staging sync runs beside
+#: the save that names the writer), in either mode.
+RACED = {("dcp.maybe_synchronize_staging", semconv.ATTR_STORAGE_WRITER)}
+
+
+def shape(spans: list[ReadableSpan], root: Path) -> list[tuple[Any, ...]]:
+    """What a backend shows of each span, the run's own paths and timings aside: name, parent's name, status,
+    attributes (numbers of seconds as such), events, links."""
+    names = {s.context.span_id: s.name for s in spans}
+
+    def value(key: str, v: Any) -> Any:
+        if isinstance(v, str):
+            return v.replace(str(root), "ROOT")
+        if isinstance(v, float) or "seconds" in key or key.endswith("_s"):
+            return "seconds"
+        if isinstance(v, (list, tuple)):  # (the slowest keys, and an async save's steps, in the order of their times)
+            return sorted(v) if "slowest" in key or "steps.names" in key else list(v)
+        return v
+
+    return sorted(json.dumps([s.name, names.get(s.parent.span_id, "remote") if s.parent else None,
+                              s.status.status_code.name, s.status.description,
+                              {k: value(k, v) for k, v in sorted((s.attributes or {}).items()) if (s.name, k) not in RACED},
+                              [[e.name, sorted(e.attributes or {})] for e in s.events],
+                              [[names.get(link.context.span_id, "elsewhere"), dict(link.attributes or {})]
+                               for link in s.links]], default=str)
+                  for s in spans if s.name.startswith("dcp."))  # fmt: skip
+
+
+def instrumented(mode: str, monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
+    monkeypatch.setenv(semconv.ENV_RUN_ID, JOB)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _selftelemetry.reset()
+    dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry(), span_export=mode)
+    return exporter
+
+
+def own_resource() -> Any:
+    """The resource of the process's own provider."""
+    return DCPInstrumentor().recorder.provider().resource
+
+
+def own_record() -> Path:
+    spool = Path(os.environ[semconv.ENV_SPOOL_DIR])
+    (name,) = [n for n in os.listdir(spool) if (p := layout.parse_name(n)) and not p.state]
+    return spool / name
+
+
+def test_the_node_sends_the_spans_the_process_would_have_sent_once_and_the_process_sends_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    exporter = instrumented("process", monkeypatch)
+    try:
+        checkpoints(tmp_path / "process")
+    finally:
+        dcp_otel.uninstrument()
+    itself = shape(list(exporter.get_finished_spans()), tmp_path / "process")
+    assert len(itself) >= 12, itself
+
+    exporter = instrumented("node", monkeypatch)
+    try:
+        checkpoints(tmp_path / "node")
+        assert not [s for s in exporter.get_finished_spans() if s.name.startswith("dcp.")]  # not one of its own
+        node_exporter = InMemorySpanExporter()
+        node_provider = TracerProvider()
+        node_provider.add_span_processor(SimpleSpanProcessor(node_exporter))
+        node = NodeExport(Delivery(lambda: node_provider, 10))
+        record = own_record()
+        me = (os.getppid(), None)  # (not this process's parent: the record is the node's by its job)
+        assert node.send(record.name, str(record), me, "another-job") == 0  # another job's: not ours
+        sent = NodeExport(Delivery(lambda: node_provider, 10)).send(record.name, str(record), me, JOB)
+        assert sent == len(node_exporter.get_finished_spans()) > 0
+        assert NodeExport(Delivery(lambda: node_provider, 10)).send(record.name, str(record), me, JOB) == 0  # once
+        by_node = shape(list(node_exporter.get_finished_spans()), tmp_path / "node")
+        assert by_node == itself
+        # The process's resource (its pid named), not the node's.
+        resources = {json.dumps(dict(s.resource.attributes), sort_keys=True) for s in node_exporter.get_finished_spans()}
+        own = {**own_resource().attributes, "process.pid": os.getpid()}
+        assert resources == {json.dumps(own, sort_keys=True)}
+        # The process drops what the node sent as it keeps the next checkpoint's spans.
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "node" / "step-4"))
+        assert dcp_otel.flush(30)
+        lines = (record / layout.SPANS_FILE).read_text().splitlines()
+        assert [json.loads(line)[0] for line in lines] == [read_record(str(record)).exported_through + 1]
+    finally:
+        dcp_otel.uninstrument()
+
+
+def test_what_the_node_has_not_sent_at_the_end_stays_in_the_record_for_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    instrumented("node", monkeypatch)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-1"))
+    assert dcp_otel.flush(30)
+    record = own_record()
+    dcp_otel.uninstrument()
+    left = read_record(str(record))
+    assert left.exited and {s.name for s in left.unexported()} >= {"dcp.save", "dcp.checkpoint", "dcp.write_data"}
+
+
+def test_a_process_whose_spans_nobody_sends_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    instrumented("node", monkeypatch)
+    try:
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-1"))
+        assert dcp_otel.flush(30)
+        spool = DCPInstrumentor().spool
+        assert spool is not None and spool.keep.node
+        assert "spool_spans_unsent" not in dcp_otel.diagnostics()
+        spool.keep._waiting_since -= 31  # as if 31 s had passed with nothing sent
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-2"))
+        assert dcp_otel.flush(30)
+        assert dcp_otel.diagnostics().get("spool_spans_unsent") == 1
+    finally:
+        dcp_otel.uninstrument()
+
+
+def test_a_bad_span_export_is_refused_at_configuration() -> None:
+    with pytest.raises(ValueError, match="span_export must be one of"):
+        dcp_otel.instrument(span_export="agent")
+
+
+# --- real torchrun --------------------------------------------------------------------------------------------------
+def torchrun(out: Path, command: list[str], env: dict[str, str]) -> tuple[int, dict[int, str]]:
+    out.mkdir(parents=True)
+    done = subprocess.run([*command, str(WORKERS / "node_rank.py"), str(out)], capture_output=True, text=True,
+                          timeout=180, cwd=out, env=rank_env(**{semconv.ENV_SPOOL_DIR: str(out / "spool"), **env}))  # fmt: skip
+    said = {int(p.stem.split("-")[1]): p.read_text() for p in out.glob("rank-*.txt")}
+    assert done.returncode == 0 or not env, done.stderr[-3000:]
+    return done.returncode, said
+
+
+def otel_env(receiver: OtlpReceiver) -> dict[str, str]:
+    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+            "OTEL_SERVICE_NAME": "train", "DCP_OTEL_METRICS": "none"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same job plain, under ``opentelemetry-instrument``, and so with ``DCP_OTEL_SPAN_EXPORT=node``."""
+    tmp = tmp_path_factory.mktemp("node-jobs")
+    found: dict[str, Any] = {"plain": torchrun(tmp / "plain", TORCHRUN, {})}
+    for mode in ("process", "node"):
+        with OtlpReceiver() as receiver:
+            code, said = torchrun(tmp / mode, [str(BIN / "opentelemetry-instrument"), *TORCHRUN],
+                                  {**otel_env(receiver), semconv.ENV_SPAN_EXPORT: mode})  # fmt: skip
+            found[mode] = (code, said, list(receiver.spans))
+    return found
+
+
+def test_under_torchrun_the_agent_sends_every_rank_s_spans_and_the_ranks_send_none(jobs: dict[str, Any]) -> None:
+    received = {mode: Counter((s.name, s.attributes.get(semconv.ATTR_RANK))
+                              for s in jobs[mode][2] if s.name.startswith("dcp.") and s.name != semconv.SPAN_PROCESS)
+                for mode in ("process", "node")}  # fmt: skip
+    assert received["node"] == received["process"], received
+    assert {rank for _, rank in received["node"]} == {0, 1}
+    assert ("dcp.async_upload", 0) in received["node"] and ("dcp.load", 1) in received["node"]
+    # With each rank's own resource: its pid (the agent's is another), the service it named.
+    node = [s for s in jobs["node"][2] if s.name.startswith("dcp.") and s.name != semconv.SPAN_PROCESS]
+    pids = {rank: {s.resource.get("process.pid") for s in node if s.attributes.get(semconv.ATTR_RANK) == rank}
+            for rank in (0, 1)}  # fmt: skip
+    said = {rank: {int(re.search(r"pid (\d+)", jobs["node"][1][rank]).group(1))} for rank in (0, 1)}  # type: ignore[union-attr]
+    assert pids == said and {s.resource.get("service.name") for s in node} == {"train"}
+    own = {mode: [re.search(r"own dcp spans (\d+)", jobs[mode][1][rank]).group(1) for rank in (0, 1)]  # type: ignore[union-attr]
+           for mode in ("process", "node")}  # fmt: skip
+    assert own["node"] == ["0", "0"] and all(int(n) > 0 for n in own["process"]), own
+    # Each span once.
+    ids = [(s.trace_id, s.span_id) for s in jobs["node"][2] if s.name.startswith("dcp.")]
+    assert len(ids) == len(set(ids))
+
+
+def test_under_torchrun_the_job_does_what_it_does_plain(jobs: dict[str, Any]) -> None:
+    plain_code, plain_said = jobs["plain"]
+    for mode in ("process", "node"):
+        code, said, _ = jobs[mode]
+        assert code == plain_code == 0
+        assert {rank: text.splitlines()[0] for rank, text in said.items()} == \
+            {rank: text.splitlines()[0] for rank, text in plain_said.items()}  # fmt: skip
