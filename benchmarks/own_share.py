@@ -40,10 +40,13 @@ Usage::
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --rounds 2 --steps 40    # a quick look
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --spans-elsewhere   # and the share left without spans
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --otlp --steps 400  # spans over OTLP/HTTP, on loopback
+    .venv/bin/python benchmarks/own_share.py --cases 10:64 --otlp --steps 400 --node --rounds 4  # and sent by the node
 
 A block's place in its process moves what it measures (with 10,000 tensors a round's waits moved by up to 7%
 either way, in either arm): the waits added are the mean over whole rotations (``--rounds`` a multiple of the
-arms: 3, or 4 with ``--spans-elsewhere``), and each round is printed with the blocks' places.
+arms: 3, one more with each of ``--spans-elsewhere`` and ``--node``), and each round is printed with the blocks'
+places. With ``--node``, this script's process is the node's exporter (a survivor, as torchelastic's agent runs):
+its CPU is on the same cores as the loop's, as the agent's would be, and not counted as the loop's own.
 
 What it leaves out: the CPU of torch's upload thread outside the steps (it converts the staged copy again, and
 dcp-otel reads its per-key records there too: its instructions are counted, ``on the upload thread``); the caller's
@@ -58,14 +61,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (tests.otlp_receiver, for --otlp)
 
 from ab import Results, median, noise, ratio, rounds_to_resolve, run_blocks  # noqa: E402
 from training_loop import STEP  # noqa: E402
+
+from dcp_otel import semconv  # noqa: E402
 
 if TYPE_CHECKING:
     from tests.otlp_receiver import OtlpReceiver
@@ -156,11 +162,13 @@ def others_cpu_ns():
                 pass
     return found
 def block(arm):
-    builder, instrumented = None, arm in "in"
+    builder, instrumented = None, arm in "inx"
     if instrumented:
         # "n": no spans (a tracer that records nothing): what the training process would keep if a process beside
-        # it built and exported the spans from its record (the design that would take them off the steps).
-        dcp_otel.instrument(tracer_provider=provider if arm == "i" else NoOpTracerProvider())
+        # it built and exported the spans from its record. "x": that design, span_export="node": the spans written
+        # into the record, sent by the benchmark's own process (its survivor, as torchelastic's agent's).
+        dcp_otel.instrument(tracer_provider=NoOpTracerProvider() if arm == "n" else provider,
+                            span_export="node" if arm == "x" else "process")
         builder = dcp_otel.DCPInstrumentor().recorder.builder
     gc.collect()  # (each block starts from the same heap)
     before, after, me = {}, {}, threading.current_thread()
@@ -297,7 +305,7 @@ def counted():
         dcp_otel.flush(timeout_s=60)
         dcp_otel.uninstrument()
     return found
-names = {"p": "plain", "q": "plain again", "i": "instrumented", "n": "spans elsewhere"}
+names = {"p": "plain", "q": "plain again", "i": "instrumented", "n": "spans elsewhere", "x": "node exports"}
 out = {names[c]: {**block(c), "place": place} for place, c in enumerate(order)}  # (its place: the heap before it)
 for arm in out.values():
     arm["hook_ns"] = 0.0
@@ -336,6 +344,19 @@ def places(results: Results, arm: str, values: list[float]) -> str:
     return ", ".join(f"{v:+.1%} ({a['place'] + 1} on {p['place'] + 1})" for v, a, p in pairs)
 
 
+def extra_arm(results: Results, arm: str, label: str, stray: float) -> None:
+    """The rows of an arm beside instrumented: ``spans elsewhere``, ``node exports``."""
+    for title, measure in (("own threads' CPU per checkpoint, ms", "own_ms"),
+                           ("  the builder by its own clock, ms", "builder_ms"),
+                           ("own threads share of the loop", "own_share"),
+                           ("the steps' waits per checkpoint, ms", "step_wait_ms")):  # fmt: skip
+        print(f"{label:<22}{'[' + arm + '] ' + title:<36}{median(results, arm, measure):>13.4f}")
+    added = added_share(results, arm)
+    print(f"{label:<22}{'[' + arm + '] waits added, of the loop':<36}{added:>13.4f}{'':>18}{stray:>8.4f}  <= 0.01 "
+          f"{'met' if added + stray <= 0.01 else 'not resolved' if added - stray <= 0.01 else 'MISSED'}")
+    print(f"{label:<22}{'  ' + arm + ', by round (places)':<36}  {places(results, arm, added_by_round(results, arm))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="10:64,100:256,10000:64", help="tensors:MiB,...")
@@ -351,6 +372,9 @@ def main() -> None:
     parser.add_argument("--spans-elsewhere", action="store_true",
                         help="a fourth arm: instrumented, its spans to a tracer that records nothing (the training "
                              "process's share if another process built the spans)")  # fmt: skip
+    parser.add_argument("--node", action="store_true",
+                        help="one more arm: instrumented with span_export='node', its spans sent by this process's "
+                             "survivor (as torchelastic's agent's) to the same exporter")  # fmt: skip
     args = parser.parse_args()
     if args.steps < 3 * args.every:  # (the first checkpoint is not counted; the last counted needs steps after it)
         parser.error(f"--steps must be at least 3 x --every ({3 * args.every})")
@@ -367,10 +391,40 @@ def main() -> None:
         cases(args, receiver)
 
 
+def node_exporter(spool_dir: str, receiver: OtlpReceiver | None) -> Any:
+    """This process as the node's exporter of its children's records in ``spool_dir`` (``span_export="node"``): a
+    survivor, as torchelastic's agent runs, sending to ``receiver`` (else to an exporter that discards)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    from dcp_otel.spool.delivery import Delivery
+    from dcp_otel.spool.survivor import Survivor
+
+    class Discard(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    if receiver is not None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter: SpanExporter = OTLPSpanExporter(endpoint=f"{receiver.endpoint}/v1/traces")
+    else:
+        exporter = Discard()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    survivor = Survivor(spool_dir, Delivery(lambda: provider, 10), None, live=True)
+    survivor.start()
+    return survivor
+
+
 def cases(args: argparse.Namespace, receiver: OtlpReceiver | None) -> None:
     """Every case of ``args.cases``, its rows printed; the spans to ``receiver`` if given, else discarded."""
-    codes = "pqin" if args.spans_elsewhere else "pqi"
+    codes = "pqi" + "n" * args.spans_elsewhere + "x" * args.node
     exporter, env = ("otlp", {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}) if receiver else ("discard", {})
+    node = None
+    if args.node:  # (every arm's records in a spool of the run's own: the node's exporter looks at it every second)
+        env[semconv.ENV_SPOOL_DIR] = tempfile.mkdtemp(prefix="dcp-otel-bench-spool-")
+        node = node_exporter(env[semconv.ENV_SPOOL_DIR], receiver)
     for case in args.cases.split(","):
         tensors, mb = (int(x) for x in case.split(":"))
         common = [str(tensors), str(mb), str(args.steps), str(args.every), str(args.reps), str(args.dim)]
@@ -442,14 +496,11 @@ def cases(args: argparse.Namespace, receiver: OtlpReceiver | None) -> None:
               f"{'met' if added + stray <= 0.01 else 'not resolved' if added - stray <= 0.01 else 'MISSED'} ({how})")
         for arm in ("instrumented", "plain again"):
             print(f"{label:<22}{'  ' + arm + ', by round (places)':<36}  {places(results, arm, added_by_round(results, arm))}")
-        if args.spans_elsewhere:
-            for title, measure in (("own threads' CPU per checkpoint, ms", "own_ms"),
-                                   ("  the builder by its own clock, ms", "builder_ms"),
-                                   ("own threads share of the loop", "own_share"),
-                                   ("the steps' waits per checkpoint, ms", "step_wait_ms")):  # fmt: skip
-                print(f"{label:<22}{'[spans elsewhere] ' + title:<36}{median(results, 'spans elsewhere', measure):>13.4f}")
-            print(f"{label:<22}{'[spans elsewhere] waits added, of the loop':<36}"
-                  f"{added_share(results, 'spans elsewhere'):>13.4f}")
+        for arm in ("node exports",) * args.node + ("spans elsewhere",) * args.spans_elsewhere:
+            extra_arm(results, arm, label, stray)
+        if node is not None:  # (sent as they came, or, what a block's end left, once its process was gone)
+            node.wait_idle(10, final=True)
+            print(f"{label:<22}{'[node exports] spans the node sent':<36}{node.node.sent + node.spans_sent:>13}")
         print(f"{label:<22}{'optimizer hook per step, ns':<36}{median(results, 'instrumented', 'hook_ns'):>13.0f}")
         if receiver is not None:
             print(f"{label:<22}{'spans the OTLP receiver decoded':<36}{len(receiver.spans) - received:>13}")

@@ -245,7 +245,7 @@ def test_the_ab_harness_compares_arms_round_by_round_and_says_the_rounds_noise_n
 
 def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_collector() -> None:
     done = subprocess.run([sys.executable, "benchmarks/own_share.py", "--cases", "10:8", "--rounds", "1", "--steps", "40",
-                           "--reps", "2", "--spans-elsewhere", "--otlp"], cwd=REPO, capture_output=True, text=True,
+                           "--reps", "2", "--spans-elsewhere", "--otlp", "--node"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
@@ -281,6 +281,11 @@ def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_c
     assert re.search(r"plain again, by round \(places\) +[-+][\d.]+% \(2 on 1\)$", out, re.M), out
     elsewhere = re.search(r"\[spans elsewhere\]   the builder by its own clock, ms +([\d.]+)", out)
     assert elsewhere is not None and float(elsewhere.group(1)) > 0, out  # (metrics and interference still built)
+    # span_export="node": the benchmark's own process sends that arm's spans (as torchelastic's agent would), the arm's
+    # process runs no confirming thread.
+    node = re.search(r"\[node exports\] spans the node sent +(\d+)", out)
+    assert node is not None and int(node.group(1)) > 0, out
+    assert re.search(r"\[node exports\] waits added, of the loop +-?[\d.]+ +[\d.]+ +<= 0.01", out), out
     hook = re.search(r"optimizer hook per step, ns +(-?\d+)", out)
     assert hook is not None and abs(int(hook.group(1))) < 100_000, out
     for shape in ("flat", "nested"):  # counted: the instrumented arm runs more of them than plain, never fewer
