@@ -237,3 +237,33 @@ def test_under_torchrun_the_job_does_what_it_does_plain(jobs: dict[str, Any]) ->
         assert code == plain_code == 0
         assert {rank: text.splitlines()[0] for rank, text in said.items()} == \
             {rank: text.splitlines()[0] for rank, text in plain_said.items()}  # fmt: skip
+
+
+def test_spans_an_earlier_instrumentation_left_unsent_are_sent_with_the_next_ones_each_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``uninstrument()`` leaves the lines the node has not sent in the record; instrumented again, the process makes
+    its record again in the same directory: the lines are kept, numbered on, and the node sends them all, once."""
+    instrumented("node", monkeypatch)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-1"))
+    assert dcp_otel.flush(30)
+    record = own_record()
+    dcp_otel.uninstrument()
+    instrumented("node", monkeypatch)
+    try:
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-2"))
+        assert dcp_otel.flush(30)
+        assert own_record() == record
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        node = NodeExport(Delivery(lambda: provider, 10))
+        assert node.send(record.name, str(record), (0, 0), JOB) > 0
+        saves = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in exporter.get_finished_spans()
+                        if s.name == "dcp.save")  # fmt: skip
+        assert saves == {"step-1": 1, "step-2": 1}
+        # The process drops them all at its next line, which is numbered after them.
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-3"))
+        assert dcp_otel.flush(30)
+        assert [json.loads(line)[0] for line in (record / layout.SPANS_FILE).read_text().splitlines()] == [3]
+    finally:
+        dcp_otel.uninstrument()

@@ -85,9 +85,9 @@ def decode_sent_lines(text: str, exported_through: int, resource: Resource) -> t
     lines = text.split("\n")[:-1]  # (what follows the last newline is not whole yet)
     for line in lines:
         try:
-            seq, scope, items = json.loads(line)
-            if int(seq) <= exported_through:
+            if int(line[1 : line.index(",")]) <= exported_through:  # (sent: read no further, every look)
                 continue
+            seq, scope, items = json.loads(line)
             found = InstrumentationScope(str(scope[0]), str(scope[1]) if scope[1] else None)
             decoded = [decode(item, resource, found) for item in items]
         except (ValueError, TypeError, KeyError, IndexError):

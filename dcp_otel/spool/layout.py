@@ -52,6 +52,7 @@ HEADER_SIZE: Final = 4096
 #: magic, version, created_ns, heartbeat_ns, recovery_end_ns, training_step (-1: none), exported_through,
 #: process span id, flags, exited_ns
 HEADER: Final = struct.Struct("<8sQqqqqQQQq")
+OFF_CREATED: Final = 16
 OFF_HEARTBEAT: Final = 24
 OFF_RECOVERY: Final = 32
 OFF_STEP: Final = 40

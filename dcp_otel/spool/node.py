@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import os
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -50,7 +51,7 @@ class NodeExport:
         self._deliver = deliver
         self._can_deliver = can_deliver
         # A live record, read once (its identity never changes): whether its spans are ours to send, and its resource.
-        self._records: dict[str, tuple[bool, Any]] = {}
+        self._records: dict[str, tuple[bool, Any, int]] = {}  # (and the record's making time, from its header)
         self._retry_at: dict[str, float] = {}
         self.sent = 0  # spans sent
 
@@ -59,9 +60,10 @@ class NodeExport:
         self._records = {name: facts for name, facts in self._records.items() if name in listed}
         self._retry_at = {name: at for name, at in self._retry_at.items() if name in listed}
 
-    def _facts(self, name: str, path: str, me: tuple[int, int | None], job: str | None) -> tuple[bool, Any] | None:
+    def _facts(self, name: str, path: str, me: tuple[int, int | None], job: str | None,
+               created: int) -> tuple[bool, Any] | None:  # fmt: skip
         facts = self._records.get(name)
-        if facts is None:
+        if facts is None or facts[2] != created:  # (made again by a new instrumentation of the process: read again)
             try:
                 record = read_record(path)
             except RecordError:
@@ -69,26 +71,28 @@ class NodeExport:
             identity = record.identity
             child = identity.get("ppid") == me[0] and identity.get("parent_start") == me[1]
             ours = identity.get("span_export") == SPAN_EXPORT_NODE and (child or (bool(job) and identity.get("job") == job))
-            facts = self._records[name] = (ours, record.resource if ours else None)
-        return facts
+            facts = self._records[name] = (ours, record.resource if ours else None, created)
+        return facts[:2]
 
     def send(self, name: str, path: str, me: tuple[int, int | None], job: str | None) -> int:
         """Send what the live process of record ``path`` left to the node since the last look (``me``: this
         process's pid and start ticks, whose children's records are ours; ``job``: our run id); the spans sent.
         Never raises."""
         try:
-            facts = self._facts(name, path, me, job)
-            if facts is None or not facts[0] or time.monotonic() < self._retry_at.get(name, 0.0):
-                return 0
             try:
+                with open(os.path.join(path, layout.RECORD_FILE), "rb") as rec:
+                    head = os.pread(rec.fileno(), layout.OFF_EXPORTED + 8, 0)
+                (created,) = layout.I64.unpack_from(head, layout.OFF_CREATED)
+                (mark,) = layout.U64.unpack_from(head, layout.OFF_EXPORTED)
+                facts = self._facts(name, path, me, job, created)
+                if facts is None or not facts[0] or time.monotonic() < self._retry_at.get(name, 0.0):
+                    return 0
                 with open(os.path.join(path, layout.SPANS_FILE), encoding="utf-8") as src:
                     text = src.read()
                 if not text:
                     return 0
-                with open(os.path.join(path, layout.RECORD_FILE), "rb") as rec:
-                    mark = layout.U64.unpack(os.pread(rec.fileno(), layout.U64.size, layout.OFF_EXPORTED))[0]
-            except OSError:
-                return 0  # (gone meanwhile: a death, reported as one)
+            except (OSError, struct.error):
+                return 0  # (gone meanwhile: a death, reported as one; or a record being made)
             spans, through = decode_sent_lines(text, mark, facts[1])
             if not spans or not self._can_deliver():
                 return 0

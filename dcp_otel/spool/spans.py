@@ -99,6 +99,8 @@ class SpanSpool:
             return
         try:
             with self._lock:
+                if self._seq == 0:
+                    self._adopt(os.path.join(directory, layout.SPANS_FILE))
                 if self.node:
                     self._take_mark(directory)
                 seq = self._seq + 1
@@ -117,6 +119,30 @@ class SpanSpool:
         except Exception as exc:  # noqa: BLE001 - the builder goes on
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not keep a checkpoint's spans in its record", exc_info=True)
+
+    def _adopt(self, path: str) -> None:
+        """(under the lock, at the first add) Lines an earlier instrumentation of this process left unsent (its record
+        stayed, marked exited; the record made again has the same directory): kept, numbered on from them. (The
+        node sends them, the record's mark being 0 again; in this process's own mode, its next confirmed flush
+        counts them with its own: they were given to its provider's exporters when they were built.)"""
+        try:
+            with open(path, "rb") as kept:
+                data = kept.read()
+        except OSError:
+            return
+        whole = data[: data.rfind(b"\n") + 1]  # (a line cut short by a death in the middle of its write: dropped)
+        ends, end = [], 0
+        for line in whole.splitlines(keepends=True):
+            end += len(line)
+            try:
+                ends.append((int(line[1 : line.index(b",")]), end))
+            except ValueError:
+                continue
+        if len(whole) != len(data):
+            with open(path, "r+b") as kept:
+                kept.truncate(len(whole))
+        if ends:
+            self._ends, self._seq = ends, max(seq for seq, _ in ends)
 
     def _take_mark(self, directory: str) -> None:
         """(node, under the lock) Drop the lines the node's exporter has sent; say once if it sends nothing."""
