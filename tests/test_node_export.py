@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -36,6 +37,7 @@ from dcp_otel.spool import layout
 from dcp_otel.spool.delivery import Delivery
 from dcp_otel.spool.node import NodeExport
 from dcp_otel.spool.reader import read_record
+from dcp_otel.spool.survivor import Survivor
 from tests.otlp_receiver import OtlpReceiver
 from tests.ranks import WORKERS, rank_env
 
@@ -88,11 +90,25 @@ def shape(spans: list[ReadableSpan], root: Path) -> list[tuple[Any, ...]]:
                   for s in spans if s.name.startswith("dcp."))  # fmt: skip
 
 
-def instrumented(mode: str, monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
-    monkeypatch.setenv(semconv.ENV_RUN_ID, JOB)
+def in_memory() -> tuple[TracerProvider, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def parent_announced() -> Path:
+    """This process's parent announced in the spool as a survivor's process is (an agent's: it sends nothing here)."""
+    ppid = os.getppid()
+    spool = Path(os.environ[semconv.ENV_SPOOL_DIR])
+    announced = spool / f"{layout.directory_name(layout.host_name(), ppid, layout.start_ticks(ppid) or 0)}.{layout.SURVIVOR}"
+    announced.touch()
+    return announced
+
+
+def instrumented(mode: str, monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
+    monkeypatch.setenv(semconv.ENV_RUN_ID, JOB)
+    provider, exporter = in_memory()
     _selftelemetry.reset()
     dcp_otel.instrument(tracer_provider=provider, registry=CollectorRegistry(), span_export=mode)
     return exporter
@@ -101,6 +117,12 @@ def instrumented(mode: str, monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExpo
 def own_resource() -> Any:
     """The resource of the process's own provider."""
     return DCPInstrumentor().recorder.provider().resource
+
+
+def saved(tmp_path: Path, name: str) -> None:
+    """One save, its spans built (into the record, in node mode)."""
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / name))
+    assert dcp_otel.flush(30)
 
 
 def own_record() -> Path:
@@ -123,13 +145,13 @@ def test_the_node_sends_the_spans_the_process_would_have_sent_once_and_the_proce
     try:
         checkpoints(tmp_path / "node")
         assert not [s for s in exporter.get_finished_spans() if s.name.startswith("dcp.")]  # not one of its own
-        node_exporter = InMemorySpanExporter()
-        node_provider = TracerProvider()
-        node_provider.add_span_processor(SimpleSpanProcessor(node_exporter))
+        node_provider, node_exporter = in_memory()
         node = NodeExport(Delivery(lambda: node_provider, 10))
         record = own_record()
         me = (os.getppid(), None)  # (not this process's parent: the record is the node's by its job)
         assert node.send(record.name, str(record), me, "another-job") == 0  # another job's: not ours
+        # Of this job, but its parent runs a survivor (another agent of the job on this host): that one's to send.
+        assert node.send(record.name, str(record), me, JOB, parents={os.getppid()}) == 0
         sent = NodeExport(Delivery(lambda: node_provider, 10)).send(record.name, str(record), me, JOB)
         assert sent == len(node_exporter.get_finished_spans()) > 0
         assert NodeExport(Delivery(lambda: node_provider, 10)).send(record.name, str(record), me, JOB) == 0  # once
@@ -140,10 +162,27 @@ def test_the_node_sends_the_spans_the_process_would_have_sent_once_and_the_proce
         own = {**own_resource().attributes, "process.pid": os.getpid()}
         assert resources == {json.dumps(own, sort_keys=True)}
         # The process drops what the node sent as it keeps the next checkpoint's spans.
-        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "node" / "step-4"))
-        assert dcp_otel.flush(30)
+        saved(tmp_path / "node", "step-4")
         lines = (record / layout.SPANS_FILE).read_text().splitlines()
         assert [json.loads(line)[0] for line in lines] == [read_record(str(record)).exported_through + 1]
+    finally:
+        dcp_otel.uninstrument()
+
+
+def test_an_agents_survivor_sends_its_jobs_live_records_unless_another_survivor_is_their_parent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Two agents of one job on a host (``--nnodes 2`` on one machine): each sends its own workers' spans only."""
+    instrumented("node", monkeypatch)
+    try:
+        saved(tmp_path, "step-1")
+        other = parent_announced()  # (this process's parent: the other agent)
+        provider, exporter = in_memory()
+        agent = Survivor(os.environ[semconv.ENV_SPOOL_DIR], Delivery(lambda: provider, 10), JOB, live=True)
+        agent.scan()
+        assert agent.node is not None and agent.node.sent == 0 and not exporter.get_finished_spans()
+        other.unlink()  # its parent runs no survivor: the job's agent sends it
+        agent.scan()
+        assert agent.node.sent > 0 and len(exporter.get_finished_spans()) == agent.node.sent
     finally:
         dcp_otel.uninstrument()
 
@@ -151,28 +190,54 @@ def test_the_node_sends_the_spans_the_process_would_have_sent_once_and_the_proce
 def test_what_the_node_has_not_sent_at_the_end_stays_in_the_record_for_it(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     instrumented("node", monkeypatch)
-    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-1"))
-    assert dcp_otel.flush(30)
+    saved(tmp_path, "step-1")
     record = own_record()
     dcp_otel.uninstrument()
     left = read_record(str(record))
     assert left.exited and {s.name for s in left.unexported()} >= {"dcp.save", "dcp.checkpoint", "dcp.write_data"}
 
 
-def test_a_process_whose_spans_nobody_sends_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_no_agent_of_ours_started_says_at_its_first_checkpoint_that_its_spans_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     instrumented("node", monkeypatch)
     try:
-        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-1"))
-        assert dcp_otel.flush(30)
-        spool = DCPInstrumentor().spool
-        assert spool is not None and spool.keep.node
+        saved(tmp_path, "step-1")
+        assert dcp_otel.diagnostics().get("spool_spans_unsent") == 1  # (this test's parent runs no survivor)
+        saved(tmp_path, "step-2")
+        assert dcp_otel.diagnostics().get("spool_spans_unsent") == 1  # said once
+    finally:
+        dcp_otel.uninstrument()
+
+
+def test_a_process_whose_agent_sends_nothing_for_30_s_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parent_announced()  # (an agent that sends nothing)
+    instrumented("node", monkeypatch)
+    try:
+        saved(tmp_path, "step-1")
+        spool_of = DCPInstrumentor().spool
+        assert spool_of is not None and spool_of.keep.node
         assert "spool_spans_unsent" not in dcp_otel.diagnostics()
-        spool.keep._waiting_since -= 31  # as if 31 s had passed with nothing sent
-        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-2"))
-        assert dcp_otel.flush(30)
+        spool_of.keep._waiting_since -= 31  # as if 31 s had passed with nothing sent
+        saved(tmp_path, "step-2")
         assert dcp_otel.diagnostics().get("spool_spans_unsent") == 1
     finally:
         dcp_otel.uninstrument()
+
+
+def test_a_process_whose_record_cannot_be_made_exports_its_spans_itself(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    exporter = instrumented("node", monkeypatch)
+    spool = Path(os.environ[semconv.ENV_SPOOL_DIR])
+    try:
+        shutil.rmtree(spool)
+        spool.write_text("")  # the spool, unusable from now on: the record is made at the first checkpoint
+        saved(tmp_path, "step-1")
+        assert {"dcp.save", "dcp.checkpoint", "dcp.write_data"} <= {s.name for s in exporter.get_finished_spans()}
+        assert dcp_otel.diagnostics().get("spool_error", 0) >= 1
+    finally:
+        dcp_otel.uninstrument()
+        spool.unlink()
+        spool.mkdir()
 
 
 def test_a_bad_span_export_is_refused_at_configuration() -> None:
@@ -244,26 +309,21 @@ def test_spans_an_earlier_instrumentation_left_unsent_are_sent_with_the_next_one
     """``uninstrument()`` leaves the lines the node has not sent in the record; instrumented again, the process makes
     its record again in the same directory: the lines are kept, numbered on, and the node sends them all, once."""
     instrumented("node", monkeypatch)
-    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-1"))
-    assert dcp_otel.flush(30)
+    saved(tmp_path, "step-1")
     record = own_record()
     dcp_otel.uninstrument()
     instrumented("node", monkeypatch)
     try:
-        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-2"))
-        assert dcp_otel.flush(30)
+        saved(tmp_path, "step-2")
         assert own_record() == record
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        provider, exporter = in_memory()
         node = NodeExport(Delivery(lambda: provider, 10))
         assert node.send(record.name, str(record), (0, 0), JOB) > 0
         saves = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in exporter.get_finished_spans()
                         if s.name == "dcp.save")  # fmt: skip
         assert saves == {"step-1": 1, "step-2": 1}
         # The process drops them all at its next line, which is numbered after them.
-        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-3"))
-        assert dcp_otel.flush(30)
+        saved(tmp_path, "step-3")
         assert [json.loads(line)[0] for line in (record / layout.SPANS_FILE).read_text().splitlines()] == [3]
     finally:
         dcp_otel.uninstrument()

@@ -4,8 +4,9 @@ A process instrumented with ``span_export="node"`` builds no SDK span: it writes
 each checkpoint's spans into its record's ``spans.jsonl`` (:mod:`dcp_otel.spool.spans`)
 and exports nothing. The survivor of torchelastic's agent (``dcp-otel-run``, or
 ``torchrun`` under ``opentelemetry-instrument``) looks at the spool every second
-(:mod:`dcp_otel.spool.survivor`) and, for each live record of its own children
-or of its job that says ``span_export: node``, sends the lines past the record's
+(:mod:`dcp_otel.spool.survivor`) and, for each live record that says
+``span_export: node`` of its own children, or of its job where the record's parent
+runs no survivor (two agents of one job on a host: each sends its own workers'), sends the lines past the record's
 ``exported_through`` through the agent's exporters (:mod:`dcp_otel.spool.delivery`,
 with the rank's own resource) and moves that mark in the record's file. The rank
 reads the mark through its mapping and drops the lines it covers as it adds more.
@@ -27,8 +28,8 @@ from __future__ import annotations
 import os
 import struct
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Final, NamedTuple
 
 from opentelemetry.sdk.trace import ReadableSpan
 
@@ -43,6 +44,17 @@ from dcp_otel.spool.reader import RecordError, read_record
 RETRY_S: Final = 30.0
 
 
+class _Facts(NamedTuple):
+    """A live record's identity, read once (it changes only when the record is made again: ``created``)."""
+
+    node: bool  # it leaves its spans to the node
+    ppid: object
+    parent_start: object
+    job: object
+    resource: Any
+    created: int
+
+
 class NodeExport:
     """Sends the spans of the live processes that leave them to the node (see the module)."""
 
@@ -51,7 +63,7 @@ class NodeExport:
         self._deliver = deliver
         self._can_deliver = can_deliver
         # A live record, read once (its identity never changes): whether its spans are ours to send, and its resource.
-        self._records: dict[str, tuple[bool, Any, int]] = {}  # (and the record's making time, from its header)
+        self._records: dict[str, _Facts] = {}
         self._retry_at: dict[str, float] = {}
         self.sent = 0  # spans sent
 
@@ -60,32 +72,43 @@ class NodeExport:
         self._records = {name: facts for name, facts in self._records.items() if name in listed}
         self._retry_at = {name: at for name, at in self._retry_at.items() if name in listed}
 
-    def _facts(self, name: str, path: str, me: tuple[int, int | None], job: str | None,
-               created: int) -> tuple[bool, Any] | None:  # fmt: skip
+    def _facts(self, name: str, path: str, created: int) -> _Facts | None:
         facts = self._records.get(name)
-        if facts is None or facts[2] != created:  # (made again by a new instrumentation of the process: read again)
+        if facts is None or facts.created != created:  # (made again by a new instrumentation of the process: read again)
             try:
                 record = read_record(path)
             except RecordError:
                 return None  # (a record being made: read again next look)
             identity = record.identity
-            child = identity.get("ppid") == me[0] and identity.get("parent_start") == me[1]
-            ours = identity.get("span_export") == SPAN_EXPORT_NODE and (child or (bool(job) and identity.get("job") == job))
-            facts = self._records[name] = (ours, record.resource if ours else None, created)
-        return facts[:2]
+            node = identity.get("span_export") == SPAN_EXPORT_NODE
+            facts = self._records[name] = _Facts(node, identity.get("ppid"), identity.get("parent_start"),
+                                                 identity.get("job"), record.resource if node else None, created)  # fmt: skip
+        return facts
 
-    def send(self, name: str, path: str, me: tuple[int, int | None], job: str | None) -> int:
+    @staticmethod
+    def ours(facts: _Facts, me: tuple[int, int | None], job: str | None, parents: Collection[int]) -> bool:
+        """Whether this survivor sends the record's spans: a node record of its own child, or of its job whose parent
+        runs no survivor (two agents of one job on a host: each sends its own workers')."""
+        if not facts.node:
+            return False
+        if facts.ppid == me[0] and facts.parent_start == me[1]:
+            return True
+        return bool(job) and facts.job == job and facts.ppid not in parents
+
+    def send(self, name: str, path: str, me: tuple[int, int | None], job: str | None,
+             parents: Collection[int] = ()) -> int:  # fmt: skip
         """Send what the live process of record ``path`` left to the node since the last look (``me``: this
-        process's pid and start ticks, whose children's records are ours; ``job``: our run id); the spans sent.
-        Never raises."""
+        process's pid and start ticks, whose children's records are ours; ``job``: our run id; ``parents``: the pids
+        of the other survivors on this host, whose children's records are theirs); the spans sent. Never raises."""
         try:
             try:
                 with open(os.path.join(path, layout.RECORD_FILE), "rb") as rec:
                     head = os.pread(rec.fileno(), layout.OFF_EXPORTED + 8, 0)
                 (created,) = layout.I64.unpack_from(head, layout.OFF_CREATED)
                 (mark,) = layout.U64.unpack_from(head, layout.OFF_EXPORTED)
-                facts = self._facts(name, path, me, job, created)
-                if facts is None or not facts[0] or time.monotonic() < self._retry_at.get(name, 0.0):
+                facts = self._facts(name, path, created)
+                if facts is None or not self.ours(facts, me, job, parents) or \
+                        time.monotonic() < self._retry_at.get(name, 0.0):  # fmt: skip
                     return 0
                 with open(os.path.join(path, layout.SPANS_FILE), encoding="utf-8") as src:
                     text = src.read()
@@ -93,7 +116,7 @@ class NodeExport:
                     return 0
             except (OSError, struct.error):
                 return 0  # (gone meanwhile: a death, reported as one; or a record being made)
-            spans, through = decode_sent_lines(text, mark, facts[1])
+            spans, through = decode_sent_lines(text, mark, facts.resource)
             if not spans or not self._can_deliver():
                 return 0
             if not self._deliver(spans):

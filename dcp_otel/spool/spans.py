@@ -96,11 +96,18 @@ class SpanSpool:
         never raises."""
         directory = self._record.directory
         if not items or directory is None:
+            if items and self.node:  # (the builder gave these to this process's exporters: span_export=node falls back)
+                report("spool_error", "dcp_otel: span_export=node, but this process has no record: it exports its "
+                       "checkpoint spans itself")  # fmt: skip
             return
         try:
             with self._lock:
                 if self._seq == 0:
                     self._adopt(os.path.join(directory, layout.SPANS_FILE))
+                    if self.node and not _parent_sends(self._record.spool_dir):
+                        report("spool_spans_unsent", "dcp_otel: span_export=node, but no agent of dcp-otel's started "
+                               "this process (dcp-otel-run, or torchrun under opentelemetry-instrument): its "
+                               "checkpoint spans wait in %s, for dcp-otel report", directory)  # fmt: skip
                 if self.node:
                     self._take_mark(directory)
                 seq = self._seq + 1
@@ -154,9 +161,9 @@ class SpanSpool:
         if not self._ends:
             self._waiting_since = now
         elif now - self._waiting_since > UNSENT_WARN_S:
-            report("spool_spans_unsent", "dcp_otel: no exporter of the node has sent this process's spans for %.0f s "
-                   "(span_export=node needs torchelastic's agent under dcp-otel-run or opentelemetry-instrument); "
-                   "they wait in %s", UNSENT_WARN_S, directory)  # fmt: skip
+            report("spool_spans_unsent", "dcp_otel: the node has sent none of this process's spans for %.0f s (its agent "
+                   "cannot reach its exporter, or is not dcp-otel's: span_export=node needs dcp-otel-run, or torchrun "
+                   "under opentelemetry-instrument); they wait in %s", UNSENT_WARN_S, directory)  # fmt: skip
             self._waiting_since = now
 
     @property
@@ -301,6 +308,13 @@ class SpanSpool:
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not confirm a record's exported spans", exc_info=True)
             return False
+
+
+def _parent_sends(spool_dir: str) -> bool:
+    """Whether this process's parent runs a survivor (it says so in the spool): the node's exporter, for its children."""
+    ppid = os.getppid()
+    name = f"{layout.directory_name(layout.host_name(), ppid, layout.start_ticks(ppid) or 0)}.{layout.SURVIVOR}"
+    return os.path.exists(os.path.join(spool_dir, name))
 
 
 #: How long a starting confirming thread's helper has to start it before it counts as failed (and is replaced).

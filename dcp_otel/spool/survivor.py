@@ -311,7 +311,7 @@ class Survivor:
                     continue  # its claimer is at it
             elif name not in self._dead and layout.alive(parsed.pid, parsed.start):  # (seen dead: dead for good)
                 if self.node is not None and not parsed.state:
-                    self.node.send(name, path, (me, self._my_start), self.job)
+                    self.node.send(name, path, (me, self._my_start), self.job, parents)
                 continue
             death = self._death_if_ours(parsed, path, me, now_ns, parents)
             if death is not None and self._report(parsed, path, death):

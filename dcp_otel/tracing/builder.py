@@ -423,7 +423,7 @@ class SpanBuilder(StepMeasures):
                 if straggler:
                     call.extra = {**(call.extra or {}), **straggler}
         keep = self.keep
-        direct = self.direct and keep is not None
+        direct = self.direct and keep is not None and getattr(self.record, "directory", None) is not None  # (else: sent here)
         emit = DirectEmitter(op, []) if direct else Emitter(op, self._twin(op.tracer), [] if keep is not None else None)
         if op.root_span_id and not late:
             emit.root(straggler)
