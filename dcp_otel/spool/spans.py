@@ -17,9 +17,9 @@ Where the node exports the spans (``node=True``: ``span_export="node"``), this
 process exports none: a survivor of the node that is no training process
 (torchelastic's agent under ``dcp-otel-run`` or ``opentelemetry-instrument``)
 sends the lines as they come and moves ``exported_through`` itself; this
-process drops the lines through that mark as it adds more, and says once
-(``spool_spans_unsent``) when no such survivor has moved it for
-:data:`UNSENT_WARN_S`.
+process drops the lines through that mark as it adds more. It says so
+(``spool_spans_unsent``) at its first checkpoint where its parent runs no
+survivor, and each :data:`UNSENT_WARN_S` the mark stays put while lines wait.
 
 Usage::
 
