@@ -101,7 +101,7 @@ def parent_announced() -> Path:
     """This process's parent announced in the spool as a survivor's process is (an agent's: it sends nothing here)."""
     ppid = os.getppid()
     spool = Path(os.environ[semconv.ENV_SPOOL_DIR])
-    announced = spool / f"{layout.directory_name(layout.host_name(), ppid, layout.start_ticks(ppid) or 0)}.{layout.SURVIVOR}"
+    announced = spool / layout.survivor_name(ppid)
     announced.touch()
     return announced
 

@@ -9,13 +9,14 @@ exporter confirmed (:mod:`dcp_otel.spool.spans`).
 
 Usage::
 
-    item = encode(span)
+    item = encode(span)          # or encode_parts(name, trace_id, span_id, ...) where no SDK span was made
     spans = decode_lines(text, exported_through, resource)
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -24,20 +25,27 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 
-def encode(span: ReadableSpan) -> list[Any]:
-    """The compact JSON form of one finished span (what :func:`decode` reads back)."""
-    ctx = span.context
-    parent = span.parent
-    status = span.status
+def encode_parts(name: str, trace_id: int, span_id: int, flags: int, parent: SpanContext | None, start_ns: int | None,
+         end_ns: int | None, kind: SpanKind, status: StatusCode, description: str | None, attributes: Mapping[str, Any],
+         events: list[list[Any]], links: Sequence[Link]) -> list[Any]:  # fmt: skip
+    """The compact JSON form of one finished span, from its parts (``events``: ``[name, time, attributes]`` each): the
+    one place the form is written, for an SDK span (:func:`encode`) and for one built with no SDK span."""
     return [
-        span.name, ctx.trace_id, ctx.span_id, parent.span_id if parent is not None else 0,
-        int(ctx.trace_flags), span.start_time, span.end_time, span.kind.value, status.status_code.value,
-        status.description, dict(span.attributes or {}),
-        [[e.name, e.timestamp, dict(e.attributes or {})] for e in span.events],
+        name, trace_id, span_id, parent.span_id if parent is not None else 0, flags, start_ns, end_ns, kind.value,
+        status.value, description, attributes, events,
         [[link.context.trace_id, link.context.span_id, int(link.context.trace_flags), dict(link.attributes or {})]
-         for link in span.links],
+         for link in links],
         bool(parent.is_remote) if parent is not None else False,
     ]  # fmt: skip
+
+
+def encode(span: ReadableSpan) -> list[Any]:
+    """The compact JSON form of one finished span (what :func:`decode` reads back)."""
+    status = span.status
+    ctx = span.context
+    return encode_parts(span.name, ctx.trace_id, ctx.span_id, int(ctx.trace_flags), span.parent, span.start_time,
+                span.end_time, span.kind, status.status_code, status.description, dict(span.attributes or {}),
+                [[e.name, e.timestamp, dict(e.attributes or {})] for e in span.events], span.links)  # fmt: skip
 
 
 def _attributes(value: object) -> dict[str, Any]:
@@ -62,35 +70,31 @@ def decode(item: list[Any], resource: Resource, scope: InstrumentationScope) -> 
 
 
 def decode_lines(text: str, exported_through: int, resource: Resource, damaged: list[str] | None = None) -> list[ReadableSpan]:
-    """The spans of ``spans.jsonl`` after the mark ``exported_through``; a line cut by the death is skipped."""
-    spans: list[ReadableSpan] = []
-    for line in text.splitlines():
-        try:
-            seq, scope, items = json.loads(line)
-            if int(seq) <= exported_through:
-                continue
-            found = InstrumentationScope(str(scope[0]), str(scope[1]) if scope[1] else None)
-            spans.extend(decode(item, resource, found) for item in items)
-        except (ValueError, TypeError, KeyError, IndexError):
-            if damaged is not None:
-                damaged.append(line[:80])
-    return spans
+    """The spans of a dead process's ``spans.jsonl`` after the mark ``exported_through``; a line cut by the death is
+    skipped (and added to ``damaged``)."""
+    return _decode(text.splitlines(), exported_through, resource, damaged)[0]
 
 
 def decode_sent_lines(text: str, exported_through: int, resource: Resource) -> tuple[list[ReadableSpan], int]:
     """The spans of a live process's ``spans.jsonl`` after the mark, and the last line's number they reach. A last
     line with no newline yet is the one its process is writing now: read next time; a damaged whole line is skipped."""
+    return _decode(text.split("\n")[:-1], exported_through, resource, None)  # (after the last newline: not whole yet)
+
+
+def _decode(lines: list[str], exported_through: int, resource: Resource,
+            damaged: list[str] | None) -> tuple[list[ReadableSpan], int]:  # fmt: skip
     spans: list[ReadableSpan] = []
     through = exported_through
-    lines = text.split("\n")[:-1]  # (what follows the last newline is not whole yet)
     for line in lines:
         try:
-            if int(line[1 : line.index(",")]) <= exported_through:  # (sent: read no further, every look)
+            if int(line[1 : line.index(",")]) <= exported_through:  # (a line is "[seq, ...": sent, read no further)
                 continue
             seq, scope, items = json.loads(line)
             found = InstrumentationScope(str(scope[0]), str(scope[1]) if scope[1] else None)
-            decoded = [decode(item, resource, found) for item in items]
+            decoded = [decode(one, resource, found) for one in items]
         except (ValueError, TypeError, KeyError, IndexError):
+            if damaged is not None:
+                damaged.append(line[:80])
             continue
         spans.extend(decoded)
         through = max(through, int(seq))

@@ -141,6 +141,11 @@ def directory_name(host: str, pid: int, start: int) -> str:
     return f"{host}.{pid}.{start}"
 
 
+def survivor_name(pid: int) -> str:
+    """The file by which process ``pid`` of this host says it runs a survivor (``<host>.<pid>.<start>.survivor``)."""
+    return f"{directory_name(host_name(), pid, start_ticks(pid) or 0)}.{SURVIVOR}"
+
+
 @functools.lru_cache(maxsize=4096)  # (a survivor parses the spool's names every second: the same names)
 def parse_name(name: str) -> RecordName | None:
     found = _NAME.match(name)

@@ -312,9 +312,7 @@ class SpanSpool:
 
 def _parent_sends(spool_dir: str) -> bool:
     """Whether this process's parent runs a survivor (it says so in the spool): the node's exporter, for its children."""
-    ppid = os.getppid()
-    name = f"{layout.directory_name(layout.host_name(), ppid, layout.start_ticks(ppid) or 0)}.{layout.SURVIVOR}"
-    return os.path.exists(os.path.join(spool_dir, name))
+    return os.path.exists(os.path.join(spool_dir, layout.survivor_name(os.getppid())))
 
 
 #: How long a starting confirming thread's helper has to start it before it counts as failed (and is replaced).

@@ -168,9 +168,7 @@ class Survivor:
 
     def _announce(self, here: bool) -> None:
         """Say (or stop saying) in the spool that this survivor runs: its children's deaths are its to report."""
-        start = layout.start_ticks(os.getpid()) or 0
-        path = os.path.join(self.spool_dir, f"{layout.directory_name(layout.host_name(), os.getpid(), start)}."
-                                            f"{layout.SURVIVOR}")  # fmt: skip
+        path = os.path.join(self.spool_dir, layout.survivor_name(os.getpid()))
         try:
             if here:
                 with open(path, "w", encoding="utf-8"):

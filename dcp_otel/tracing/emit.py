@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
 
 from dcp_otel import semconv
-from dcp_otel.spool.encoding import encode
+from dcp_otel.spool.encoding import encode, encode_parts
 from dcp_otel.tracing.records import KIND_COLLECTIVE, KIND_OPERATION, MAX_STATUS_TEXT, Call, Operation
 from dcp_otel.tracing.trace_ids import DerivedIds, start_root_span, start_span_with_ids
 
@@ -156,14 +156,9 @@ class DirectEmitter:
     def _add(self, name: str, span_id: int, parent: SpanContext | None, attributes: Mapping[str, Any],
              links: list[Link], start_ns: int, end_ns: int, error: str | None,
              events: list[list[Any]]) -> None:  # fmt: skip
-        self.ended.append([
-            name, self.op.trace_id, span_id, parent.span_id if parent is not None else 0, self._flags, start_ns, end_ns,
-            SpanKind.INTERNAL.value, (StatusCode.ERROR if error is not None else StatusCode.UNSET).value, error,
-            _clean(attributes), events,
-            [[link.context.trace_id, link.context.span_id, int(link.context.trace_flags), dict(link.attributes or {})]
-             for link in links],
-            bool(parent.is_remote) if parent is not None else False,
-        ])  # fmt: skip
+        self.ended.append(encode_parts(name, self.op.trace_id, span_id, self._flags, parent, start_ns, end_ns,
+                                       SpanKind.INTERNAL, StatusCode.ERROR if error is not None else StatusCode.UNSET,
+                                       error, _clean(attributes), events, links))  # fmt: skip
 
     def root(self, extra: dict[str, int | float]) -> None:
         op = self.op
