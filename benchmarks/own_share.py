@@ -249,7 +249,7 @@ def block(arm):
             **{f"own:{name}": ms for name, ms in by_name.items()}}
 def node_sent():
     # The node's lines this block left in its record, sent (by this script's parent, as the agent) before this process
-    # instruments again: a record made again in another mode would count them its own (out of the block's time).
+    # instruments again: a record made again in another mode would export them itself (out of the block's time).
     import os
     from dcp_otel.spool import layout
     from dcp_otel.spool.reader import RecordError, read_record

@@ -327,3 +327,31 @@ def test_spans_an_earlier_instrumentation_left_unsent_are_sent_with_the_next_one
         assert [json.loads(line)[0] for line in (record / layout.SPANS_FILE).read_text().splitlines()] == [3]
     finally:
         dcp_otel.uninstrument()
+
+
+def test_spans_left_for_the_node_are_exported_by_the_process_instrumented_again_in_its_own_mode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A process that switches from ``span_export="node"`` to its own export before the node sent its last lines:
+    those lines were given to no exporter, so the process's provider is given them (with its resource), each once,
+    and the record counts them sent only then. (Before, the process's next confirmed flush counted them with its own
+    lines, and nobody ever sent them.)"""
+    instrumented("node", monkeypatch)
+    saved(tmp_path, "step-1")
+    record = own_record()
+    dcp_otel.uninstrument()
+    left = [json.loads(line) for line in (record / layout.SPANS_FILE).read_text().splitlines()]
+    assert left and all(line[1][-1] == layout.NODE_LINE for line in left)
+    exporter = instrumented("process", monkeypatch)
+    try:
+        saved(tmp_path, "step-2")
+        assert own_record() == record
+        spans = exporter.get_finished_spans()
+        saves = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in spans
+                        if s.name == "dcp.save")  # fmt: skip
+        assert saves == {"step-1": 1, "step-2": 1}
+        assert {s.resource.attributes.get("service.name") for s in spans} == {own_resource().attributes.get("service.name")}
+        # The process's own lines say nothing of the node, and every line is confirmed: none is left for anybody.
+        assert not (record / layout.SPANS_FILE).read_text()
+        assert not read_record(str(record)).unexported()
+    finally:
+        dcp_otel.uninstrument()

@@ -601,3 +601,54 @@ def test_a_survivor_held_back_by_a_checkpoint_call_looks_when_the_call_ends_not_
         assert survivor.look_after(0, 10)
     finally:
         survivor.stop()
+
+
+def test_a_record_is_removed_whole_though_a_line_is_being_written_as_it_goes(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """At exit dcp-otel's threads are told to stop, not waited for: the builder may be writing a checkpoint's line
+    (or the confirming thread dropping lines) as the record is removed. The removal waits for the write, so no
+    ``spans.jsonl`` is made again in a directory whose record is gone (which no survivor can read: torchelastic's
+    agent waited its whole exit timeout for that rank's death, a flake of ``test_survivors`` on this machine)."""
+    import json
+    from types import SimpleNamespace
+
+    from dcp_otel.spool import record as record_module
+    from dcp_otel.spool import spans
+    from dcp_otel.spool.record import ProcessRecord
+    from dcp_otel.spool.spans import SpanSpool
+
+    record = ProcessRecord(str(tmp_path / "spool"), lambda: {})
+    assert record.ensure() and record.directory is not None
+    directory = Path(record.directory)
+    keep = SpanSpool(record, lambda: None, lambda timeout_s: True, timeout_s=10)  # type: ignore[arg-type]
+    keep.stop(0)
+    writing, go_on, written, removing = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+    def dumps(value: object, **kwargs: object) -> str:  # the line being made, the record's directory read
+        writing.set()
+        go_on.wait(10)
+        return json.dumps(value, **kwargs)  # type: ignore[arg-type]
+
+    def rmtree(path: str, ignore_errors: bool = False) -> None:  # the removal, between its files and its directory
+        removing.set()
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        go_on.set()
+        written.wait(10)
+        try:
+            os.rmdir(path)
+        except OSError:  # (as shutil.rmtree's ignore_errors: a file made since its listing keeps the directory)
+            pass
+
+    monkeypatch.setattr(spans, "json", SimpleNamespace(dumps=dumps, loads=json.loads))
+    monkeypatch.setattr(record_module, "shutil", SimpleNamespace(rmtree=rmtree))
+    adding = threading.Thread(target=lambda: (keep.add([["late"]]), written.set()))
+    adding.start()
+    assert writing.wait(10)
+    closing = threading.Thread(target=keep.close_record, args=(True,))
+    closing.start()
+    removing.wait(0.5)  # (a bounded look for what must not happen: the removal starting before the line is written)
+    go_on.set()
+    adding.join(10)
+    closing.join(10)
+    assert not directory.exists(), sorted(p.name for p in directory.iterdir())

@@ -9,7 +9,9 @@ One directory per instrumented process under the spool directory, named
   (``mmap``, ``MAP_SHARED``): what the process writes there is in the page
   cache at once and survives any death of the process, SIGKILL included;
 * ``spans.jsonl``: the spans the builder made that no exporter has confirmed
-  yet, a line per operation (:mod:`dcp_otel.spool.spans`);
+  yet, a line per operation (:mod:`dcp_otel.spool.spans`); a line whose scope
+  ends with :data:`NODE_LINE` was written for the node to send, given to no
+  exporter of the process's own;
 * once a survivor has taken it, ``death.json``: how it died, when, who reported it.
 
 A survivor renames the directory to claim it (``.claimed.<pid>.<start>``,
@@ -119,6 +121,7 @@ RECORD_SIZE: Final = STACKS_OFFSET + STACKS_SIZE
 # --- files and names ----------------------------------------------------------------------
 RECORD_FILE: Final = "record"
 SPANS_FILE: Final = "spans.jsonl"
+NODE_LINE: Final = "node"  # a spans.jsonl line's scope says so (``[name, version, "node"]``): written for the node to send
 DEATH_FILE: Final = "death.json"
 CLAIMED: Final = "claimed"
 REPORTED: Final = "reported"

@@ -122,7 +122,7 @@ class ProcessSpool:
         self.keep.stop(0 if exiting else _STOP_S)
         if self.node and clean:  # what the node has not sent yet stays, for it to send once this process is gone
             clean = self.keep.confirm()
-        self.record.close(clean=clean)
+        self.keep.close_record(clean)
 
     def settled(self, timeout_s: float) -> bool:
         """Whether every span kept so far is confirmed sent (flushing once more to find out, within ``timeout_s``)."""

@@ -36,11 +36,15 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
+from opentelemetry.sdk.resources import Resource
+
 from dcp_otel import _forksafe
 from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled, start_elsewhere
 from dcp_otel.semconv import SCOPE_NAME
 from dcp_otel.spool import layout
+from dcp_otel.spool.delivery import span_processor
+from dcp_otel.spool.encoding import decode_lines
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.flushing import BoundedFlush, force_flush_said
 from dcp_otel.tracing.steps import HURRY
@@ -48,6 +52,8 @@ from dcp_otel.version import __version__
 
 #: The most a process keeps unconfirmed; past it, spans are not kept (a stuck exporter).
 MAX_BYTES: Final = 4 << 20
+#: How a line written for the node starts its scope's end (see layout.NODE_LINE).
+_NODE_SCOPE: Final = f',"{layout.NODE_LINE}"],'.encode()
 #: The least time between two of the confirming thread's flushes. Each flush is an export request, whose encoding
 #: and round trip run beside the training steps: over OTLP/HTTP on loopback, 4.2 ms of that thread's CPU for a
 #: checkpoint's 16 spans, 1.7 ms a checkpoint with this gap at a checkpoint every 0.16 s (``benchmarks/own_share.py
@@ -68,6 +74,9 @@ class SpanSpool:
         self._provider = provider
         self._drain = drain  # the builder: what it is building goes into the flush that confirms it
         self._timeout_s = timeout_s or 10.0
+        # A line says whether it was written for the node to send (given to no exporter here): a later instrumentation
+        # of this process in its own mode exports those it finds, and counts them with its own (see _adopt).
+        self._scope = [SCOPE_NAME, __version__, layout.NODE_LINE] if node else [SCOPE_NAME, __version__]
         self._reset()
         _forksafe.register(self)
 
@@ -100,10 +109,14 @@ class SpanSpool:
                 report("spool_error", "dcp_otel: span_export=node, but this process has no record: it exports its "
                        "checkpoint spans itself")  # fmt: skip
             return
+        left: list[str] = []
         try:
             with self._lock:
+                directory = self._record.directory  # (again: the record may have been closed meanwhile)
+                if directory is None:
+                    return
                 if self._seq == 0:
-                    self._adopt(os.path.join(directory, layout.SPANS_FILE))
+                    left = self._adopt(os.path.join(directory, layout.SPANS_FILE))
                     if self.node and not _parent_sends(self._record.spool_dir):
                         report("spool_spans_unsent", "dcp_otel: span_export=node, but no agent of dcp-otel's started "
                                "this process (dcp-otel-run, or torchrun under opentelemetry-instrument): its "
@@ -111,7 +124,7 @@ class SpanSpool:
                 if self.node:
                     self._take_mark(directory)
                 seq = self._seq + 1
-                line = json.dumps([seq, [SCOPE_NAME, __version__], items], separators=(",", ":"), default=str)
+                line = json.dumps([seq, self._scope, items], separators=(",", ":"), default=str)
                 size = self._ends[-1][1] if self._ends else 0  # (the file's, in bytes: the JSON is ASCII)
                 if size + len(line) > MAX_BYTES:
                     report("spool_spans_full", "dcp_otel keeps %d MiB of unexported spans per process: these are "
@@ -121,35 +134,54 @@ class SpanSpool:
                     out.write(line + "\n")
                 self._seq = seq
                 self._ends.append((seq, size + len(line) + 1))
+            if left:  # (out of the lock: a synchronous processor exports as it is given them)
+                self._export_left(left)
             if not self.node:
                 self._request()
         except Exception as exc:  # noqa: BLE001 - the builder goes on
             reraise_if_signalled(exc)
             report("spool_error", "dcp_otel could not keep a checkpoint's spans in its record", exc_info=True)
 
-    def _adopt(self, path: str) -> None:
+    def _adopt(self, path: str) -> list[str]:
         """(under the lock, at the first add) Lines an earlier instrumentation of this process left unsent (its record
-        stayed, marked exited; the record made again has the same directory): kept, numbered on from them. (The
-        node sends them, the record's mark being 0 again; in this process's own mode, its next confirmed flush
-        counts them with its own: they were given to its provider's exporters when they were built.)"""
+        stayed, marked exited; the record made again has the same directory): kept, numbered on from them. The node
+        sends them (the record's mark is 0 again); in this process's own mode, its next confirmed flush counts them
+        with its own. Lines written for the node (an earlier ``span_export="node"``) were given to no exporter: they
+        are given to this process's provider (the lines returned), else that flush would count them sent and nobody
+        would send them."""
         try:
             with open(path, "rb") as kept:
                 data = kept.read()
         except OSError:
-            return
+            return []
         whole = data[: data.rfind(b"\n") + 1]  # (a line cut short by a death in the middle of its write: dropped)
-        ends, end = [], 0
+        ends, end, for_node = [], 0, []
         for line in whole.splitlines(keepends=True):
             end += len(line)
             try:
                 ends.append((int(line[1 : line.index(b",")]), end))
             except ValueError:
                 continue
+            if not self.node and line[: line.find(b"],") + 2].endswith(_NODE_SCOPE):  # (its scope: "[seq,[...],")
+                for_node.append(line.decode("utf-8", "replace"))
         if len(whole) != len(data):
             with open(path, "r+b") as kept:
                 kept.truncate(len(whole))
         if ends:
             self._ends, self._seq = ends, max(seq for seq, _ in ends)
+        return for_node
+
+    def _export_left(self, lines: list[str]) -> None:
+        """(process mode) The node's lines an earlier instrumentation left, to this process's span processors."""
+        provider = self._provider()
+        processor = span_processor(provider)
+        if processor is None:
+            report("spool_error", "dcp_otel: %d checkpoint(s) of spans written for the node (span_export=node) are "
+                   "left in the record, and this process has no SDK span processor to send them", len(lines))  # fmt: skip
+            return
+        resource = getattr(provider, "resource", None) or Resource.get_empty()
+        for span in decode_lines("".join(lines), 0, resource):
+            processor.on_end(span)
 
     def _take_mark(self, directory: str) -> None:
         """(node, under the lock) Drop the lines the node's exporter has sent; say once if it sends nothing."""
@@ -248,6 +280,14 @@ class SpanSpool:
                 out.write(rest)
             os.replace(path + ".new", path)
             self._ends = [(seq, end - cut) for seq, end in ends]
+
+    def close_record(self, clean: bool) -> None:
+        """Close the record (:meth:`ProcessRecord.close`) with no line being written or dropped meanwhile: the
+        confirming thread, told to stop but not waited for at exit, may be between its flush and its drop, which
+        would make ``spans.jsonl`` again in a record being removed (a directory with no record, which no survivor
+        can read: torchelastic's agent then waited its whole timeout for that rank's death)."""
+        with self._lock:
+            self._record.close(clean=clean)
 
     def stop(self, timeout_s: float) -> None:
         """End the confirming thread (uninstrument); what it was flushing is given ``timeout_s``."""
