@@ -32,3 +32,12 @@ def test_a_hung_exporter_delays_exit_by_at_most_the_flush_timeout(tmp_path: Path
     # The subprocess timeout (120 s) is the failure: without a bound the exit would hang forever.
     _, diagnostics = run_script("hung", tmp_path, DCP_OTEL_FLUSH_TIMEOUT_S="1")
     assert diagnostics["flush_timeout"] == 1
+
+
+def test_an_exporter_that_never_returns_on_the_thread_that_ends_a_span_delays_exit_by_at_most_the_flush_timeout(
+        tmp_path: Path) -> None:  # fmt: skip
+    """Through a ``SimpleSpanProcessor`` a span's end runs the exporter: the ``dcp.process`` span that dcp-otel ends
+    at exit is ended on a thread of its own, so a hung exporter holds the exit no longer than the flush timeout (it
+    held it for good before; the subprocess timeout, 120 s, is the failure)."""
+    run, _ = run_script("hung-simple", tmp_path, DCP_OTEL_FLUSH_TIMEOUT_S="1")
+    assert run.returncode == 0

@@ -355,3 +355,45 @@ def test_spans_left_for_the_node_are_exported_by_the_process_instrumented_again_
         assert not read_record(str(record)).unexported()
     finally:
         dcp_otel.uninstrument()
+
+
+def test_spans_left_for_the_node_stay_in_the_record_where_the_process_instrumented_again_takes_none_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Instrumented again in its own mode with a provider that records nothing (so it keeps no line, and adopts none),
+    the process leaves the node's lines in its record at the close, marked exited, for a survivor to send."""
+    from opentelemetry.trace import NoOpTracerProvider
+
+    instrumented("node", monkeypatch)
+    saved(tmp_path, "step-1")
+    record = own_record()
+    dcp_otel.uninstrument()
+    _selftelemetry.reset()
+    dcp_otel.instrument(tracer_provider=NoOpTracerProvider(), registry=CollectorRegistry())
+    try:
+        saved(tmp_path, "step-2")
+    finally:
+        dcp_otel.uninstrument()
+    kept = read_record(str(record))
+    assert kept.exited and {s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1]
+                            for s in kept.unexported() if s.name == "dcp.save"} == {"step-1"}  # fmt: skip
+
+
+def test_a_process_instrumented_again_sends_a_bounded_share_of_the_spans_left_for_the_node_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Past what one hand-over takes (``MAX_LEFT_SPANS``, half a batch processor's queue), the newest are sent and the
+    rest counted, never dropped unsaid by the processor's queue."""
+    from dcp_otel.spool import spans as spool_spans
+
+    monkeypatch.setattr(spool_spans, "MAX_LEFT_SPANS", 5)
+    instrumented("node", monkeypatch)
+    saved(tmp_path, "step-1")
+    saved(tmp_path, "step-2")
+    dcp_otel.uninstrument()
+    exporter = instrumented("process", monkeypatch)
+    try:
+        saved(tmp_path, "step-3")
+        ids = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in exporter.get_finished_spans())
+        assert sum(n for step, n in ids.items() if step != "step-3") == 5 and ids.get("step-2", 0) > 0, ids
+        assert dcp_otel.diagnostics().get("spool_spans_full") == 1
+    finally:
+        dcp_otel.uninstrument()

@@ -23,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -96,4 +97,8 @@ class Ending:
         """The process's ``dcp.process`` span, once what finished is built (its recovery point is then known)."""
         if self._life is not None:
             self._recorder.drain(max(0.0, (deadline - time.monotonic()) / 2))
-            self._life.end(cause)
+            # Ended on a thread of its own, waited for until the deadline: through a SimpleSpanProcessor, the span's
+            # end runs the exporter, and one that never returns would hold this thread (the exit) for good.
+            ending = threading.Thread(target=self._life.end, args=(cause,), name="dcp-otel-process-span", daemon=True)
+            ending.start()
+            ending.join(max(0.0, deadline - time.monotonic()))

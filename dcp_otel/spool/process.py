@@ -122,6 +122,8 @@ class ProcessSpool:
         self.keep.stop(0 if exiting else _STOP_S)
         if self.node and clean:  # what the node has not sent yet stays, for it to send once this process is gone
             clean = self.keep.confirm()
+        elif clean and self.keep.left_untaken():  # (an earlier instrumentation's lines: for a survivor to send)
+            clean = False
         self.keep.close_record(clean)
 
     def settled(self, timeout_s: float) -> bool:

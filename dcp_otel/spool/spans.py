@@ -52,6 +52,9 @@ from dcp_otel.version import __version__
 
 #: The most a process keeps unconfirmed; past it, spans are not kept (a stuck exporter).
 MAX_BYTES: Final = 4 << 20
+#: The most spans left for the node that a process instrumented again in its own mode hands its span processor at once
+#: (half a batch processor's default queue: what overflows it is dropped unsaid).
+MAX_LEFT_SPANS: Final = 1024
 #: How a line written for the node starts its scope's end (see layout.NODE_LINE).
 _NODE_SCOPE: Final = f',"{layout.NODE_LINE}"],'.encode()
 #: The least time between two of the confirming thread's flushes. Each flush is an export request, whose encoding
@@ -180,7 +183,12 @@ class SpanSpool:
                    "left in the record, and this process has no SDK span processor to send them", len(lines))  # fmt: skip
             return
         resource = getattr(provider, "resource", None) or Resource.get_empty()
-        for span in decode_lines("".join(lines), 0, resource):
+        spans = decode_lines("".join(lines), 0, resource)
+        if len(spans) > MAX_LEFT_SPANS:  # (a batch processor's queue, 2,048 by default, drops what overflows it unsaid)
+            report("spool_spans_full", "dcp_otel: %d spans written for the node (span_export=node) were left in the "
+                   "record; this process sends the last %d, the rest are not sent", len(spans), MAX_LEFT_SPANS)  # fmt: skip
+            spans = spans[-MAX_LEFT_SPANS:]
+        for span in spans:
             processor.on_end(span)
 
     def _take_mark(self, directory: str) -> None:
@@ -197,6 +205,16 @@ class SpanSpool:
                    "cannot reach its exporter, or is not dcp-otel's: span_export=node needs dcp-otel-run, or torchrun "
                    "under opentelemetry-instrument); they wait in %s", UNSENT_WARN_S, directory)  # fmt: skip
             self._waiting_since = now
+
+    def left_untaken(self) -> bool:
+        """(at the close) Whether lines an earlier instrumentation left wait in the record, never taken up by this one
+        (it kept no line: a provider that records nothing, or no checkpoint since): the record stays for a survivor."""
+        directory = self._record.directory
+        try:
+            return self._seq == 0 and directory is not None and \
+                os.path.getsize(os.path.join(directory, layout.SPANS_FILE)) > 0  # fmt: skip
+        except OSError:
+            return False
 
     @property
     def unconfirmed(self) -> bool:

@@ -4,7 +4,8 @@ The provider neither exports on its own (one-hour batch delay) nor shuts down
 at exit (``shutdown_on_exit=False``): only dcp-otel's exit flush can get the
 spans out. MODE ``file`` writes them to ``OUT/spans.jsonl``; MODE ``hung`` uses
 an exporter that never returns, and the process must still exit (within
-``$DCP_OTEL_FLUSH_TIMEOUT_S``). An atexit hook registered before dcp-otel's runs
+``$DCP_OTEL_FLUSH_TIMEOUT_S``); MODE ``hung-simple`` the same exporter through a
+``SimpleSpanProcessor``, which exports on the thread that ends a span. An atexit hook registered before dcp-otel's runs
 after it and prints the diagnostics.
 """
 
@@ -22,7 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,  # fmt: skip
+)
 
 import dcp_otel
 
@@ -38,10 +45,11 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     atexit.register(lambda: print(json.dumps(dcp_otel.diagnostics()), flush=True))
     spans_file = open(out / "spans.jsonl", "w")  # noqa: SIM115 - the process exits with it open
-    exporter = HungExporter() if mode == "hung" else ConsoleSpanExporter(
+    exporter = HungExporter() if mode.startswith("hung") else ConsoleSpanExporter(
         out=spans_file, formatter=lambda s: s.to_json(indent=None) + "\n")  # fmt: skip
     provider = TracerProvider(shutdown_on_exit=False)
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000))
+    provider.add_span_processor(SimpleSpanProcessor(exporter) if mode == "hung-simple" else
+                                BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000))  # fmt: skip
     dcp_otel.instrument(tracer_provider=provider)
     dcp.async_save({"w": torch.ones(4)}, checkpoint_id=tempfile.mkdtemp()).result()
     # No dcp_otel.flush(), no provider.shutdown(): the upload span ends just
