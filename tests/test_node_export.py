@@ -397,3 +397,24 @@ def test_a_process_instrumented_again_sends_a_bounded_share_of_the_spans_left_fo
         assert dcp_otel.diagnostics().get("spool_spans_full") == 1
     finally:
         dcp_otel.uninstrument()
+
+
+def test_spans_left_for_the_node_are_exported_though_the_record_is_too_full_to_keep_the_next_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The first line after a mode switch that does not fit (``MAX_BYTES``) is not kept, and said; the lines left for
+    the node are handed over all the same (the flush that comes would count them sent)."""
+    from dcp_otel.spool import spans as spool_spans
+
+    instrumented("node", monkeypatch)
+    saved(tmp_path, "step-1")
+    record = own_record()
+    dcp_otel.uninstrument()
+    monkeypatch.setattr(spool_spans, "MAX_BYTES", (record / layout.SPANS_FILE).stat().st_size + 10)
+    exporter = instrumented("process", monkeypatch)
+    try:
+        saved(tmp_path, "step-2")
+        saves = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in exporter.get_finished_spans()
+                        if s.name == "dcp.save")  # fmt: skip
+        assert saves == {"step-1": 1, "step-2": 1} and dcp_otel.diagnostics().get("spool_spans_full") == 1
+    finally:
+        dcp_otel.uninstrument()

@@ -129,17 +129,18 @@ class SpanSpool:
                 seq = self._seq + 1
                 line = json.dumps([seq, self._scope, items], separators=(",", ":"), default=str)
                 size = self._ends[-1][1] if self._ends else 0  # (the file's, in bytes: the JSON is ASCII)
-                if size + len(line) > MAX_BYTES:
+                kept = size + len(line) <= MAX_BYTES
+                if not kept:
                     report("spool_spans_full", "dcp_otel keeps %d MiB of unexported spans per process: these are "
                            "not kept (the span exporter is stuck or slow)", MAX_BYTES >> 20)  # fmt: skip
-                    return
-                with open(os.path.join(directory, layout.SPANS_FILE), "a", encoding="utf-8") as out:
-                    out.write(line + "\n")
-                self._seq = seq
-                self._ends.append((seq, size + len(line) + 1))
+                else:
+                    with open(os.path.join(directory, layout.SPANS_FILE), "a", encoding="utf-8") as out:
+                        out.write(line + "\n")
+                    self._seq = seq
+                    self._ends.append((seq, size + len(line) + 1))
             if left:  # (out of the lock: a synchronous processor exports as it is given them)
                 self._export_left(left)
-            if not self.node:
+            if kept and not self.node:
                 self._request()
         except Exception as exc:  # noqa: BLE001 - the builder goes on
             reraise_if_signalled(exc)
