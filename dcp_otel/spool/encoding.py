@@ -25,9 +25,9 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 
-def encode_parts(name: str, trace_id: int, span_id: int, flags: int, parent: SpanContext | None, start_ns: int | None,
-         end_ns: int | None, kind: SpanKind, status: StatusCode, description: str | None, attributes: Mapping[str, Any],
-         events: list[list[Any]], links: Sequence[Link]) -> list[Any]:  # fmt: skip
+def encode_parts(name: str, trace_id: int, span_id: int, flags: int, parent: SpanContext | None,
+                 start_ns: int | None, end_ns: int | None, kind: SpanKind, status: StatusCode, description: str | None,
+                 attributes: Mapping[str, Any], events: list[list[Any]], links: Sequence[Link]) -> list[Any]:  # fmt: skip
     """The compact JSON form of one finished span, from its parts (``events``: ``[name, time, attributes]`` each): the
     one place the form is written, for an SDK span (:func:`encode`) and for one built with no SDK span."""
     return [
@@ -44,8 +44,8 @@ def encode(span: ReadableSpan) -> list[Any]:
     status = span.status
     ctx = span.context
     return encode_parts(span.name, ctx.trace_id, ctx.span_id, int(ctx.trace_flags), span.parent, span.start_time,
-                span.end_time, span.kind, status.status_code, status.description, dict(span.attributes or {}),
-                [[e.name, e.timestamp, dict(e.attributes or {})] for e in span.events], span.links)  # fmt: skip
+                        span.end_time, span.kind, status.status_code, status.description, dict(span.attributes or {}),
+                        [[e.name, e.timestamp, dict(e.attributes or {})] for e in span.events], span.links)  # fmt: skip
 
 
 def _attributes(value: object) -> dict[str, Any]:
