@@ -125,6 +125,12 @@ def saved(tmp_path: Path, name: str) -> None:
     assert dcp_otel.flush(30)
 
 
+def steps_of(spans: Any, name: str | None = "dcp.save") -> Counter[str]:
+    """How many spans (``name``'s, or all with ``None``) each checkpoint (``step-N``) has among ``spans``."""
+    return Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in spans
+                   if name is None or s.name == name)  # fmt: skip
+
+
 def own_record() -> Path:
     spool = Path(os.environ[semconv.ENV_SPOOL_DIR])
     (name,) = [n for n in os.listdir(spool) if (p := layout.parse_name(n)) and not p.state]
@@ -319,9 +325,7 @@ def test_spans_an_earlier_instrumentation_left_unsent_are_sent_with_the_next_one
         provider, exporter = in_memory()
         node = NodeExport(Delivery(lambda: provider, 10))
         assert node.send(record.name, str(record), (0, 0), JOB) > 0
-        saves = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in exporter.get_finished_spans()
-                        if s.name == "dcp.save")  # fmt: skip
-        assert saves == {"step-1": 1, "step-2": 1}
+        assert steps_of(exporter.get_finished_spans()) == {"step-1": 1, "step-2": 1}
         # The process drops them all at its next line, which is numbered after them.
         saved(tmp_path, "step-3")
         assert [json.loads(line)[0] for line in (record / layout.SPANS_FILE).read_text().splitlines()] == [3]
@@ -346,9 +350,7 @@ def test_spans_left_for_the_node_are_exported_by_the_process_instrumented_again_
         saved(tmp_path, "step-2")
         assert own_record() == record
         spans = exporter.get_finished_spans()
-        saves = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in spans
-                        if s.name == "dcp.save")  # fmt: skip
-        assert saves == {"step-1": 1, "step-2": 1}
+        assert steps_of(spans) == {"step-1": 1, "step-2": 1}
         assert {s.resource.attributes.get("service.name") for s in spans} == {own_resource().attributes.get("service.name")}
         # The process's own lines say nothing of the node, and every line is confirmed: none is left for anybody.
         assert not (record / layout.SPANS_FILE).read_text()
@@ -374,8 +376,7 @@ def test_spans_left_for_the_node_stay_in_the_record_where_the_process_instrument
     finally:
         dcp_otel.uninstrument()
     kept = read_record(str(record))
-    assert kept.exited and {s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1]
-                            for s in kept.unexported() if s.name == "dcp.save"} == {"step-1"}  # fmt: skip
+    assert kept.exited and set(steps_of(kept.unexported())) == {"step-1"}
 
 
 def test_a_process_instrumented_again_sends_a_bounded_share_of_the_spans_left_for_the_node_and_says_so(
@@ -392,7 +393,7 @@ def test_a_process_instrumented_again_sends_a_bounded_share_of_the_spans_left_fo
     exporter = instrumented("process", monkeypatch)
     try:
         saved(tmp_path, "step-3")
-        ids = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in exporter.get_finished_spans())
+        ids = steps_of(exporter.get_finished_spans(), None)
         assert sum(n for step, n in ids.items() if step != "step-3") == 5 and ids.get("step-2", 0) > 0, ids
         assert dcp_otel.diagnostics().get("spool_spans_full") == 1
     finally:
@@ -413,8 +414,6 @@ def test_spans_left_for_the_node_are_exported_though_the_record_is_too_full_to_k
     exporter = instrumented("process", monkeypatch)
     try:
         saved(tmp_path, "step-2")
-        saves = Counter(s.attributes[semconv.ATTR_CHECKPOINT_ID].rsplit("/", 1)[-1] for s in exporter.get_finished_spans()
-                        if s.name == "dcp.save")  # fmt: skip
-        assert saves == {"step-1": 1, "step-2": 1} and dcp_otel.diagnostics().get("spool_spans_full") == 1
+        assert steps_of(exporter.get_finished_spans()) == {"step-1": 1, "step-2": 1} and dcp_otel.diagnostics().get("spool_spans_full") == 1
     finally:
         dcp_otel.uninstrument()

@@ -5,8 +5,8 @@ at exit (``shutdown_on_exit=False``): only dcp-otel's exit flush can get the
 spans out. MODE ``file`` writes them to ``OUT/spans.jsonl``; MODE ``hung`` uses
 an exporter that never returns, and the process must still exit (within
 ``$DCP_OTEL_FLUSH_TIMEOUT_S``); MODE ``hung-simple`` the same exporter through a
-``SimpleSpanProcessor``, which exports on the thread that ends a span. An atexit hook registered before dcp-otel's runs
-after it and prints the diagnostics.
+``SimpleSpanProcessor``, which exports on the thread that ends a span. An atexit
+hook registered before dcp-otel's runs after it and prints the diagnostics.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import (
     ConsoleSpanExporter,
     SimpleSpanProcessor,
     SpanExporter,
-    SpanExportResult,  # fmt: skip
+    SpanExportResult,
 )
 
 import dcp_otel
