@@ -5,8 +5,9 @@ at exit (``shutdown_on_exit=False``): only dcp-otel's exit flush can get the
 spans out. MODE ``file`` writes them to ``OUT/spans.jsonl``; MODE ``hung`` uses
 an exporter that never returns, and the process must still exit (within
 ``$DCP_OTEL_FLUSH_TIMEOUT_S``); MODE ``hung-simple`` the same exporter through a
-``SimpleSpanProcessor``, which exports on the thread that ends a span. An atexit
-hook registered before dcp-otel's runs after it and prints the diagnostics.
+``SimpleSpanProcessor``, which exports on the thread that ends a span (``hung-simple-plain``:
+the same job, not instrumented). An atexit hook registered before dcp-otel's runs
+after it and prints the diagnostics.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ if __name__ == "__main__":
     exporter = HungExporter() if mode.startswith("hung") else ConsoleSpanExporter(
         out=spans_file, formatter=lambda s: s.to_json(indent=None) + "\n")  # fmt: skip
     provider = TracerProvider(shutdown_on_exit=False)
-    provider.add_span_processor(SimpleSpanProcessor(exporter) if mode == "hung-simple" else
+    provider.add_span_processor(SimpleSpanProcessor(exporter) if mode.startswith("hung-simple") else
                                 BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000))  # fmt: skip
-    dcp_otel.instrument(tracer_provider=provider)
+    if not mode.endswith("-plain"):
+        dcp_otel.instrument(tracer_provider=provider)
     dcp.async_save({"w": torch.ones(4)}, checkpoint_id=tempfile.mkdtemp()).result()
     # No dcp_otel.flush(), no provider.shutdown(): the upload span ends just
     # after result() returned, and everything is still queued.
