@@ -46,10 +46,6 @@ from dcp_otel.version import __version__
 if TYPE_CHECKING:
     from dcp_otel.tracing.builder import SpanBuilder
 
-#: How long a collection waits for queued metrics: a stuck builder must not stall the reader.
-COLLECT_TIMEOUT_S = 1.0
-
-
 def meter(provider: MeterProvider | None) -> Meter:
     """dcp-otel's meter in ``provider`` (``None``: the global provider)."""
     return otel_metrics.get_meter(semconv.SCOPE_NAME, __version__, provider)
@@ -156,7 +152,7 @@ class OTelCheckpointMetrics:
         """Called at the start of every collection: record what the builder has queued first."""
         builder = self.builder
         if builder is not None:
-            builder.drain(COLLECT_TIMEOUT_S, metrics_only=True, hurry=builder.readers_hurry())  # (see DrainOnCollect)
+            builder.drain_for_reader(metrics_only=True)  # (see DrainOnCollect)
 
     def _problem(self, reason: str) -> None:
         self.telemetry_problems.add(1, {semconv.LABEL_REASON: bounded_name(reason), semconv.LABEL_RANK: self._rank})

@@ -6,8 +6,7 @@ which appends it to a bounded queue and returns; a full queue drops the
 operation and counts it (``build_queue_full``), it never blocks. One named
 daemon thread per process (``dcp-otel-builder``) then, per operation:
 
-1. records its metrics (step and operation histograms with their exemplars,
-   byte counters: the byte counts are summed here, not on the caller's thread);
+1. records its metrics (histograms with their exemplars, byte counters summed here, not on the caller's thread);
 2. for an async save in a process whose optimizer steps are seen, waits (bounded, woken, cut short by a
    flush) for the training step its upload ended in, and measures what it cost the steps beside it
    (:mod:`dcp_otel.tracing.step_measures`): onto its spans, into the metrics; between checkpoints it folds
@@ -16,14 +15,13 @@ daemon thread per process (``dcp-otel-builder``) then, per operation:
    ``async_save``'s staging often starts as the previous upload is awaited, and building beside it took
    the interpreter from the caller's call (:meth:`SpanBuilder.defer`);
 4. asks the :class:`~dcp_otel.tracing.detail.DetailPolicy` how much to export;
-5. emits ordinary SDK spans with the recorded start and end times and the ids
-   chosen on the hot path (so spans that a storage plugin started inside a step
-   nest under it), with the same names, attributes, events, links and statuses.
+5. emits ordinary SDK spans with the recorded start and end times and the ids chosen on the hot path (so spans
+   that a storage plugin started inside a step nest under it), names, attributes, events, links and statuses.
 
 Metrics come first, so a stuck span exporter never holds up a metric.
 :meth:`SpanBuilder.drain` waits, bounded, until everything queued is built:
 ``dcp_otel.flush()``, the exit flush, the daemon's per-save flush, the
-provider's own ``force_flush``/``shutdown`` and every Prometheus collection go
+provider's own ``force_flush``/``shutdown`` and every metrics reader (:meth:`SpanBuilder.drain_for_reader`) go
 through it, so whoever reads telemetry sees every finished operation.
 
 Usage::
@@ -83,6 +81,8 @@ _LOOK_EVERY_S: Final = 0.5
 #: Past this many operations queued (or half the queue's bound) the builder builds, checkpoint call or not:
 #: back-to-back checkpoint calls must not fill the queue until it drops spans.
 DEFER_MAX_QUEUED: Final = 64
+#: The longest a reader of the metrics waits for what is queued: a stuck builder must not stall a scrape.
+READER_WAIT_S: Final = 1.0
 
 
 def _yield() -> None:
@@ -208,8 +208,8 @@ class SpanBuilder(StepMeasures):
         for a span exporter (the async save process relays them per save).
         ``hurry``: an async save waiting for the training step its upload ended
         in is built now, with the steps seen so far (``False``: dcp-otel's own
-        confirmations, which must not cut the measurement short; a scrape's and
-        an OTel collection's: :meth:`readers_hurry`).
+        confirmations, which must not cut the measurement short; a reader's:
+        :meth:`drain_for_reader`).
         """
         if threading.current_thread() is self._thread:  # an exporter flushing from inside a build
             return True
@@ -240,12 +240,12 @@ class SpanBuilder(StepMeasures):
             finally:
                 self._draining -= hurrying
 
-    def readers_hurry(self) -> bool:
-        """Whether a reader of the metrics (a scrape, an OTel collection) hurries what it waits for: an async
-        save's build waits for the training step its upload ended in, and hurried it is measured with the steps seen
-        so far (its span a step short of the histogram). A reader waits (1 s at most) unless an operation is queued
-        behind that wait (it would miss it), or it reads on the training thread (whose step cannot end meanwhile)."""
-        return bool(self._queue) or CLOCK.thread == threading.get_ident()
+    def drain_for_reader(self, metrics_only: bool = False) -> bool:
+        """:meth:`drain` for a reader of the metrics (a scrape, an OTel collection): :data:`READER_WAIT_S` at most,
+        hurried only where waiting loses something: an operation queued behind an async save's wait for the step its
+        upload ended in (it would miss it), or a read on the training thread (whose step cannot end meanwhile)."""
+        hurry = bool(self._queue) or CLOCK.thread == threading.get_ident()
+        return self.drain(READER_WAIT_S, metrics_only=metrics_only, hurry=hurry)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Let the thread end once the queue is empty (waited for, at most ``timeout_s``).

@@ -31,9 +31,6 @@ from dcp_otel._selftelemetry import report
 from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.builder import SpanBuilder
 
-#: How long a scrape waits for queued metrics: a stuck builder must not stall Prometheus.
-COLLECT_TIMEOUT_S = 1.0
-
 
 class DrainOnFlush(SpanProcessor):
     """Builds what is queued when the provider flushes or shuts down; does nothing per span."""
@@ -106,8 +103,8 @@ class DrainOnCollect:
     def collect(self) -> Iterable[Any]:
         builder = self.builder
         if builder is not None:
-            # Spans too: what emitting them counts (a span queue that drops) is a metric as well. Hurried only where
-            # waiting loses something (readers_hurry): a scrape that came while an async save waits for the training
-            # step its upload ended in would cut that measure short, its span a step short of the histogram.
-            builder.drain(COLLECT_TIMEOUT_S, hurry=builder.readers_hurry())
+            # Spans too: what emitting them counts (a span queue that drops) is a metric as well. Not hurried where
+            # waiting loses nothing: a scrape that came while an async save waits for the training step its upload
+            # ended in would cut that measure short, its span a step short of the histogram.
+            builder.drain_for_reader()
         return ()
