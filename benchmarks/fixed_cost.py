@@ -161,10 +161,11 @@ def _records_per_save(save: Callable[[], None]) -> int:
 
 
 @contextlib.contextmanager
-def gloo_world_of_one() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+def gloo_world_of_one(store: str | None = None) -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
     """torch.distributed initialized as in a job (gloo, a world of one, so DCP's collectives run), and a
-    provider sending spans through a batch processor to memory; both ended on leaving."""
-    store = tempfile.mktemp(prefix="dcp-otel-store-")
+    provider sending spans through a batch processor to memory; both ended on leaving. ``store``: the file of
+    its ``FileStore`` (default: a new one in the temporary folder), removed on leaving."""
+    store = store or tempfile.mktemp(prefix="dcp-otel-store-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
