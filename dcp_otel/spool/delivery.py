@@ -89,6 +89,7 @@ class Delivery:
         self._timeout_s = timeout_s or 10.0
         self._exporters: list[SpanExporter] | None = None  # from the environment, made when first needed
         self._flush: BoundedFlush | None = None  # the last flush: while it is stuck, nothing more is handed over
+        self._flushed = True  # whether it said every exporter took what it flushed
         self._exporting: threading.Thread | None = None  # the same, for exporters of the environment
 
     def can_deliver(self) -> bool:
@@ -97,6 +98,12 @@ class Delivery:
         if span_processor(self._provider()) is not None:
             return True
         return bool(exporter_names()) if self._exporters is None else bool(self._exporters)
+
+    def stuck_provider(self) -> object | None:
+        """The provider whose last flush of handed-over spans is still under way or failed (its exporter stuck or
+        failing), else ``None``: an exit shuts it down in the background rather than wait for it again."""
+        flush = self._flush
+        return flush.provider if flush is not None and (flush.running() or not self._flushed) else None
 
     def _environment(self) -> list[SpanExporter]:
         if self._exporters is None:
@@ -123,7 +130,8 @@ class Delivery:
                 for span in spans:
                     processor.on_end(span)
                 self._flush = BoundedFlush(provider, "span", deadline)
-                return self._flush.wait() is True
+                self._flushed = self._flush.wait() is True
+                return self._flushed
             exporters = self._environment()
             if not exporters or (self._exporting is not None and self._exporting.is_alive()):
                 return False  # (an export still stuck on the last ones: not these on top of them)

@@ -50,7 +50,7 @@ from typing import Any, Final, NamedTuple
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-from dcp_otel import _forksafe
+from dcp_otel import _forksafe, semconv
 from dcp_otel._selftelemetry import report
 from dcp_otel._wake import Wake
 from dcp_otel.live.signal_exceptions import join_started, reraise_if_signalled, start_elsewhere
@@ -113,7 +113,7 @@ class Survivor:
         self.spool_dir = spool_dir
         self._live = live  # the node's exporter: it sends the spans of live processes that leave them to it
         self._checkpointing = checkpointing  # whether this process is inside a checkpoint call now
-        self._deliver = deliver
+        self.deliver = deliver
         self._can_deliver: Callable[[], bool] = getattr(deliver, "can_deliver", lambda: True)
         self.job = job
         self._own = own  # the directory of this process's own record, never reported by itself
@@ -147,7 +147,7 @@ class Survivor:
         self.reported = 0
         self.spans_sent = 0  # the spans of the deaths reported
         # The node's exporter: it sends the spans of live processes that leave them to it (spool.node).
-        self.node = NodeExport(self._deliver, self._can_deliver) if self._live else None
+        self.node = NodeExport(self.deliver, self._can_deliver) if self._live else None
         self.delivering = False  # another process's spans are on their way (through this process's exporters)
 
     def _after_fork_in_child(self) -> None:
@@ -399,7 +399,7 @@ class Survivor:
             spans = record.spans(death)
             self.delivering = True
             try:
-                sent = self._deliver(spans)
+                sent = self.deliver(spans)
             finally:
                 self.delivering = False
             with open(os.path.join(claimed, layout.DEATH_FILE), "w", encoding="utf-8") as out:
@@ -408,8 +408,10 @@ class Survivor:
             if not sent:
                 os.rename(claimed, path)  # again later (or by another survivor)
                 self._retry_at[parsed.base] = time.monotonic() + RETRY_S
-                report("survivor_not_sent", "dcp_otel could not send the spans of process %d, which died; its "
-                       "record stays in %s for another try and for dcp-otel report", parsed.pid, self.spool_dir)  # fmt: skip
+                how = f"exit status {death.exit_code}" if death.cause == semconv.ENDED_BY_EXIT else death.cause
+                report("survivor_not_sent", "dcp_otel could not send the spans process %d left in its record (it "
+                       "ended: %s); the record stays in %s for another try and for dcp-otel report", parsed.pid, how,
+                       self.spool_dir)  # fmt: skip
                 return False
             os.rename(claimed, os.path.join(self.spool_dir, f"{parsed.base}.{layout.REPORTED}"))
             self._forget(parsed)

@@ -226,16 +226,7 @@ class ExitFlush:
         if self._spool is not None:
             self._spool.close(clean=not failed, exiting=True)
         for provider in failed:
-            # This exporter is stuck or failing. The SDK's own exit hook would now shut the provider down and
-            # wait for that exporter again (30 s per batch processor or metric reader, plus the
-            # exporter's retries): exit would not be bounded by our timeout. So the shutdown runs in
-            # a daemon thread, which exports what it still can while the interpreter exits, and the
-            # SDK's hook goes.
-            shutdown = getattr(provider, "shutdown", None)
-            if callable(shutdown):
-                atexit.unregister(shutdown)  # the SDK registers the provider's bound shutdown
-                threading.Thread(target=_shutdown_quietly, args=(shutdown,), name="dcp-otel-shutdown",
-                                 daemon=True).start()  # fmt: skip
+            shut_down_in_background(provider)
 
 
     def _end_child(self) -> None:
@@ -257,6 +248,17 @@ class ExitFlush:
             reraise_if_signalled(exc)
             report("flush_error", "dcp_otel could not end this forked process's checkpoint spans", exc_info=True)
         spool.close(clean=not failed, exiting=True)
+
+
+def shut_down_in_background(provider: object) -> None:
+    """At exit, for a provider whose exporter is stuck or failing: its shutdown on a daemon thread, in place of the
+    SDK's exit hook. That hook would shut the provider down and wait for that exporter again (30 s per batch
+    processor or metric reader, plus the exporter's retries), and the exit would not be bounded by our timeout;
+    the daemon exports what it still can while the interpreter exits."""
+    shutdown = getattr(provider, "shutdown", None)
+    if callable(shutdown):
+        atexit.unregister(shutdown)  # the SDK registers the provider's bound shutdown
+        threading.Thread(target=_shutdown_quietly, args=(shutdown,), name="dcp-otel-shutdown", daemon=True).start()
 
 
 def _shutdown_quietly(shutdown: Callable[[], object]) -> None:
