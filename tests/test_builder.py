@@ -149,6 +149,46 @@ def test_a_full_build_queue_drops_and_counts_and_the_saves_are_unaffected(tmp_pa
     provider.shutdown()
 
 
+def test_readers_wait_for_a_stuck_builder_once_not_each_in_turn(tmp_path: Path) -> None:
+    """A builder stuck behind an exporter that never returns costs one reader its second, not every reader every
+    time: the SDK collects its readers one after another (a review timed 1, 2, 3 s for three), and a scrape after
+    a scrape waited again. Once the builder has moved, the next reader waits for it again. (A reader that comes
+    as it moves, before it finished what it was stuck on, does not wait: it misses that, the next one sees it.)"""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    exporter = StuckExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    readers = [InMemoryMetricReader() for _ in range(3)]
+    meters = MeterProvider(metric_readers=readers)
+    registry = CollectorRegistry()
+    dcp_otel.instrument(tracer_provider=provider, registry=registry, meter_provider=meters, flush_timeout_s=1)
+    builder = dcp_otel.DCPInstrumentor().recorder.builder
+    waits: list[bool] = []
+    drain = builder.drain
+    builder.drain = lambda *a, **k: waits.append(drain(*a, **k)) or waits[-1]  # type: ignore[method-assign]
+    saves = {"operation": "save", "status": "success", "rank": "0"}
+    try:
+        dcp.save(STATE, checkpoint_id=str(tmp_path / "first"))
+        assert exporter.entered.wait(30)  # the builder is now stuck in the exporter
+        dcp.save(STATE, checkpoint_id=str(tmp_path / "queued"))  # (its metrics wait behind the stuck build)
+        for reader in readers:
+            reader.get_metrics_data()
+        assert registry.get_sample_value("dcp_operations_total", saves) == 1
+        assert waits == [False]  # the first reader waited its second in vain; the three after it did not wait
+        exporter.release.set()
+        assert dcp_otel.flush(timeout_s=30)  # (the builder has moved on)
+        del waits[:]
+        assert registry.get_sample_value("dcp_operations_total", saves) == 2
+        assert waits == [True]  # a reader waits for it again
+    finally:
+        exporter.release.set()
+        dcp_otel.uninstrument()
+    provider.shutdown()
+    meters.shutdown()
+
+
 def test_every_reader_sees_every_finished_operation(tmp_path: Path) -> None:
     """A scrape, the provider's own force_flush and dcp_otel.flush() each wait for the builder."""
     exporter = InMemorySpanExporter()

@@ -68,8 +68,6 @@ from dcp_otel.tracing.trace_ids import chosen_ids_tracer
 
 #: The background work of an async save: what runs beside training once the caller's call returned.
 _BACKGROUND = frozenset({KIND_UPLOAD, KIND_STAGING})
-
-
 #: The longest a finished operation waits, from when it finished, for checkpoint calls to return before it is built
 #: anyway (a save that runs for minutes mostly waits for its storage, the interpreter free).
 DEFER_MAX_S: Final = 10.0
@@ -78,15 +76,11 @@ DEFER_MAX_S: Final = 10.0
 #: thread holding the interpreter a switch, and this one about 1 ms of CPU under a busy caller: looking every
 #: 20 ms took 20-50 ms of CPU beside each 10,000-tensor ``async_save`` (``benchmarks/own_share.py``).
 _LOOK_EVERY_S: Final = 0.5
-#: Past this many operations queued (or half the queue's bound) the builder builds, checkpoint call or not:
-#: back-to-back checkpoint calls must not fill the queue until it drops spans.
+#: Past this many operations queued (or half the queue's bound) the builder builds, checkpoint call or not: back-to-back
+#: checkpoint calls must not fill the queue until it drops spans.
 DEFER_MAX_QUEUED: Final = 64
 #: The longest a reader of the metrics waits for what is queued: a stuck builder must not stall a scrape.
 READER_WAIT_S: Final = 1.0
-
-
-def _yield() -> None:
-    time.sleep(0)
 
 
 class SpanBuilder(StepMeasures):
@@ -131,6 +125,7 @@ class SpanBuilder(StepMeasures):
         self.peak_depth = 0
         self.busy_ns = 0
         self.built = 0
+        self._progress, self._reader_gave_up = 0, -1  # measures and builds done; as they were when a reader gave up
         self.folds = 0  # the times the steps seen were folded into the histogram between checkpoints (see _fold)
         # Folds of the steps seen into the histogram asked for (by a drain, the timer) and done (see _fold): a fold
         # asked while one runs is another one (that one may have read the steps before the ask).
@@ -243,9 +238,15 @@ class SpanBuilder(StepMeasures):
     def drain_for_reader(self, metrics_only: bool = False) -> bool:
         """:meth:`drain` for a reader of the metrics (a scrape, an OTel collection): :data:`READER_WAIT_S` at most,
         hurried only where waiting loses something: an operation queued behind an async save's wait for the step its
-        upload ended in (it would miss it), or a read on the training thread (whose step cannot end meanwhile)."""
+        upload ended in (it would miss it), or a read on the training thread (whose step cannot end meanwhile). Not
+        at all while the builder did nothing since a reader last waited in vain (stuck behind an exporter that never
+        returns): the SDK collects its readers one after another, and each waited its second (found by a review)."""
+        if self._reader_gave_up == self._progress:
+            return False
         hurry = bool(self._queue) or CLOCK.thread == threading.get_ident()
-        return self.drain(READER_WAIT_S, metrics_only=metrics_only, hurry=hurry)
+        if not (done := self.drain(READER_WAIT_S, metrics_only=metrics_only, hurry=hurry)):
+            self._reader_gave_up = self._progress
+        return done
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Let the thread end once the queue is empty (waited for, at most ``timeout_s``).
@@ -280,6 +281,7 @@ class SpanBuilder(StepMeasures):
             self._record_metrics(op, calls)
             with self._lock:
                 self._unmeasured -= 1
+                self._progress += 1
                 self._cond.notify_all()
             if calls is op.calls and op.failed is None and op.end_ns:
                 first = op.start_ns or min((c.start_ns for c in calls), default=op.end_ns)
@@ -312,6 +314,7 @@ class SpanBuilder(StepMeasures):
                 self._unbuilt -= 1
                 self.busy_ns += time.thread_time_ns() - started
                 self.built += 1
+                self._progress += 1
                 self._cond.notify_all()
 
     def _next(self) -> tuple[Operation, list[Call]] | None:
@@ -434,15 +437,12 @@ class SpanBuilder(StepMeasures):
             # Let other threads have the interpreter between SDK spans: the training thread never waits a whole
             # switch interval (5 ms) for it, and the SDK's batch worker takes its batches as they come.
             if not direct:  # (written straight, a span takes tens of us: no offer between them)
-                _yield()
+                time.sleep(0)
         if keep is not None and emit.ended:
             keep(emit.ended)  # until an exporter confirms them: a death now would lose them with the SDK's queue
 
 
-def _never() -> bool:
-    return False
-
-
+_never: Callable[[], bool] = bool  # (False: no thread inside a checkpoint call)
 _none_open: Callable[[], int] = int  # (0: no operation open)
 
 
