@@ -152,8 +152,9 @@ def test_a_full_build_queue_drops_and_counts_and_the_saves_are_unaffected(tmp_pa
 def test_readers_wait_for_a_stuck_builder_once_not_each_in_turn(tmp_path: Path) -> None:
     """A builder stuck behind an exporter that never returns costs one reader its second, not every reader every
     time: the SDK collects its readers one after another (a review timed 1, 2, 3 s for three), and a scrape after
-    a scrape waited again. Once the builder has moved, the next reader waits for it again. (A reader that comes
-    as it moves, before it finished what it was stuck on, does not wait: it misses that, the next one sees it.)"""
+    a scrape waited again. One more operation queued, or the builder moved, and the next reader waits again. (One
+    that comes as it moves, before it finished what it was stuck on, does not wait: it misses that, the next one
+    sees it.)"""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -177,10 +178,14 @@ def test_readers_wait_for_a_stuck_builder_once_not_each_in_turn(tmp_path: Path) 
             reader.get_metrics_data()
         assert registry.get_sample_value("dcp_operations_total", saves) == 1
         assert waits == [False]  # the first reader waited its second in vain; the three after it did not wait
+        dcp.save(STATE, checkpoint_id=str(tmp_path / "one more"))  # queued since: waited for once more
+        for reader in readers:
+            reader.get_metrics_data()
+        assert waits == [False, False]
         exporter.release.set()
         assert dcp_otel.flush(timeout_s=30)  # (the builder has moved on)
         del waits[:]
-        assert registry.get_sample_value("dcp_operations_total", saves) == 2
+        assert registry.get_sample_value("dcp_operations_total", saves) == 3
         assert waits == [True]  # a reader waits for it again
     finally:
         exporter.release.set()
@@ -463,8 +468,10 @@ def test_a_scrape_while_the_builder_waits_for_that_step_does_not_cut_its_measure
 
 def test_a_reader_that_would_lose_something_by_waiting_for_that_step_hurries_it(
         tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
-    """A scrape while a save is queued behind that wait sees the save (waiting, it missed it and took 1 s); a read
-    on the training thread, whose step cannot end while it waits, builds at once (it took 1 s, and missed it)."""
+    """A scrape while a save is queued behind that wait sees the save (waiting, it missed it and took 1 s), though a
+    scrape before it waited its second in vain (a review found the later one then waited no more, nor hurried, and
+    missed the save); a read on the training thread, whose step cannot end while it waits, builds at once (it took
+    1 s, and missed it)."""
     from dcp_otel import semconv
     from dcp_otel.tracing import builder as building
     from dcp_otel.tracing import interference
@@ -478,6 +485,9 @@ def test_a_reader_that_would_lose_something_by_waiting_for_that_step_hurries_it(
     try:
         _an_upload_ended_inside_a_step(tmp_path / "one")
         assert builder.drain(30, metrics_only=True, hurry=False)
+        first: list[bool] = []
+        _elsewhere(lambda: first.append(builder.drain_for_reader()))  # a scrape with nothing queued: its second
+        assert first == [False]  # waited for the step, in vain
         dcp.save(STATE, checkpoint_id=str(tmp_path / "queued"))  # queued behind the wait for the step
         seen: list[float | None] = []
         _elsewhere(lambda: seen.append(registry.get_sample_value(saves, {"operation": "save", "status": "success", "rank": "0"})))

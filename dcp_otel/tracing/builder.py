@@ -125,7 +125,7 @@ class SpanBuilder(StepMeasures):
         self.peak_depth = 0
         self.busy_ns = 0
         self.built = 0
-        self._progress, self._reader_gave_up = 0, -1  # measures and builds done; as they were when a reader gave up
+        self._progress, self._reader_gave_up = 0, (-1, 0)  # measures and builds done; see drain_for_reader
         self.folds = 0  # the times the steps seen were folded into the histogram between checkpoints (see _fold)
         # Folds of the steps seen into the histogram asked for (by a drain, the timer) and done (see _fold): a fold
         # asked while one runs is another one (that one may have read the steps before the ask).
@@ -239,13 +239,13 @@ class SpanBuilder(StepMeasures):
         """:meth:`drain` for a reader of the metrics (a scrape, an OTel collection): :data:`READER_WAIT_S` at most,
         hurried only where waiting loses something: an operation queued behind an async save's wait for the step its
         upload ended in (it would miss it), or a read on the training thread (whose step cannot end meanwhile). Not
-        at all while the builder did nothing since a reader last waited in vain (stuck behind an exporter that never
+        at all while nothing moved since a reader last waited in vain (a builder stuck behind an exporter that never
         returns): the SDK collects its readers one after another, and each waited its second (found by a review)."""
-        if self._reader_gave_up == self._progress:
+        if self._reader_gave_up == (self._progress, self._unmeasured):  # (nothing measured, built or queued since)
             return False
         hurry = bool(self._queue) or CLOCK.thread == threading.get_ident()
         if not (done := self.drain(READER_WAIT_S, metrics_only=metrics_only, hurry=hurry)):
-            self._reader_gave_up = self._progress
+            self._reader_gave_up = (self._progress, self._unmeasured)
         return done
 
     def close(self, timeout_s: float = 5.0) -> None:
