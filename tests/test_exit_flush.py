@@ -6,10 +6,18 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
 from dcp_otel import semconv
+from dcp_otel.spool.delivery import Delivery
+from dcp_otel.tracing.flushing import BoundedFlush
 from tests.ranks import REPO, WORKERS, rank_env
 from tests.spans_io import load_spans
 
@@ -51,11 +59,10 @@ def test_a_job_whose_collector_never_answers_ends_as_plain_its_agent_not_waiting
         tmp_path: Path) -> None:  # fmt: skip
     """Under ``opentelemetry-instrument torchrun``, each rank's exit flush gives up after the flush timeout and leaves
     its spans in its record; torchelastic's agent then hands them to its own provider, whose exporter is stuck on
-    the same collector. The agent's exit waits half the flush timeout for them and leaves that provider's shutdown
-    to a daemon thread: the SDK's exit hook would wait for the exporter again (30 s, its batch processor's bound,
-    with an exporter whose timeout is longer; with the defaults a review found the job ending 21 s after plain, 10
-    of them the agent's). The job may take the flush timeout (1 s) and the agent's half of it longer than plain;
-    15 s is far from both that and the hook's 30 s."""
+    the same collector. The agent's exit waits for that delivery until its deadline (the flush timeout) and leaves
+    that provider's shutdown to a daemon thread: the SDK's exit hook would wait for the exporter again, as long as
+    the exporter's timeout (30 s here, its batch processor's bound, the exporter's being longer). The job may take
+    about twice the flush timeout (1 s) longer than plain; 15 s is far from both that and the hook's 30 s."""
     bin_dir = Path(sys.executable).parent
     torchrun = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "1", "--monitor-interval", "0.1",
                 str(WORKERS / "plain_train.py")]  # fmt: skip
@@ -77,3 +84,61 @@ def test_a_job_whose_collector_never_answers_ends_as_plain_its_agent_not_waiting
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == sorted(p.name for p in (tmp_path / "traced").iterdir())
     # (The rank's exit flush gave up, its spans left in its record: what the agent then sends through its provider.)
     assert "the span exporter did not finish flushing in time" in runs["traced"].stderr
+
+
+class _GatedExporter(SpanExporter):
+    """Takes spans only once ``gate`` is set (a collector down for a while, its exporter retrying); fails after 60 s."""
+
+    def __init__(self) -> None:
+        self.gate, self.entered, self.got = threading.Event(), threading.Event(), 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.entered.set()
+        if not self.gate.wait(60):
+            return SpanExportResult.FAILURE
+        self.got += len(spans)
+        return SpanExportResult.SUCCESS
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_at_the_agents_exit_a_delivery_under_way_is_waited_for_until_its_deadline_then_left_to_a_daemon(
+        comes_back: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A dead worker's spans still on their way at the agent's exit: its settle waits for that flush until the
+    delivery's own deadline, so an exporter that gets through meanwhile (a collector back within the flush
+    timeout) delivers them, and only one still stuck then leaves its provider to be shut down in the background
+    (a review found the first version of this giving up at half the timeout: the spans were lost). The exporter
+    here gets through once the settle waits for it (its ``finish``), so the order is fixed, not timed."""
+    exporter = _GatedExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    delivery = Delivery(lambda: provider, timeout_s=30 if comes_back else 0.5)
+    finish, waiting = BoundedFlush.finish, threading.Event()
+
+    def settling(flush: BoundedFlush) -> bool | None:
+        if threading.current_thread().name == "survivor":
+            waiting.set()  # the delivery's flush is started, and waited for
+        elif threading.current_thread().name == "settle" and comes_back:
+            exporter.gate.set()
+        return finish(flush)
+
+    monkeypatch.setattr(BoundedFlush, "finish", settling)
+    span = TracerProvider().get_tracer("t").start_span("dead worker's")
+    span.end()
+    sent: list[bool] = []
+    under_way = threading.Thread(target=lambda: sent.append(delivery([span])), name="survivor")  # type: ignore[list-item]
+    under_way.start()
+    assert waiting.wait(30) and exporter.entered.wait(30)  # the flush is under way, in the exporter
+    settled: list[object] = []
+    settle = threading.Thread(target=lambda: settled.append(delivery.settle()), name="settle")
+    settle.start()
+    settle.join(60)
+    under_way.join(60)
+    try:
+        if comes_back:
+            assert settled == [None] and exporter.got == 1 and sent == [True]
+        else:
+            assert settled == [provider] and exporter.got == 0 and sent == [False]
+        assert delivery.settle() is None  # once: a second settle (dcp-otel-run's, then atexit's) has nothing
+    finally:
+        exporter.gate.set()
+        provider.shutdown()

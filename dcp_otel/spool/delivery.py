@@ -89,8 +89,8 @@ class Delivery:
         self._timeout_s = timeout_s or 10.0
         self._exporters: list[SpanExporter] | None = None  # from the environment, made when first needed
         self._flush: BoundedFlush | None = None  # the last flush: while it is stuck, nothing more is handed over
-        self._flushed = True  # whether it said every exporter took what it flushed
         self._exporting: threading.Thread | None = None  # the same, for exporters of the environment
+        self._deadline = 0.0  # the last delivery's
 
     def can_deliver(self) -> bool:
         """Whether there is anywhere to send spans (a provider with processors, or exporters the environment names);
@@ -99,11 +99,14 @@ class Delivery:
             return True
         return bool(exporter_names()) if self._exporters is None else bool(self._exporters)
 
-    def stuck_provider(self) -> object | None:
-        """The provider whose last flush of handed-over spans is still under way or failed (its exporter stuck or
-        failing), else ``None``: an exit shuts it down in the background rather than wait for it again."""
-        flush = self._flush
-        return flush.provider if flush is not None and (flush.running() or not self._flushed) else None
+    def settle(self) -> object | None:
+        """At exit: the last flush of handed-over spans, waited for until its own deadline (an exporter that retries
+        gets there within the timeout); the provider it went through if it did not finish or failed (its exporter
+        stuck or failing), once, else ``None``: the exit shuts it down in the background, not waiting for it again."""
+        if self._exporting is not None:  # (exporters of the environment: a daemon thread, no exit hook to pass)
+            self._exporting.join(max(0.0, self._deadline - time.monotonic()))
+        flush, self._flush = self._flush, None
+        return None if flush is None or flush.finish() is True else flush.provider
 
     def _environment(self) -> list[SpanExporter]:
         if self._exporters is None:
@@ -120,7 +123,7 @@ class Delivery:
         """Send ``spans``; ``True`` once every exporter took them within the timeout."""
         if not spans:
             return True
-        deadline = time.monotonic() + self._timeout_s
+        deadline = self._deadline = time.monotonic() + self._timeout_s
         try:
             provider = self._provider()
             processor = span_processor(provider)
@@ -129,9 +132,8 @@ class Delivery:
                     return False  # the exporter is stuck on the last ones: not these on top of them
                 for span in spans:
                     processor.on_end(span)
-                self._flush = BoundedFlush(provider, "span", deadline)
-                self._flushed = self._flush.wait() is True
-                return self._flushed
+                flush = self._flush = BoundedFlush(provider, "span", deadline)  # (an exit's settle may take it meanwhile)
+                return flush.wait() is True
             exporters = self._environment()
             if not exporters or (self._exporting is not None and self._exporting.is_alive()):
                 return False  # (an export still stuck on the last ones: not these on top of them)

@@ -164,12 +164,13 @@ class AgentWatch:
         return watch
 
     def settle(self) -> None:
-        """Until the deaths seen are sent (at exit: half the flush timeout at most). Where the provider they went
-        through is stuck on them, its shutdown goes to a daemon thread: the SDK's exit hook would wait for the
-        exporter again, as long as the exporter's own timeout, after the ranks' exit flush (found by a review: a
-        job under a hung collector ended 21 s after plain, not 10)."""
+        """Until the deaths seen are sent (at exit: half the flush timeout at most, and a delivery under way until its
+        own deadline, so an exporter that retries gets there). Where the provider they went through is stuck on
+        them, its shutdown goes to a daemon thread: the SDK's exit hook would wait for the exporter again, as long
+        as the exporter's own timeout, after the ranks' exit flush (found by a review: a job under a hung
+        collector ended 21 s after plain, not 10)."""
         self.survivor.wait_idle(self._timeout_s / 2)
-        stuck = getattr(self.survivor.deliver, "stuck_provider", lambda: None)()  # (a Delivery: has one)
+        stuck = getattr(self.survivor.deliver, "settle", lambda: None)()  # (a Delivery's; None: sent, or nothing)
         if stuck is not None:
             shut_down_in_background(stuck)
 

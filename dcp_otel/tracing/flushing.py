@@ -86,12 +86,17 @@ class BoundedFlush:
 
     def wait(self) -> bool | None:
         """True/False: the flush's answer; ``None``: still running at the deadline (the exporter is stuck)."""
+        said = self.finish()
+        if said is None and not self._quiet:
+            report("flush_timeout", "dcp_otel: the %s exporter did not finish flushing in time", self._what)
+        return said
+
+    def finish(self) -> bool | None:
+        """:meth:`wait`'s answer, saying nothing of a timeout (waited for again, it is no new problem)."""
         if self._thread is None:
             return True
         self._thread.join(max(0.0, self._deadline - time.monotonic()))
         if self._thread.is_alive():
-            if not self._quiet:
-                report("flush_timeout", "dcp_otel: the %s exporter did not finish flushing in time", self._what)
             return None
         return self._outcome[0] if self._outcome else False  # (none: an exporter's SystemExit ended the flush)
 
