@@ -87,28 +87,31 @@ def test_a_job_whose_collector_never_answers_ends_as_plain_its_agent_not_waiting
 
 
 class _GatedExporter(SpanExporter):
-    """Takes spans only once ``gate`` is set (a collector down for a while, its exporter retrying); fails after 60 s."""
+    """Takes spans only once ``gate`` is set (a collector down for a while, its exporter retrying); fails after 60 s,
+    or at once where it ``refuses``."""
 
-    def __init__(self) -> None:
-        self.gate, self.entered, self.got = threading.Event(), threading.Event(), 0
+    def __init__(self, refuses: bool = False) -> None:
+        self.gate, self.entered, self.got, self.refuses = threading.Event(), threading.Event(), 0, refuses
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.entered.set()
-        if not self.gate.wait(60):
+        if self.refuses or not self.gate.wait(60):
             return SpanExportResult.FAILURE
         self.got += len(spans)
         return SpanExportResult.SUCCESS
 
 
-@pytest.mark.parametrize("comes_back", [True, False])
+@pytest.mark.parametrize("collector", ["comes back", "stuck", "refuses"])
 def test_at_the_agents_exit_a_delivery_under_way_is_waited_for_until_its_deadline_then_left_to_a_daemon(
-        comes_back: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+        collector: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A dead worker's spans still on their way at the agent's exit: its settle waits for that flush until the
     delivery's own deadline, so an exporter that gets through meanwhile (a collector back within the flush
     timeout) delivers them, and only one still stuck then leaves its provider to be shut down in the background
-    (a review found the first version of this giving up at half the timeout: the spans were lost). The exporter
-    here gets through once the settle waits for it (its ``finish``), so the order is fixed, not timed."""
-    exporter = _GatedExporter()
+    (a review found the first version of this giving up at half the timeout: the spans were lost); one that
+    answered, if only to refuse, leaves the SDK's exit hook in place. The exporter here gets through once the
+    settle waits for it (its ``finish``), so the order is fixed, not timed."""
+    comes_back = collector == "comes back"
+    exporter = _GatedExporter(refuses=collector == "refuses")
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter))
     delivery = Delivery(lambda: provider, timeout_s=30 if comes_back else 0.5)
@@ -136,8 +139,10 @@ def test_at_the_agents_exit_a_delivery_under_way_is_waited_for_until_its_deadlin
     try:
         if comes_back:
             assert settled == [None] and exporter.got == 1 and sent == [True]
-        else:
+        elif collector == "stuck":
             assert settled == [provider] and exporter.got == 0 and sent == [False]
+        else:  # (the SDK's flush says True: it ended in time; what the exporter answered, it does not say)
+            assert settled == [None] and exporter.got == 0
         assert delivery.settle() is None  # once: a second settle (dcp-otel-run's, then atexit's) has nothing
     finally:
         exporter.gate.set()

@@ -101,12 +101,14 @@ class Delivery:
 
     def settle(self) -> object | None:
         """At exit: the last flush of handed-over spans, waited for until its own deadline (an exporter that retries
-        gets there within the timeout); the provider it went through if it did not finish or failed (its exporter
-        stuck or failing), once, else ``None``: the exit shuts it down in the background, not waiting for it again."""
+        gets there within the timeout); the provider it went through if that flush is still under way (its exporter
+        stuck), once, else ``None``: the exit shuts it down in the background, not waiting for it again. A flush that
+        ended, even failing, leaves the SDK's exit hook in place: its exporter answers, and the application's own
+        spans still go out through it."""
         if self._exporting is not None:  # (exporters of the environment: a daemon thread, no exit hook to pass)
             self._exporting.join(max(0.0, self._deadline - time.monotonic()))
         flush, self._flush = self._flush, None
-        return None if flush is None or flush.finish() is True else flush.provider
+        return flush.provider if flush is not None and flush.finish() is None else None
 
     def _environment(self) -> list[SpanExporter]:
         if self._exporters is None:
