@@ -17,12 +17,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, generate_latest
 
 import dcp_otel
 from dcp_otel import _selftelemetry
+from tests.exporters import GatedExporter
 
 STATE = {"w": torch.ones(8)}
 
@@ -101,22 +102,9 @@ def test_the_bytes_a_load_will_read_are_counted_off_the_training_thread(tmp_path
     assert read is not None and read >= 2000 * 4 * 4
 
 
-class StuckExporter(SpanExporter):
-    """Blocks the builder (through a SimpleSpanProcessor) until released."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def export(self, spans: list[ReadableSpan]) -> SpanExportResult:  # type: ignore[override]
-        self.entered.set()
-        self.release.wait(60)
-        return SpanExportResult.SUCCESS
-
-
 def test_a_full_build_queue_drops_and_counts_and_the_saves_are_unaffected(tmp_path: Path) -> None:
     _selftelemetry.reset()
-    exporter = StuckExporter()
+    exporter = GatedExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     registry = CollectorRegistry()
@@ -140,11 +128,11 @@ def test_a_full_build_queue_drops_and_counts_and_the_saves_are_unaffected(tmp_pa
         saves = {"operation": "save", "status": "success", "rank": "0"}
         assert registry.get_sample_value("dcp_operations_total", saves) == 1 + 3
         assert registry.get_sample_value("dcp_operations_total", {**saves, "operation": "load"}) == 1
-        exporter.release.set()
+        exporter.gate.set()
         assert dcp_otel.flush(timeout_s=30)
         assert registry.get_sample_value("dcp_operations_total", saves) == 6  # every save once, none twice
     finally:
-        exporter.release.set()
+        exporter.gate.set()
         dcp_otel.uninstrument()
     provider.shutdown()
 
@@ -158,7 +146,7 @@ def test_readers_wait_for_a_stuck_builder_once_not_each_in_turn(tmp_path: Path) 
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    exporter = StuckExporter()
+    exporter = GatedExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     readers = [InMemoryMetricReader() for _ in range(3)]
@@ -182,13 +170,13 @@ def test_readers_wait_for_a_stuck_builder_once_not_each_in_turn(tmp_path: Path) 
         for reader in readers:
             reader.get_metrics_data()
         assert waits == [False, False]
-        exporter.release.set()
+        exporter.gate.set()
         assert dcp_otel.flush(timeout_s=30)  # (the builder has moved on)
         del waits[:]
         assert registry.get_sample_value("dcp_operations_total", saves) == 3
         assert waits == [True]  # a reader waits for it again
     finally:
-        exporter.release.set()
+        exporter.gate.set()
         dcp_otel.uninstrument()
     provider.shutdown()
     meters.shutdown()

@@ -8,16 +8,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from dcp_otel import semconv
 from dcp_otel.spool.delivery import Delivery
 from dcp_otel.tracing.flushing import BoundedFlush
+from tests.exporters import GatedExporter
 from tests.ranks import REPO, WORKERS, rank_env
 from tests.spans_io import load_spans
 
@@ -86,21 +86,6 @@ def test_a_job_whose_collector_never_answers_ends_as_plain_its_agent_not_waiting
     assert "the span exporter did not finish flushing in time" in runs["traced"].stderr
 
 
-class _GatedExporter(SpanExporter):
-    """Takes spans only once ``gate`` is set (a collector down for a while, its exporter retrying); fails after 60 s,
-    or at once where it ``refuses``."""
-
-    def __init__(self, refuses: bool = False) -> None:
-        self.gate, self.entered, self.got, self.refuses = threading.Event(), threading.Event(), 0, refuses
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.entered.set()
-        if self.refuses or not self.gate.wait(60):
-            return SpanExportResult.FAILURE
-        self.got += len(spans)
-        return SpanExportResult.SUCCESS
-
-
 @pytest.mark.parametrize("collector", ["comes back", "stuck", "refuses"])
 def test_at_the_agents_exit_a_delivery_under_way_is_waited_for_until_its_deadline_then_left_to_a_daemon(
         collector: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
@@ -111,7 +96,7 @@ def test_at_the_agents_exit_a_delivery_under_way_is_waited_for_until_its_deadlin
     answered, if only to refuse, leaves the SDK's exit hook in place. The exporter here gets through once the
     settle waits for it (its ``finish``), so the order is fixed, not timed."""
     comes_back = collector == "comes back"
-    exporter = _GatedExporter(refuses=collector == "refuses")
+    exporter = GatedExporter(refuses=collector == "refuses")
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter))
     delivery = Delivery(lambda: provider, timeout_s=30 if comes_back else 0.5)
@@ -138,11 +123,11 @@ def test_at_the_agents_exit_a_delivery_under_way_is_waited_for_until_its_deadlin
     under_way.join(60)
     try:
         if comes_back:
-            assert settled == [None] and exporter.got == 1 and sent == [True]
+            assert settled == [None] and len(exporter.got) == 1 and sent == [True]
         elif collector == "stuck":
-            assert settled == [provider] and exporter.got == 0 and sent == [False]
+            assert settled == [provider] and not exporter.got and sent == [False]
         else:  # (the SDK's flush says True: it ended in time; what the exporter answered, it does not say)
-            assert settled == [None] and exporter.got == 0
+            assert settled == [None] and not exporter.got
         assert delivery.settle() is None  # once: a second settle (dcp-otel-run's, then atexit's) has nothing
     finally:
         exporter.gate.set()

@@ -9,7 +9,6 @@ import logging
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ import dcp_otel
 from dcp_otel import _selftelemetry
 from dcp_otel.otlp_file import read_spans
 from dcp_otel.tracing import export_queue
+from tests.exporters import GatedExporter
 from tests.ranks import REPO, WORKERS, rank_env, run_ranks
 
 FLUSH_TIMEOUT_S = 2
@@ -75,19 +75,6 @@ def test_a_dead_or_hung_otlp_endpoint_costs_neither_the_saves_nor_memory_nor_the
     assert run.stderr.count("span queue is full") == 1, run.stderr[-3000:]
 
 
-class BlockedExporter(SpanExporter):
-    """An exporter stuck until released (a hung collector), counting what it got."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.exported = 0
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.release.wait(timeout=60)
-        self.exported += len(spans)
-        return SpanExportResult.SUCCESS
-
-
 class EndedSpans(SpanProcessor):
     def __init__(self) -> None:
         self.count = 0
@@ -100,7 +87,7 @@ def test_spans_the_sdks_full_queue_drops_are_counted_exactly_exported_and_logged
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _selftelemetry.reset()
-    exporter, ended = BlockedExporter(), EndedSpans()
+    exporter, ended = GatedExporter(), EndedSpans()
     provider = TracerProvider()
     provider.add_span_processor(ended)
     # Room for 4 queued spans and a batch of 2 in the stuck export: a save emits more.
@@ -117,9 +104,9 @@ def test_spans_the_sdks_full_queue_drops_are_counted_exactly_exported_and_logged
         )
     finally:
         dcp_otel.uninstrument()
-        exporter.release.set()
+        exporter.gate.set()
         provider.shutdown()  # exports what the queue kept
-    dropped = ended.count - exporter.exported
+    dropped = ended.count - len(exporter.got)
     assert dropped >= 3 * 7 - 6  # 3 saves of 7 spans each, at most 6 of them kept
     assert dcp_otel.diagnostics()["span_queue_full"] == dropped
     assert scraped == dropped  # and Prometheus sees the same count
