@@ -34,6 +34,25 @@ from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.flushing import BoundedFlush
 
 _OTLP_ENDPOINT_VARS: Final = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+#: The spans one export request of exporters of the environment carries (a batch processor's default batch: a dead
+#: process's record may hold thousands, and a collector limits a request's size).
+EXPORT_BATCH: Final = 512
+
+
+def hand_over() -> int:
+    """The most spans handed to a provider's span processors before a flush: half a batch processor's queue
+    (``OTEL_BSP_MAX_QUEUE_SIZE``, 2,048 by default), which drops what overflows it, unsaid. A processor made in code
+    with a smaller queue is not seen here."""
+    try:
+        queue = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "") or 2048)
+    except ValueError:
+        queue = 2048  # (the SDK says it, and uses its default)
+    return max(1, queue // 2)
+
+
+def chunks(spans: Sequence[ReadableSpan], size: int) -> list[Sequence[ReadableSpan]]:
+    """``spans`` in slices of at most ``size``, in order."""
+    return [spans[i : i + size] for i in range(0, len(spans), size)]
 
 
 def exporter_names() -> list[str]:
@@ -132,10 +151,13 @@ class Delivery:
             if processor is not None:
                 if self._flush is not None and self._flush.running():
                     return False  # the exporter is stuck on the last ones: not these on top of them
-                for span in spans:
-                    processor.on_end(span)
-                flush = self._flush = BoundedFlush(provider, "span", deadline)  # (an exit's settle may take it meanwhile)
-                return flush.wait() is True
+                for chunk in chunks(spans, hand_over()):  # (a batch processor drops what overflows its queue, unsaid)
+                    for span in chunk:
+                        processor.on_end(span)
+                    flush = self._flush = BoundedFlush(provider, "span", deadline)  # (an exit's settle may take it)
+                    if flush.wait() is not True:
+                        return False
+                return True
             exporters = self._environment()
             if not exporters or (self._exporting is not None and self._exporting.is_alive()):
                 return False  # (an export still stuck on the last ones: not these on top of them)
@@ -154,7 +176,8 @@ class Delivery:
 def _export_all(exporters: list[SpanExporter], spans: Sequence[ReadableSpan], outcome: list[bool]) -> None:
     for exporter in exporters:
         try:
-            outcome.append(exporter.export(spans) == SpanExportResult.SUCCESS)
+            outcome.append(all(exporter.export(chunk) == SpanExportResult.SUCCESS
+                               for chunk in chunks(spans, EXPORT_BATCH)))  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             report("survivor_error", "a span exporter failed to send a dead process's spans", exc_info=True)

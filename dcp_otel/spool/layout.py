@@ -209,6 +209,28 @@ def alive(pid: int, start: int) -> bool:
         return False
 
 
+def exit_status_of_child(pid: int) -> int | None:
+    """A child's exit status as ``Popen.returncode`` says it, read without reaping it (``None``: not a child,
+    already reaped, or still running)."""
+    try:
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError, AttributeError):
+        return None
+    if found is None:
+        return None
+    if found.si_code == os.CLD_EXITED:
+        return found.si_status
+    return -found.si_status
+
+
+def mtime(path: str) -> float:
+    """When ``path`` was last written (0: it is gone)."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
 #: Where records are kept when ``DCP_OTEL_SPOOL_DIR`` is unset: a RAM file system when it is big enough
 #: (nothing there ever waits for a disk), else the temporary directory.
 _RAM_DIR: Final = "/dev/shm"

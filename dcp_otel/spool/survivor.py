@@ -81,20 +81,6 @@ _EXPECTED_S: Final = 60.0
 RETRY_S: Final = 30.0
 
 
-def exit_status_of_child(pid: int) -> int | None:
-    """A child's exit status as ``Popen.returncode`` says it, read without reaping it (``None``: not a child,
-    already reaped, or still running)."""
-    try:
-        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except (ChildProcessError, OSError, AttributeError):
-        return None
-    if found is None:
-        return None
-    if found.si_code == os.CLD_EXITED:
-        return found.si_status
-    return -found.si_status
-
-
 class _DeadFacts(NamedTuple):
     """What decides whose a dead process's record is to report (see :meth:`Survivor._death_if_ours`)."""
 
@@ -280,7 +266,7 @@ class Survivor:
         """Report every death that is this survivor's to report now; the number reported."""
         now_ns = now_ns or time.time_ns()
         host, me, own = layout.host_name(), os.getpid(), self._own()
-        done = 0
+        due: list[tuple[layout.RecordName, str, Death]] = []  # the deaths to report, sent together after the look
         reported: list[tuple[float, str]] = []
         names = self._names()
         parents = self._survivors(names, host)
@@ -297,7 +283,7 @@ class Survivor:
             if parsed.state == layout.REPORTED:  # (reported, it changes no more: its time is read once)
                 mtime = self._mtimes.get(name)
                 if mtime is None:
-                    mtime = self._mtimes[name] = _mtime(os.path.join(self.spool_dir, name))
+                    mtime = self._mtimes[name] = layout.mtime(os.path.join(self.spool_dir, name))
                 reported.append((mtime, os.path.join(self.spool_dir, name)))
                 continue
             path = os.path.join(self.spool_dir, name)
@@ -312,10 +298,11 @@ class Survivor:
                     self.node.send(name, path, (me, self._my_start), self.job, parents)
                 continue
             death = self._death_if_ours(parsed, path, me, now_ns, parents)
-            if death is not None and self._report(parsed, path, death):
-                done += 1
-            elif death is None and time.time() - self._seen_at(name) > KEEP_S:
+            if death is not None:
+                due.append((parsed, path, death))
+            elif time.time() - self._seen_at(name) > KEEP_S:
                 shutil.rmtree(path, ignore_errors=True)  # a dead process nobody reported in a week: the spool is bounded
+        done = self._report(due)
         self._prune(reported)
         return done
 
@@ -324,7 +311,7 @@ class Survivor:
         mtime = self._mtimes.get(name)
         if mtime is None:
             path = os.path.join(self.spool_dir, name)
-            mtime = self._mtimes[name] = _mtime(path) if os.path.isdir(path) else time.time()
+            mtime = self._mtimes[name] = layout.mtime(path) if os.path.isdir(path) else time.time()
         return mtime
 
     def _forget(self, parsed: layout.RecordName) -> None:
@@ -369,7 +356,7 @@ class Survivor:
         if expected is not None:
             return Death.of_status(expected[0], expected[1])
         if child:
-            status = exit_status_of_child(parsed.pid)  # (read without reaping it: its owner still will)
+            status = layout.exit_status_of_child(parsed.pid)  # (read without reaping it: its owner still will)
             if status is not None:
                 return Death.of_status(status, now_ns)
         elif not self.job or identity.get("job") != self.job or identity.get("ppid") in parents:
@@ -381,30 +368,61 @@ class Survivor:
             return None
         return Death.of_status(None, min(now_ns, facts.last_seen_ns + _HEARTBEAT_NS))
 
-    def _report(self, parsed: layout.RecordName, path: str, death: Death) -> bool:
-        if not self._can_deliver() or time.monotonic() < self._retry_at.get(parsed.base, 0.0):
-            return False  # another survivor may (or this one, later); the spool keeps it for the report meanwhile
-        start = layout.start_ticks(os.getpid()) or 0
-        claimed = os.path.join(self.spool_dir, f"{parsed.base}.{layout.CLAIMED}.{os.getpid()}.{start}")
-        try:
-            os.rename(path, claimed)
-        except OSError:
-            return False  # another survivor took it
+    def _report(self, due: list[tuple[layout.RecordName, str, Death]]) -> int:
+        """Claim the records of ``due``'s deaths and send their spans in one delivery; the number reported.
+
+        One delivery, not one a record: a node's ranks die together, and an exporter stuck on the first one's had the
+        others refused (not handed over on top of it), left for a retry after the agent had gone (a collector down
+        for 8 s: one of two ranks sent). A delivery waits for its flush; one each took a slow collector's round trip each."""
+        if not due or not self._can_deliver():
+            return 0  # another survivor may (or this one, later); the spool keeps them for the report meanwhile
+        claims: list[tuple[layout.RecordName, str, str, Death, list[ReadableSpan]]] = []
+        for parsed, path, death in due:
+            if time.monotonic() < self._retry_at.get(parsed.base, 0.0):
+                continue
+            claimed = os.path.join(self.spool_dir, f"{parsed.base}.{layout.CLAIMED}.{os.getpid()}.{self._my_start or 0}")
+            try:
+                os.rename(path, claimed)
+            except OSError:
+                continue  # another survivor took it
+            spans = self._spans_of(parsed, path, claimed, death)
+            if spans is not None:
+                claims.append((parsed, path, claimed, death, spans))
+        self.delivering = bool(claims)
+        try:  # (a Delivery never raises)
+            sent = bool(claims) and self.deliver([span for *_, spans in claims for span in spans])
+        finally:
+            self.delivering = False
+        return sum(self._close_claim(parsed, path, claimed, death, len(spans), sent)
+                   for parsed, path, claimed, death, spans in claims)  # fmt: skip
+
+    def _spans_of(self, parsed: layout.RecordName, path: str, claimed: str, death: Death) -> list[ReadableSpan] | None:
+        """The spans a claimed record leaves for its death (``None``: nothing to send; the claim is undone)."""
         try:
             record = read_record(claimed)
             if not record.has_evidence():  # died without a DCP call: nothing to say
                 shutil.rmtree(claimed, ignore_errors=True)
                 self._forget(parsed)
-                return False
-            spans = record.spans(death)
-            self.delivering = True
-            try:
-                sent = self.deliver(spans)
-            finally:
-                self.delivering = False
+                return None
+            return list(record.spans(death))
+        except Exception as exc:  # noqa: BLE001 - left as it was found (RecordError: another version's record)
+            reraise_if_signalled(exc)
+            with contextlib.suppress(OSError):
+                os.rename(claimed, path)
+            if isinstance(exc, RecordError):
+                self._forget(parsed)
+            else:  # (tried again later, not every look)
+                self._retry_at[parsed.base] = time.monotonic() + RETRY_S
+                report("survivor_error", "dcp_otel could not read the record of process %d", parsed.pid, exc_info=True)
+            return None
+
+    def _close_claim(self, parsed: layout.RecordName, path: str, claimed: str, death: Death, spans: int,
+                     sent: bool) -> bool:  # fmt: skip
+        """After the delivery: the record marked reported, or handed back for a later try; whether reported."""
+        try:
             with open(os.path.join(claimed, layout.DEATH_FILE), "w", encoding="utf-8") as out:
                 json.dump({"cause": death.cause, "exit_code": death.exit_code, "end_ns": death.end_ns,
-                           "reported_by": os.getpid(), "sent": sent, "spans": len(spans)}, out)  # fmt: skip
+                           "reported_by": os.getpid(), "sent": sent, "spans": spans}, out)  # fmt: skip
             if not sent:
                 os.rename(claimed, path)  # again later (or by another survivor)
                 self._retry_at[parsed.base] = time.monotonic() + RETRY_S
@@ -416,14 +434,9 @@ class Survivor:
             os.rename(claimed, os.path.join(self.spool_dir, f"{parsed.base}.{layout.REPORTED}"))
             self._forget(parsed)
             self.reported += 1
-            self.spans_sent += len(spans)
+            self.spans_sent += spans
             self._seen_dead.pop(parsed.base, None)
             return True
-        except RecordError:  # not one this dcp-otel reads (another version's): left as it was found
-            with contextlib.suppress(OSError):
-                os.rename(claimed, path)
-            self._forget(parsed)
-            return False
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             report("survivor_error", "dcp_otel could not report the death of process %d", parsed.pid, exc_info=True)
@@ -435,10 +448,3 @@ class Survivor:
         for index, (mtime, path) in enumerate(reported):
             if now - mtime > KEEP_S or index < len(reported) - KEEP_MAX:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return 0.0
