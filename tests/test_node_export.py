@@ -310,6 +310,33 @@ def test_under_torchrun_the_job_does_what_it_does_plain(jobs: dict[str, Any]) ->
             {rank: text.splitlines()[0] for rank, text in plain_said.items()}  # fmt: skip
 
 
+def test_a_look_sends_every_live_records_lines_in_one_delivery_and_moves_each_records_mark(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A node's ranks in one export request a look, not one each; and an exporter stuck on one rank's lines no
+    longer has the others' refused (not handed over on top of it) and left for a retry 30 s later."""
+    instrumented("node", monkeypatch)
+    ppid = os.getppid()
+    other = Path(os.environ[semconv.ENV_SPOOL_DIR]) / layout.directory_name(layout.host_name(), ppid,
+                                                                            layout.start_ticks(ppid) or 0)  # fmt: skip
+    try:
+        saved(tmp_path, "step-1")
+        record = own_record()
+        shutil.copytree(record, other)  # a second live rank of the job (this process's parent), its lines as ours
+        provider, exporter = in_memory()
+        delivery, deliveries = Delivery(lambda: provider, 10), []
+        survivor = Survivor(str(record.parent), lambda spans: deliveries.append(len(spans)) or delivery(spans), JOB,
+                            live=True)  # fmt: skip
+        survivor.scan()
+        sent = Counter((s.context.trace_id, s.context.span_id) for s in exporter.get_finished_spans())
+        assert len(deliveries) == 1 and deliveries[0] == sum(sent.values()) and set(sent.values()) == {2}
+        assert read_record(str(record)).exported_through == read_record(str(other)).exported_through > 0
+        survivor.scan()
+        assert len(deliveries) == 1  # nothing new: no delivery
+    finally:
+        dcp_otel.uninstrument()
+        shutil.rmtree(other, ignore_errors=True)
+
+
 def test_spans_an_earlier_instrumentation_left_unsent_are_sent_with_the_next_ones_each_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """``uninstrument()`` leaves the lines the node has not sent in the record; instrumented again, the process makes

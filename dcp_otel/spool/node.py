@@ -19,7 +19,8 @@ backend twice, and ``dcp-otel report`` counts each span once.
 Usage::
 
     node = NodeExport(Delivery(provider, 10))
-    node.send(name, path, (os.getpid(), start_ticks), job)   # for each live record, each look
+    node.take(name, path, (os.getpid(), start_ticks), job)   # for each live record, each look ...
+    node.send_taken()                                        # ... then all of them, in one delivery
     node.forget(set(os.listdir(spool_dir)))                  # records gone
 """
 
@@ -55,6 +56,15 @@ class _Facts(NamedTuple):
     created: int
 
 
+class _Taken(NamedTuple):
+    """A live record's lines read for the node, to be sent (see :meth:`NodeExport.send_taken`)."""
+
+    name: str
+    path: str
+    spans: list[ReadableSpan]
+    through: int
+
+
 class NodeExport:
     """Sends the spans of the live processes that leave them to the node (see the module)."""
 
@@ -66,6 +76,7 @@ class NodeExport:
         self._records: dict[str, _Facts] = {}
         self._retry_at: dict[str, float] = {}
         self.sent = 0  # spans sent
+        self._taken: list[_Taken] = []  # read this look, sent at its end
 
     def forget(self, listed: set[str]) -> None:
         """The records no longer in the spool (dead and claimed, or removed at a clean end)."""
@@ -97,9 +108,17 @@ class NodeExport:
 
     def send(self, name: str, path: str, me: tuple[int, int | None], job: str | None,
              parents: Collection[int] = ()) -> int:  # fmt: skip
-        """Send what the live process of record ``path`` left to the node since the last look (``me``: this
-        process's pid and start ticks, whose children's records are ours; ``job``: our run id; ``parents``: the pids
-        of the other survivors on this host, whose children's records are theirs); the spans sent. Never raises."""
+        """Send what the live process of record ``path`` left to the node since the last look: :meth:`take`, then
+        :meth:`send_taken`; the spans sent."""
+        self.take(name, path, me, job, parents)
+        return self.send_taken()
+
+    def take(self, name: str, path: str, me: tuple[int, int | None], job: str | None,
+             parents: Collection[int] = ()) -> None:  # fmt: skip
+        """Read what the live process of record ``path`` left to the node since the last look, for
+        :meth:`send_taken` (``me``: this process's pid and start ticks, whose children's records are ours; ``job``:
+        our run id; ``parents``: the pids of the other survivors on this host, whose children's records are
+        theirs). Never raises."""
         try:
             try:
                 with open(os.path.join(path, layout.RECORD_FILE), "rb") as rec:
@@ -109,29 +128,43 @@ class NodeExport:
                 facts = self._facts(name, path, created)
                 if facts is None or not self.ours(facts, me, job, parents) or \
                         time.monotonic() < self._retry_at.get(name, 0.0):  # fmt: skip
-                    return 0
+                    return
                 with open(os.path.join(path, layout.SPANS_FILE), encoding="utf-8") as src:
                     text = src.read()
                 if not text:
-                    return 0
+                    return
             except (OSError, struct.error):
-                return 0  # (gone meanwhile: a death, reported as one; or a record being made)
+                return  # (gone meanwhile: a death, reported as one; or a record being made)
             spans, through = decode_sent_lines(text, mark, facts.resource)
-            if not spans or not self._can_deliver():
-                return 0
-            if not self._deliver(spans):
-                self._retry_at[name] = time.monotonic() + RETRY_S
-                report("survivor_not_sent", "dcp_otel could not send the spans of %s for the node; they wait in its "
-                       "record", name)  # fmt: skip
-                return 0
-            self.sent += len(spans)
-            try:
-                with open(os.path.join(path, layout.RECORD_FILE), "r+b") as rec:
-                    os.pwrite(rec.fileno(), layout.U64.pack(through), layout.OFF_EXPORTED)
-            except OSError:
-                pass  # (it died meanwhile: its death's survivor sends them again; the report counts each once)
-            return len(spans)
+            if spans:
+                self._taken.append(_Taken(name, path, spans, through))
         except Exception as exc:  # noqa: BLE001 - the survivor goes on
             reraise_if_signalled(exc)
-            report("survivor_error", "dcp_otel could not send a live process's spans for the node", exc_info=True)
+            report("survivor_error", "dcp_otel could not read a live process's spans for the node", exc_info=True)
+
+    def send_taken(self) -> int:
+        """Send what :meth:`take` read since the last call, every record's in one delivery (a look's eight ranks:
+        one export request, and an exporter stuck on one rank's holds back none of the others), and move each
+        record's mark; the spans sent. Never raises."""
+        taken, self._taken = self._taken, []
+        if not taken or not self._can_deliver():
             return 0
+        try:
+            if not self._deliver([span for each in taken for span in each.spans]):
+                for each in taken:
+                    self._retry_at[each.name] = time.monotonic() + RETRY_S
+                report("survivor_not_sent", "dcp_otel could not send the spans of %s for the node; they wait in "
+                       "their records", ", ".join(each.name for each in taken))  # fmt: skip
+                return 0
+        except Exception as exc:  # noqa: BLE001 - the survivor goes on
+            reraise_if_signalled(exc)
+            report("survivor_error", "dcp_otel could not send live processes' spans for the node", exc_info=True)
+            return 0
+        for each in taken:
+            self.sent += len(each.spans)
+            try:
+                with open(os.path.join(each.path, layout.RECORD_FILE), "r+b") as rec:
+                    os.pwrite(rec.fileno(), layout.U64.pack(each.through), layout.OFF_EXPORTED)
+            except OSError:
+                pass  # (it died meanwhile: its death's survivor sends them again; the report counts each once)
+        return sum(len(each.spans) for each in taken)

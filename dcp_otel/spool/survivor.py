@@ -64,8 +64,7 @@ GRACE_S: Final = 2.0
 INTERVAL_S: Final = 1.0
 #: How long a look may wait while this process is inside a checkpoint call (a look takes the interpreter lock
 #: from it: its planning and staging; a rank blocked in a collective by a dead peer is inside one too, so the
-#: wait is short), and how often it asks whether the call has returned. An expected death (:meth:`Survivor.expect`) is
-#: looked for at once.
+#: wait is short), and how often it asks whether the call has returned. An expected death is looked for at once.
 QUIET_MAX_S: Final = 2.0
 _QUIET_POLL_S: Final = 0.5  # (the call's end wakes it: Survivor.nudge; a look wakes a thread, costing the caller)
 #: How long reported records are kept for ``dcp-otel report``, and at most how many (a dead process's record
@@ -295,16 +294,17 @@ class Survivor:
                     continue  # its claimer is at it
             elif name not in self._dead and layout.alive(parsed.pid, parsed.start):  # (seen dead: dead for good)
                 if self.node is not None and not parsed.state:
-                    self.node.send(name, path, (me, self._my_start), self.job, parents)
+                    self.node.take(name, path, (me, self._my_start), self.job, parents)  # (sent after the look)
                 continue
             death = self._death_if_ours(parsed, path, me, now_ns, parents)
             if death is not None:
                 due.append((parsed, path, death))
             elif time.time() - self._seen_at(name) > KEEP_S:
                 shutil.rmtree(path, ignore_errors=True)  # a dead process nobody reported in a week: the spool is bounded
-        done = self._report(due)
+        if self.node is not None:
+            self.node.send_taken()  # (every live record's lines in one delivery, as the deaths')
         self._prune(reported)
-        return done
+        return self._report(due)
 
     def _seen_at(self, name: str) -> float:
         """When a record was last written (read once: a dead process writes no more)."""
