@@ -337,6 +337,36 @@ def test_a_look_sends_every_live_records_lines_in_one_delivery_and_moves_each_re
         shutil.rmtree(other, ignore_errors=True)
 
 
+def test_a_look_cut_short_after_reading_a_records_lines_sends_them_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A look reads each live record's new lines, then sends them all at its end. An exception between (found by a
+    review) left what was read unsent and its mark unmoved, so the next look read the lines again and sent every span
+    twice; what was read now goes out as the look ends, however it ends."""
+    instrumented("node", monkeypatch)
+    try:
+        saved(tmp_path, "step-1")
+        record = own_record()
+        provider, exporter = in_memory()
+        survivor = Survivor(str(record.parent), Delivery(lambda: provider, 10), JOB, live=True)
+        assert survivor.node is not None
+        take, raised = survivor.node.take, []
+
+        def take_then_fail(*args: Any, **kwargs: Any) -> None:
+            take(*args, **kwargs)
+            if not raised:
+                raised.append(True)
+                raise OSError("a record that cannot be read, after this one")
+
+        monkeypatch.setattr(survivor.node, "take", take_then_fail)
+        with pytest.raises(OSError):
+            survivor.scan()
+        survivor.scan()
+        sent = Counter((s.context.trace_id, s.context.span_id) for s in exporter.get_finished_spans())
+        assert sent and set(sent.values()) == {1}
+    finally:
+        dcp_otel.uninstrument()
+
+
 def test_spans_an_earlier_instrumentation_left_unsent_are_sent_with_the_next_ones_each_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """``uninstrument()`` leaves the lines the node has not sent in the record; instrumented again, the process makes

@@ -36,6 +36,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -221,6 +222,22 @@ def exit_status_of_child(pid: int) -> int | None:
     if found.si_code == os.CLD_EXITED:
         return found.si_status
     return -found.si_status
+
+
+def other_survivors(spool_dir: str, names: list[str], host: str) -> set[int]:
+    """The pids of the survivors other than this process's that run on ``host`` now, by their announcements among
+    ``names`` (the listing of ``spool_dir``); a stale announcement is removed."""
+    found: set[int] = set()
+    for name in names:
+        parsed = parse_name(name)
+        if parsed is None or parsed.state != SURVIVOR or parsed.host != host or parsed.pid == os.getpid():
+            continue
+        if alive(parsed.pid, parsed.start):
+            found.add(parsed.pid)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(spool_dir, name))
+    return found
 
 
 def mtime(path: str) -> float:

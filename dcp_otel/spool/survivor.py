@@ -268,41 +268,43 @@ class Survivor:
         due: list[tuple[layout.RecordName, str, Death]] = []  # the deaths to report, sent together after the look
         reported: list[tuple[float, str]] = []
         names = self._names()
-        parents = self._survivors(names, host)
+        parents = layout.other_survivors(self.spool_dir, names, host)
         if self._dead or self._mtimes or self.node is not None:
             listed = set(names)
             self._dead = {name: facts for name, facts in self._dead.items() if name in listed}
             self._mtimes = {name: mtime for name, mtime in self._mtimes.items() if name in listed}
             if self.node is not None:
                 self.node.forget(listed)
-        for name in names:
-            parsed = layout.parse_name(name)
-            if parsed is None or parsed.host != host or parsed.state == layout.SURVIVOR:
-                continue  # not a record, or another host's (a spool shared over the network): not ours to judge
-            if parsed.state == layout.REPORTED:  # (reported, it changes no more: its time is read once)
-                mtime = self._mtimes.get(name)
-                if mtime is None:
-                    mtime = self._mtimes[name] = layout.mtime(os.path.join(self.spool_dir, name))
-                reported.append((mtime, os.path.join(self.spool_dir, name)))
-                continue
-            path = os.path.join(self.spool_dir, name)
-            if own is not None and os.path.basename(own) == name:
-                continue
-            if parsed.state.startswith(layout.CLAIMED):
-                _, claimer, start = parsed.state.split(".")
-                if layout.alive(int(claimer), int(start)):
-                    continue  # its claimer is at it
-            elif name not in self._dead and layout.alive(parsed.pid, parsed.start):  # (seen dead: dead for good)
-                if self.node is not None and not parsed.state:
-                    self.node.take(name, path, (me, self._my_start), self.job, parents)  # (sent after the look)
-                continue
-            death = self._death_if_ours(parsed, path, me, now_ns, parents)
-            if death is not None:
-                due.append((parsed, path, death))
-            elif time.time() - self._seen_at(name) > KEEP_S:
-                shutil.rmtree(path, ignore_errors=True)  # a dead process nobody reported in a week: the spool is bounded
-        if self.node is not None:
-            self.node.send_taken()  # (every live record's lines in one delivery, as the deaths')
+        try:
+            for name in names:
+                parsed = layout.parse_name(name)
+                if parsed is None or parsed.host != host or parsed.state == layout.SURVIVOR:
+                    continue  # not a record, or another host's (a spool shared over the network): not ours to judge
+                if parsed.state == layout.REPORTED:  # (reported, it changes no more: its time is read once)
+                    mtime = self._mtimes.get(name)
+                    if mtime is None:
+                        mtime = self._mtimes[name] = layout.mtime(os.path.join(self.spool_dir, name))
+                    reported.append((mtime, os.path.join(self.spool_dir, name)))
+                    continue
+                path = os.path.join(self.spool_dir, name)
+                if own is not None and os.path.basename(own) == name:
+                    continue
+                if parsed.state.startswith(layout.CLAIMED):
+                    _, claimer, start = parsed.state.split(".")
+                    if layout.alive(int(claimer), int(start)):
+                        continue  # its claimer is at it
+                elif name not in self._dead and layout.alive(parsed.pid, parsed.start):  # (seen dead: dead for good)
+                    if self.node is not None and not parsed.state:
+                        self.node.take(name, path, (me, self._my_start), self.job, parents)  # (sent after the look)
+                    continue
+                death = self._death_if_ours(parsed, path, me, now_ns, parents)
+                if death is not None:
+                    due.append((parsed, path, death))
+                elif time.time() - self._seen_at(name) > KEEP_S:
+                    shutil.rmtree(path, ignore_errors=True)  # a dead process nobody reported in a week: the spool is bounded
+        finally:  # (what was read for the node goes out, or is read again next look: never both)
+            if self.node is not None:
+                self.node.send_taken()  # (every live record's lines in one delivery, as the deaths')
         self._prune(reported)
         return self._report(due)
 
@@ -318,20 +320,6 @@ class Survivor:
         with self._lock:
             self._expected.pop((parsed.pid, parsed.start), None)
             self._expected.pop((parsed.pid, None), None)
-
-    def _survivors(self, names: list[str], host: str) -> set[int]:
-        """The pids of the other survivors that run on this host now (a stale announcement is removed)."""
-        found: set[int] = set()
-        for name in names:
-            parsed = layout.parse_name(name)
-            if parsed is None or parsed.state != layout.SURVIVOR or parsed.host != host or parsed.pid == os.getpid():
-                continue
-            if layout.alive(parsed.pid, parsed.start):
-                found.add(parsed.pid)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.spool_dir, name))
-        return found
 
     def _death_if_ours(self, parsed: layout.RecordName, path: str, me: int, now_ns: int,
                        parents: set[int]) -> Death | None:  # fmt: skip
