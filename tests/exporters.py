@@ -20,15 +20,17 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 class GatedExporter(SpanExporter):
     """Takes spans only once ``gate`` is set; fails after 60 s, or at once where it ``refuses`` (a collector that
-    answers with an error)."""
+    answers with an error), or for its first ``fails`` exports (one that is back after them)."""
 
-    def __init__(self, refuses: bool = False) -> None:
-        self.gate, self.entered, self.refuses = threading.Event(), threading.Event(), refuses
+    def __init__(self, refuses: bool = False, fails: int = 0) -> None:
+        self.gate, self.entered, self.refuses, self.fails = threading.Event(), threading.Event(), refuses, fails
         self.got: list[ReadableSpan] = []
+        self.exports = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.entered.set()
-        if self.refuses or not self.gate.wait(60):
+        self.exports += 1
+        if self.refuses or self.exports <= self.fails or not self.gate.wait(60):
             return SpanExportResult.FAILURE
         self.got.extend(spans)
         return SpanExportResult.SUCCESS

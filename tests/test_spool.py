@@ -251,6 +251,36 @@ def test_a_delivery_hands_over_no_more_than_half_a_batch_processors_queue_betwee
         provider.shutdown()
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_agents_delivery_goes_straight_to_its_exporters_and_tries_a_failed_export_again_until_its_deadline(
+        direct: bool) -> None:  # fmt: skip
+    """The SDK's batch processor says its flush succeeded whatever its exporter answered: through the agent's
+    provider, a collector down for longer than the OTLP exporter's retries (about 7 s of a 10 s timeout) lost a dead
+    rank's spans, counted sent (a review: down for 8 s, none of two ranks' arrived). The agent's delivery
+    (``direct``) sends to the exporters the environment names, knows each answer, and tries a failed export again
+    until its deadline; a rank's keeps its provider, whose exporters may be its own, set in code."""
+    provider, through_provider = TracerProvider(), GatedExporter()
+    provider.add_span_processor(BatchSpanProcessor(through_provider))
+    back_after_two = GatedExporter(fails=2)  # (a collector that answers 503 twice, then takes them)
+    back_after_two.gate.set()
+    through_provider.gate.set()
+    span = TracerProvider().get_tracer("dead rank").start_span("dcp.write_data")
+    span.end()
+    try:
+        sent = Delivery(lambda: provider, timeout_s=30, direct=direct, exporters=[back_after_two])([span])
+        provider.force_flush()
+        if direct:
+            assert sent is True and back_after_two.exports == 3 and [s.name for s in back_after_two.got] == [span.name]
+            assert not through_provider.got  # (not twice: the provider's exporters are the environment's)
+        else:  # through the provider: its flush ended, which is all the SDK says
+            assert sent is True and [s.name for s in through_provider.got] == [span.name] and not back_after_two.exports
+        again = GatedExporter(fails=2)
+        again.gate.set()
+        assert Delivery(TracerProvider, timeout_s=30, direct=direct, exporters=[again])([span]) is direct  # (no processors: the exporters either way; tried again only directly)
+    finally:
+        provider.shutdown()
+
+
 def test_a_dead_record_is_read_once_however_often_the_survivor_looks_and_is_still_judged_anew(
         spool: Path, blocked: Blocked, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Every rank looks every second; other jobs' dead records stay for a week. Read again each look, 13 of them

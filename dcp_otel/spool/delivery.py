@@ -8,12 +8,17 @@ survivor's resource. A process with an SDK provider (``opentelemetry-instrument`
 or one set in code: the next generation of a restarted job) sends them through
 it, with every exporter the user configured. A process without one
 (``dcp-otel-run`` on its own) builds the exporters the ``OTEL_*`` variables name,
-by the SDK's own rules, as the async save process does.
+by the SDK's own rules, as the async save process does. torchelastic's agent
+(``direct``) sends to those exporters even where it has a provider
+(``opentelemetry-instrument``'s, made of the same): the SDK's batch processor
+says nothing of what its exporter answered, and the agent tries a failed export
+again until its deadline.
 
 Usage::
 
     send = Delivery(lambda: trace.get_tracer_provider(), timeout_s=10)
-    send(spans)            # True: every exporter took them in time
+    send(spans)            # True: every exporter took them in time (through a provider: its flush ended in time)
+    agent = Delivery(lambda: trace.get_tracer_provider(), timeout_s=10, direct=True)
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from dcp_otel.live.signal_exceptions import reraise_if_signalled
 from dcp_otel.tracing.flushing import BoundedFlush
 
 _OTLP_ENDPOINT_VARS: Final = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+#: How long a direct delivery waits before it tries an export that failed again (within its deadline).
+RETRY_PAUSE_S: Final = 0.5
 #: The spans one export request of exporters of the environment carries (a batch processor's default batch: a dead
 #: process's record may hold thousands, and a collector limits a request's size).
 EXPORT_BATCH: Final = 512
@@ -103,10 +110,18 @@ def span_processor(provider: object) -> Any:
 class Delivery:
     """Sends rebuilt spans (see the module); bounded by ``timeout_s``, never raises."""
 
-    def __init__(self, provider: Callable[[], object], timeout_s: float) -> None:
+    def __init__(self, provider: Callable[[], object], timeout_s: float, direct: bool = False,
+                 exporters: list[SpanExporter] | None = None) -> None:  # fmt: skip
+        """``direct``: to ``exporters`` (default: those the ``OTEL_*`` variables name, made when first needed) where
+        there are any, before the provider's processors: each export's answer is known, and one that failed is tried
+        again until the deadline. The SDK's batch processor says its flush succeeded whatever its exporter answered,
+        so a collector down for longer than one exporter's retries lost the spans, counted sent (found by a review:
+        down for 8 s, none of two dead ranks' arrived). For torchelastic's agent, whose provider's exporters are the
+        environment's; a rank's provider may have exporters of its own, set in code, and keeps them."""
         self._provider = provider
         self._timeout_s = timeout_s or 10.0
-        self._exporters: list[SpanExporter] | None = None  # from the environment, made when first needed
+        self._direct = direct
+        self._exporters = exporters  # (None: from the environment, made when first needed)
         self._flush: BoundedFlush | None = None  # the last flush: while it is stuck, nothing more is handed over
         self._exporting: threading.Thread | None = None  # the same, for exporters of the environment
         self._deadline = 0.0  # the last delivery's
@@ -117,6 +132,18 @@ class Delivery:
         if span_processor(self._provider()) is not None:
             return True
         return bool(exporter_names()) if self._exporters is None else bool(self._exporters)
+
+    def _export(self, exporters: list[SpanExporter], spans: Sequence[ReadableSpan], deadline: float) -> bool:
+        """``spans`` to ``exporters`` on a daemon thread (an exporter may hang), waited for until ``deadline``."""
+        if self._exporting is not None and self._exporting.is_alive():
+            return False  # (an export still stuck on the last ones: not these on top of them)
+        outcome: list[bool] = []
+        retry_until = deadline if self._direct else 0.0
+        self._exporting = threading.Thread(target=_export_all, args=(exporters, spans, outcome, retry_until),
+                                           name="dcp-otel-survivor-export", daemon=True)  # fmt: skip
+        self._exporting.start()
+        self._exporting.join(max(0.0, deadline - time.monotonic()))
+        return outcome == [True] * len(exporters)
 
     def settle(self) -> object | None:
         """At exit: the last flush of handed-over spans, waited for until its own deadline (an exporter that retries
@@ -146,6 +173,8 @@ class Delivery:
             return True
         deadline = self._deadline = time.monotonic() + self._timeout_s
         try:
+            if self._direct and self._environment():
+                return self._export(self._environment(), spans, deadline)
             provider = self._provider()
             processor = span_processor(provider)
             if processor is not None:
@@ -159,27 +188,34 @@ class Delivery:
                         return False
                 return True
             exporters = self._environment()
-            if not exporters or (self._exporting is not None and self._exporting.is_alive()):
-                return False  # (an export still stuck on the last ones: not these on top of them)
-            outcome: list[bool] = []
-            self._exporting = threading.Thread(target=_export_all, args=(exporters, spans, outcome),
-                                               name="dcp-otel-survivor-export", daemon=True)  # fmt: skip
-            self._exporting.start()
-            self._exporting.join(max(0.0, deadline - time.monotonic()))
-            return outcome == [True] * len(exporters)
+            return bool(exporters) and self._export(exporters, spans, deadline)
         except Exception as exc:  # noqa: BLE001
             reraise_if_signalled(exc)
             report("survivor_error", "dcp_otel could not send a dead process's spans", exc_info=True)
             return False
 
 
-def _export_all(exporters: list[SpanExporter], spans: Sequence[ReadableSpan], outcome: list[bool]) -> None:
+def _export_all(exporters: list[SpanExporter], spans: Sequence[ReadableSpan], outcome: list[bool],
+                retry_until: float = 0.0) -> None:  # fmt: skip
+    """Each exporter's answer to ``spans`` into ``outcome``; an export that failed is tried again, a pause after
+    it, until ``retry_until`` (a ``time.monotonic()``; 0: once)."""
+    pause = threading.Event()  # (never set: a pause that the deadline, not a signal, ends)
     for exporter in exporters:
-        try:
-            outcome.append(all(exporter.export(chunk) == SpanExportResult.SUCCESS
-                               for chunk in chunks(spans, EXPORT_BATCH)))  # fmt: skip
-        except Exception as exc:  # noqa: BLE001
-            reraise_if_signalled(exc)
-            report("survivor_error", "a span exporter failed to send a dead process's spans", exc_info=True)
-            outcome.append(False)
+        ok = True
+        for chunk in chunks(spans, EXPORT_BATCH):
+            while not (sent := _export_one(exporter, chunk)) and time.monotonic() + RETRY_PAUSE_S < retry_until:
+                pause.wait(RETRY_PAUSE_S)  # (an OTLP exporter answers after its own retries; another, at once)
+            if not sent:
+                ok = False
+                break
+        outcome.append(ok)
+
+
+def _export_one(exporter: SpanExporter, spans: Sequence[ReadableSpan]) -> bool:
+    try:
+        return exporter.export(spans) == SpanExportResult.SUCCESS
+    except Exception as exc:  # noqa: BLE001
+        reraise_if_signalled(exc)
+        report("survivor_error", "a span exporter failed to send a dead process's spans", exc_info=True)
+        return False
 

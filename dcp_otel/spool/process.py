@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 #: The longest the end of an instrumentation waits for the survivor's and the confirming thread's current work.
 _STOP_S = 5.0
+#: How long an agent's exit waits for its survivor to mark the records of a delivery that ended during the exit.
+_MARK_S = 1.0
 
 
 def job_key() -> str | None:
@@ -169,10 +171,12 @@ class AgentWatch:
         them, its shutdown goes to a daemon thread: the SDK's exit hook would wait for the exporter again, as long
         as the exporter's own timeout, after the ranks' exit flush (found by a review: a job under a hung
         collector ended 21 s after plain, not 10)."""
-        self.survivor.wait_idle(self._timeout_s / 2)
+        idle = self.survivor.wait_idle(self._timeout_s / 2)
         stuck = getattr(self.survivor.deliver, "settle", lambda: None)()  # (a Delivery's; None: sent, or nothing)
         if stuck is not None:
             shut_down_in_background(stuck)
+        elif not idle:  # the delivery ended meanwhile: its records marked (a rename each), not left claimed by the exit
+            self.survivor.wait_idle(_MARK_S)
 
     def close(self) -> None:
         atexit.unregister(self.settle)
@@ -210,4 +214,6 @@ def agent_survivor(flush_timeout_s: float = 10.0) -> Survivor | None:
         return None
     provider: Callable[[], object] = trace.get_tracer_provider
     # (No training process: the node's exporter too, for the processes that leave their spans to it.)
-    return Survivor(spool_dir, Delivery(provider, flush_timeout_s), job_key(), live=True)
+    # (direct: the agent's provider, where it has one, is opentelemetry-instrument's, whose exporters are the
+    # environment's; sent straight to them, each export's answer is known, and a failed one is tried again.)
+    return Survivor(spool_dir, Delivery(provider, flush_timeout_s, direct=True), job_key(), live=True)
