@@ -253,12 +253,13 @@ def test_a_delivery_hands_over_no_more_than_half_a_batch_processors_queue_betwee
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_the_agents_delivery_goes_straight_to_its_exporters_and_tries_a_failed_export_again_until_its_deadline(
-        direct: bool) -> None:  # fmt: skip
+        direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The SDK's batch processor says its flush succeeded whatever its exporter answered: through the agent's
     provider, a collector down for longer than the OTLP exporter's retries (about 7 s of a 10 s timeout) lost a dead
     rank's spans, counted sent (a review: down for 8 s, none of two ranks' arrived). The agent's delivery
     (``direct``) sends to the exporters the environment names, knows each answer, and tries a failed export again
     until its deadline; a rank's keeps its provider, whose exporters may be its own, set in code."""
+    monkeypatch.setattr(delivery_module, "REFUSED_BELOW_S", 0.0)  # (these fail at once; OTLP's after its own retries)
     provider, through_provider = TracerProvider(), GatedExporter()
     provider.add_span_processor(BatchSpanProcessor(through_provider))
     back_after_two = GatedExporter(fails=2)  # (a collector that answers 503 twice, then takes them)
@@ -279,6 +280,38 @@ def test_the_agents_delivery_goes_straight_to_its_exporters_and_tries_a_failed_e
         assert Delivery(TracerProvider, timeout_s=30, direct=direct, exporters=[again])([span]) is direct  # (no processors: the exporters either way; tried again only directly)
     finally:
         provider.shutdown()
+
+
+def test_the_agents_delivery_does_not_try_again_an_export_refused_at_once() -> None:
+    """An OTLP exporter retries for seconds what may pass (503, a connection refused) and fails at once on what never
+    will (a 400). Tried again until the deadline, a rejection made 20 requests, logged 20 lines and held the agent's
+    exit 10 s (a review); an export that fails at once is not tried again."""
+    span = TracerProvider().get_tracer("dead rank").start_span("dcp.write_data")
+    span.end()
+    rejecting = GatedExporter(refuses=True)
+    assert Delivery(TracerProvider, timeout_s=30, direct=True, exporters=[rejecting])([span]) is False
+    assert rejecting.exports == 1
+
+
+def test_spans_an_export_sent_after_its_deadline_are_not_sent_again_with_the_next_delivery() -> None:
+    """An exporter retries on its own clock: an export the delivery's deadline gave up on may still get through,
+    after the delivery said it had not, and the spans are handed over again (the record's lines, the death tried
+    again). Sent twice, a review counted 19 duplicates for a collector down 13 s; they are left out of the next
+    delivery, which sends only what is new. That delivery waits, within its own time, for the export still under way
+    (refused at once, the ranks' last spans at a job's end were left behind by the agent's exit)."""
+    tracer = TracerProvider().get_tracer("dead rank")
+    first, later = tracer.start_span("dcp.write_data"), tracer.start_span("dcp.process")
+    first.end()
+    later.end()
+    exporter = GatedExporter()  # (stuck until the gate: past the delivery's deadline)
+    delivery = Delivery(TracerProvider, timeout_s=2, direct=True, exporters=[exporter])
+    try:
+        assert delivery([first]) is False  # the deadline came first
+        exporter.gate.set()  # then the export gets through, as the next delivery begins
+        assert delivery([first, later]) is True
+        assert [s.name for s in exporter.got] == ["dcp.write_data", "dcp.process"]  # each once
+    finally:
+        exporter.gate.set()
 
 
 def test_a_dead_record_is_read_once_however_often_the_survivor_looks_and_is_still_judged_anew(
