@@ -20,16 +20,20 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 class GatedExporter(SpanExporter):
     """Takes spans only once ``gate`` is set; fails after 60 s, or at once where it ``refuses`` (a collector that
-    answers with an error), or for its first ``fails`` exports (one that is back after them)."""
+    answers with an error), or for its first ``fails`` exports (one that is back after them), or raises
+    ``ConnectionError`` for its first ``raises`` (OTLP/HTTP before 1.45, no collector listening)."""
 
-    def __init__(self, refuses: bool = False, fails: int = 0) -> None:
+    def __init__(self, refuses: bool = False, fails: int = 0, raises: int = 0) -> None:
         self.gate, self.entered, self.refuses, self.fails = threading.Event(), threading.Event(), refuses, fails
+        self.raises = raises
         self.got: list[ReadableSpan] = []
         self.exports = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.entered.set()
         self.exports += 1
+        if self.exports <= self.raises:
+            raise ConnectionError("connection refused")
         if self.refuses or self.exports <= self.fails or not self.gate.wait(60):
             return SpanExportResult.FAILURE
         self.got.extend(spans)

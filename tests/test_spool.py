@@ -291,6 +291,42 @@ def test_the_agents_delivery_does_not_try_again_an_export_refused_at_once() -> N
     rejecting = GatedExporter(refuses=True)
     assert Delivery(TracerProvider, timeout_s=30, direct=True, exporters=[rejecting])([span]) is False
     assert rejecting.exports == 1
+    # One that raises met no collector (OTLP/HTTP before 1.45 raises a refused connection at once): tried again.
+    unreachable = GatedExporter(raises=2)
+    unreachable.gate.set()
+    assert Delivery(TracerProvider, timeout_s=30, direct=True, exporters=[unreachable])([span]) is True
+    assert unreachable.exports == 3 and len(unreachable.got) == 1
+
+
+def test_the_spans_sent_late_that_are_remembered_are_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What late exports sent is remembered up to a bound; past it the oldest go. A first version replaced the whole
+    set when it overflowed, and dropped spans still to be handed over again (a review: sent twice)."""
+    monkeypatch.setattr(delivery_module, "_SENT_LATE_MAX", 3)
+    tracer = TracerProvider().get_tracer("dead rank")
+    a, b, c = ([tracer.start_span(f"{n}{i}") for i in range(k)] for n, k in (("a", 2), ("b", 2), ("c", 1)))
+    for span in (*a, *b, *c):
+        span.end()
+    gates = [threading.Event() for _ in range(3)]
+
+    class Late(GatedExporter):  # each export stuck past its delivery's deadline, then through
+        def export(self, spans: Sequence[ReadableSpan]) -> Any:
+            gate = gates[min(self.exports, 2)]
+            self.exports += 1
+            gate.wait(60)
+            self.got.extend(spans)
+            return delivery_module.SpanExportResult.SUCCESS
+
+    exporter = Late()
+    delivery = Delivery(TracerProvider, timeout_s=0.5, direct=True, exporters=[exporter])
+    try:
+        for spans, gate in ((a, gates[0]), (b, gates[1]), (c, gates[2])):
+            assert delivery(spans) is False  # (its export gets through after the deadline)
+            gate.set()
+        assert delivery([*b, *c]) is True and exporter.exports == 3  # remembered: none sent again
+        assert delivery(a[:1]) is True and exporter.exports == 4  # the oldest, forgotten: sent again
+    finally:
+        for gate in gates:
+            gate.set()
 
 
 def test_spans_an_export_sent_after_its_deadline_are_not_sent_again_with_the_next_delivery() -> None:

@@ -23,6 +23,7 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -41,10 +42,10 @@ from dcp_otel.tracing.flushing import BoundedFlush
 _OTLP_ENDPOINT_VARS: Final = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 #: How long a direct delivery waits before it tries an export that failed again (within its deadline) ...
 RETRY_PAUSE_S: Final = 0.5
-#: ... where the export failed after its exporter's own retries: one that failed faster was refused (OTLP's first
-#: retry comes after 1 s), and is not tried again.
-REFUSED_BELOW_S: Final = 0.9
-#: The most spans a delivery remembers as sent after its deadline (beyond, it forgets those before the last ones).
+#: ... unless its exporter answered a failure faster than this: refused, not tried again (OTLP's exporters retry what
+#: may pass, the first time after 0.8 to 1.2 s).
+REFUSED_BELOW_S: Final = 0.5
+#: The most spans a delivery remembers as sent after its deadline (beyond, it forgets the oldest).
 _SENT_LATE_MAX: Final = 65536
 #: The spans one export request of exporters of the environment carries (a batch processor's default batch: a dead
 #: process's record may hold thousands, and a collector limits a request's size).
@@ -130,7 +131,7 @@ class Delivery:
         self._flush: BoundedFlush | None = None  # the last flush: while it is stuck, nothing more is handed over
         self._exporting: threading.Thread | None = None  # the same, for exporters of the environment
         self._late: tuple[set[tuple[int, int]], list[bool]] | None = None  # an export its deadline left under way
-        self._sent_late: set[tuple[int, int]] = set()  # the spans such exports sent, not to be sent again
+        self._sent_late: dict[tuple[int, int], None] = {}  # the spans such exports sent, oldest first: not sent again
         self._deadline = 0.0  # the last delivery's
 
     def can_deliver(self) -> bool:
@@ -154,7 +155,9 @@ class Delivery:
             # The last delivery's export got through after its deadline, which said it had not (its exporter retried
             # on its own clock): those spans, handed over again (a record's lines, a death tried again), are not
             # sent twice (found by a review: a collector down 13 s, 19 spans sent twice).
-            self._sent_late = late[0] if len(self._sent_late) > _SENT_LATE_MAX else self._sent_late | late[0]
+            self._sent_late.update(dict.fromkeys(late[0]))
+            for key in list(itertools.islice(self._sent_late, max(0, len(self._sent_late) - _SENT_LATE_MAX))):
+                del self._sent_late[key]  # (the oldest first: a review found a reset dropping keys still needed)
         if self._sent_late:
             keys = self._sent_late
             spans = [span for span in spans if (span.context.trace_id, span.context.span_id) not in keys]
@@ -231,9 +234,12 @@ def _export_all(exporters: list[SpanExporter], spans: Sequence[ReadableSpan], ou
             while True:
                 began = time.monotonic()
                 sent = _export_one(exporter, chunk)
-                # An export that failed at once was refused (a 400: OTLP's exporters retry what may pass, for seconds),
-                # not tried again: a review saw 20 requests and 20 lines logged, and the agent's exit 10 s late.
-                if sent or time.monotonic() - began < REFUSED_BELOW_S or time.monotonic() + RETRY_PAUSE_S >= retry_until:
+                # An export that answered a failure at once was refused (a 400: OTLP's exporters retry what may pass,
+                # for seconds), not tried again: a review saw 20 requests and 20 lines logged, and the agent's exit
+                # 10 s late. One that raised met no collector (OTLP/HTTP before 1.45 raises a refused connection
+                # after one quick retry): tried again (a third review).
+                refused = sent is False and time.monotonic() - began < REFUSED_BELOW_S
+                if sent or refused or time.monotonic() + RETRY_PAUSE_S >= retry_until:
                     break
                 pause.wait(RETRY_PAUSE_S)
             if not sent:
@@ -242,11 +248,12 @@ def _export_all(exporters: list[SpanExporter], spans: Sequence[ReadableSpan], ou
         outcome.append(ok)
 
 
-def _export_one(exporter: SpanExporter, spans: Sequence[ReadableSpan]) -> bool:
+def _export_one(exporter: SpanExporter, spans: Sequence[ReadableSpan]) -> bool | None:
+    """The exporter's answer: ``True`` (taken), ``False`` (a failure it answered), ``None`` (it raised)."""
     try:
         return exporter.export(spans) == SpanExportResult.SUCCESS
     except Exception as exc:  # noqa: BLE001
         reraise_if_signalled(exc)
         report("survivor_error", "a span exporter failed to send a dead process's spans", exc_info=True)
-        return False
+        return None
 
