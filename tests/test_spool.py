@@ -298,6 +298,26 @@ def test_the_agents_delivery_does_not_try_again_an_export_refused_at_once() -> N
     assert unreachable.exports == 3 and len(unreachable.got) == 1
 
 
+def test_the_agents_export_requests_make_no_spans_of_their_own() -> None:
+    """Exported as the SDK's processors export, with instrumentation suppressed: an instrumented HTTP client
+    (``opentelemetry-bootstrap`` installs ``requests``' and ``urllib3``'s) would make a span of each request."""
+    from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, get_value
+
+    suppressed: list[object] = []
+
+    class Watching(GatedExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> Any:
+            suppressed.append(get_value(_SUPPRESS_INSTRUMENTATION_KEY))
+            return super().export(spans)
+
+    exporter = Watching()
+    exporter.gate.set()
+    span = TracerProvider().get_tracer("dead rank").start_span("dcp.write_data")
+    span.end()
+    assert Delivery(TracerProvider, timeout_s=30, direct=True, exporters=[exporter])([span]) is True
+    assert suppressed == [True]
+
+
 def test_the_spans_sent_late_that_are_remembered_are_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
     """What late exports sent is remembered up to a bound; past it the oldest go. A first version replaced the whole
     set when it overflowed, and dropped spans still to be handed over again (a review: sent twice)."""

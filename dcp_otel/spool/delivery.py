@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Final
 
+from opentelemetry import context
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -249,11 +250,17 @@ def _export_all(exporters: list[SpanExporter], spans: Sequence[ReadableSpan], ou
 
 
 def _export_one(exporter: SpanExporter, spans: Sequence[ReadableSpan]) -> bool | None:
-    """The exporter's answer: ``True`` (taken), ``False`` (a failure it answered), ``None`` (it raised)."""
+    """The exporter's answer: ``True`` (taken), ``False`` (a failure it answered), ``None`` (it raised).
+
+    With instrumentation suppressed, as the SDK's processors export: an instrumented HTTP client (``requests``,
+    ``urllib3``, which ``opentelemetry-bootstrap`` installs) would make a span of the export request itself."""
+    token = context.attach(context.set_value(context._SUPPRESS_INSTRUMENTATION_KEY, True))
     try:
         return exporter.export(spans) == SpanExportResult.SUCCESS
     except Exception as exc:  # noqa: BLE001
         reraise_if_signalled(exc)
         report("survivor_error", "a span exporter failed to send a dead process's spans", exc_info=True)
         return None
+    finally:
+        context.detach(token)
 
