@@ -160,8 +160,7 @@ class Delivery:
             for key in list(itertools.islice(self._sent_late, max(0, len(self._sent_late) - _SENT_LATE_MAX))):
                 del self._sent_late[key]  # (the oldest first: a review found a reset dropping keys still needed)
         if self._sent_late:
-            keys = self._sent_late
-            spans = [span for span in spans if (span.context.trace_id, span.context.span_id) not in keys]
+            spans = [span for span in spans if _key(span) not in self._sent_late]
             if not spans:
                 return True
         outcome: list[bool] = []
@@ -171,7 +170,7 @@ class Delivery:
         self._exporting.start()
         self._exporting.join(max(0.0, deadline - time.monotonic()))
         if self._exporting.is_alive():
-            self._late = ({(span.context.trace_id, span.context.span_id) for span in spans}, outcome)
+            self._late = ({_key(span) for span in spans}, outcome)
         return outcome == [True] * len(exporters)
 
     def settle(self) -> object | None:
@@ -202,8 +201,9 @@ class Delivery:
             return True
         deadline = self._deadline = time.monotonic() + self._timeout_s
         try:
-            if self._direct and self._environment():
-                return self._export(self._environment(), spans, deadline)
+            exporters = self._environment() if self._direct else []
+            if exporters:
+                return self._export(exporters, spans, deadline)
             provider = self._provider()
             processor = span_processor(provider)
             if processor is not None:
@@ -222,6 +222,11 @@ class Delivery:
             reraise_if_signalled(exc)
             report("survivor_error", "dcp_otel could not send a dead process's spans", exc_info=True)
             return False
+
+
+def _key(span: ReadableSpan) -> tuple[int, int]:
+    """A span's identity, as a backend counts it once."""
+    return span.context.trace_id, span.context.span_id
 
 
 def _export_all(exporters: list[SpanExporter], spans: Sequence[ReadableSpan], outcome: list[bool],
