@@ -113,3 +113,13 @@ def test_bad_options_are_clear_errors_before_anything_starts(tmp_path: Path) -> 
                           (["--ranks", "2", "--slow-rank", "2"], "--slow-rank must be a rank from 0 to 1")):  # fmt: skip
         run = demo(*args, "--out", str(tmp_path))
         assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_ranks_store_port_is_never_one_a_metrics_endpoint_can_be_given() -> None:
+    """Each rank's metrics endpoint binds port 0: the kernel gives it a port of its ephemeral range, which once was
+    the store's port the demo had just probed free (EADDRINUSE in a CI run). The store's port lies below that range."""
+    from dcp_otel.demo import _ephemeral_low, _free_port
+
+    low = _ephemeral_low()
+    assert all(1024 <= port < low for port in (_free_port() for _ in range(20)))
+

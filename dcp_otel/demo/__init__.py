@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -64,9 +65,28 @@ def check(args: argparse.Namespace) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
+    """A free port for the ranks' store, below the kernel's ephemeral range: a port-0 bind (each rank's metrics
+    endpoint) is never given it. One taken from that range was given again, once, to rank 0's metrics endpoint, and
+    the store then failed to listen on it (EADDRINUSE, a CI run)."""
+    low = _ephemeral_low()
+    for port in random.sample(range(max(1024, low - 12000), low), 64):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # (in use)
+            return port
+    with socket.socket() as probe:  # (none free below: the kernel's choice)
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _forward(stream: IO[str], log: IO[str], everything: bool) -> None:
