@@ -2,8 +2,9 @@
 
 Spans go through a real BatchSpanProcessor to an exporter that keeps nothing;
 metrics into a registry. Resident memory (from /proc) and Python's allocated blocks
-are read after a warm-up, halfway and at the end, each once the builder and the
-exporter are done (``dcp_otel.flush``), with the builder's peak backlog.
+are read after a warm-up, halfway and at the end, each once the builder, the
+exporter and the spool are done (``dcp_otel.flush``, then the spool's confirming
+thread idle), with the builder's peak backlog.
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ def main(cycles: int, warmup: int) -> None:
                 dcp_otel.flush(tracer_provider=provider)
 
         def settled() -> tuple[int, int]:
-            """Resident KiB and Python's allocated blocks, the builder and the exporter done."""
+            """Resident KiB and Python's allocated blocks, the builder and the exporter done, and the spool's
+            confirming thread too: the spans it keeps until a flush confirms them (up to a second's, ~750 blocks
+            here) would otherwise be counted or not by chance."""
             dcp_otel.flush(tracer_provider=provider)
+            spool = dcp_otel.DCPInstrumentor()._spool
+            assert spool is not None and spool.keep.wait_idle(30)
             gc.collect()
             return rss_kib(), sys.getallocatedblocks()
 
