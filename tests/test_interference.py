@@ -122,6 +122,8 @@ def test_the_ring_gives_the_step_ends_oldest_first_across_its_wrap_leaving_out_t
         ends, first = clock.ends()
         assert first == max(0, steps - RING + 16) and len(ends) == steps - first
         assert ends == sorted(ends) and (not ends or ends[-1] == clock.last_end())
+        newest, newest_first = clock.ends(9)  # the newest few alone (the builder's look at the pace of steps now)
+        assert newest == ends[-9:] and newest_first == first + len(ends) - len(newest)
 
 
 def test_instrument_registers_one_optimizer_hook_and_uninstrument_leaves_none(traced: Traced) -> None:

@@ -173,6 +173,8 @@ class CheckpointMetrics:
         self._collectors: list[Counter | Gauge | Histogram] = []
         # (operation, step, rank) -> its histogram series; bounded by DCP's step names.
         self._step_children: dict[tuple[str, str, str], Any] = {}
+        # (overlaps, rank) -> its training-step series: observed for every step, ten or more a checkpoint.
+        self._training_children: dict[tuple[str, str], Any] = {}
         try:
             new = self._add
             self.operation_duration: Histogram = new(semconv.OPERATION_DURATION)
@@ -294,7 +296,10 @@ class CheckpointMetrics:
             self.training_blocked_seconds.labels(bounded_name(operation), rank).inc(seconds)
 
     def training_step(self, overlaps: str, rank: str, seconds: float, exemplar: Exemplar | None) -> None:
-        self.training_steps.labels(overlaps, rank).observe(seconds, exemplar)
+        child = self._training_children.get((overlaps, rank))
+        if child is None:
+            child = self._training_children[(overlaps, rank)] = self.training_steps.labels(overlaps, rank)
+        child.observe(seconds, exemplar)
 
     def training_interference(self, operation: str, rank: str, seconds: float) -> None:
         # (0 too: the series exists, so a rate over it reads 0 rather than nothing, once a checkpoint was measured)

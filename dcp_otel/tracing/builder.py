@@ -49,7 +49,7 @@ from dcp_otel.metrics.prometheus import MetricsSink
 from dcp_otel.spool.record import ProcessRecord
 from dcp_otel.tracing.detail import DetailPolicy, named_straggler, summary_attributes
 from dcp_otel.tracing.emit import DirectEmitter, Emitter
-from dcp_otel.tracing.interference import StepLedger, wait_until_ns
+from dcp_otel.tracing.interference import RECENT_STEPS, StepLedger, wait_until_ns
 from dcp_otel.tracing.measure import count_bytes, measure
 from dcp_otel.tracing.outcome import at_risk
 from dcp_otel.tracing.records import (
@@ -346,7 +346,7 @@ class SpanBuilder(StepMeasures):
         if op_call is None or not op_call.end_ns or not any(c.kind in _BACKGROUND for c in calls):
             return
         op.background = (op_call.end_ns, max(op.end_ns, op_call.end_ns))
-        until = wait_until_ns(CLOCK.ends()[0], op.background[1])
+        until = wait_until_ns(CLOCK.ends(RECENT_STEPS)[0], op.background[1])
         # A step that holds the next checkpoint call (the upload awaited, the next save staged) ends only after it:
         # waited for, within DEFER_MAX_S more.
         longest = until + int(DEFER_MAX_S * 1e9)

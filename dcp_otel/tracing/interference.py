@@ -51,6 +51,8 @@ NOISE_FLOOR: Final = 0.15
 #: How long the builder waits for the step a window ended in to end: this many usual steps, within the bounds.
 WAIT_STEPS: Final = 3.0
 WAIT_BOUNDS_S: Final = (0.2, 2.0)
+#: The newest step ends that tell how long a step takes now (:func:`wait_until_ns` reads no more).
+RECENT_STEPS: Final = 9
 
 Interval = tuple[int, int]
 
@@ -142,10 +144,11 @@ def assess(ends: Sequence[int], window: Interval, blocked: Sequence[Interval] = 
 
 
 def wait_until_ns(ends: Sequence[int], window_end: int) -> int:
-    """Until when to wait for the step ``window_end`` fell in to end (0: it has, or there are no steps)."""
+    """Until when to wait for the step ``window_end`` fell in to end (0: it has, or there are no steps); ``ends``: the
+    newest :data:`RECENT_STEPS` are all it reads."""
     if len(ends) < 2 or ends[-1] >= window_end:
         return 0
-    recent = [b - a for a, b in pairwise(ends[-9:])]
+    recent = [b - a for a, b in pairwise(ends[-RECENT_STEPS:])]
     low, high = WAIT_BOUNDS_S
     return window_end + int(min(max(WAIT_STEPS * statistics.median(recent) / 1e9, low), high) * 1e9)
 

@@ -18,6 +18,7 @@ Usage (the builder's loop)::
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable
@@ -89,7 +90,10 @@ class StepMeasures:
         if window is not None:
             found = assess(ends, window, blocked, ledger.windows)
             ledger.windows.append(window)
-            upto = next((end for end in ends if end >= window[1]), upto)
+            # The end of the step the window ended in (by bisection: a scan from the oldest of a full ring's 4,080
+            # ends cost ~60 us a checkpoint, a twentieth of the builder's).
+            k = bisect.bisect_left(ends, window[1])
+            upto = ends[k] if k < len(ends) else upto
             if found is not None:
                 op.attributes = {**op.attributes, **found.attributes()}  # (replaced, never mutated: shared)
                 if metrics is not None:

@@ -99,14 +99,15 @@ class StepClock:
         if not thread or thread == threading.get_ident():
             self.blocked.append((start_ns, end_ns))
 
-    def ends(self) -> tuple[list[int], int]:
-        """The step ends in the ring, oldest first, and the number of the oldest (read off the training thread).
+    def ends(self, newest: int = RING) -> tuple[list[int], int]:
+        """The step ends in the ring (the ``newest`` at most), oldest first, and the number of the oldest (read off the
+        training thread).
 
         The oldest few slots are left out: the hook may be overwriting them while they are read.
         """
         count = self.count
         ring = self._ring
-        first = max(0, count - RING + 16)
+        first = max(0, count - RING + 16, count - newest)
         if count == first:
             return [], first
         lo, hi = first & _MASK, count & _MASK  # (sliced in C: the builder reads it twice a checkpoint)
