@@ -41,12 +41,17 @@ Usage::
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --spans-elsewhere   # and the share left without spans
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --otlp --steps 400  # spans over OTLP/HTTP, on loopback
     .venv/bin/python benchmarks/own_share.py --cases 10:64 --otlp --steps 400 --node --rounds 4  # and sent by the node
+    .venv/bin/python benchmarks/own_share.py --cases 10:64 --otlp --steps 400 --node --rounds 4 --ring-full  # steady
 
 A block's place in its process moves what it measures (with 10,000 tensors a round's waits moved by up to 7%
 either way, in either arm): the waits added are the mean over whole rotations (``--rounds`` a multiple of the
 arms: 3, one more with each of ``--spans-elsewhere`` and ``--node``), and each round is printed with the blocks'
 places. With ``--node``, this script's process is the node's exporter (a survivor, as torchelastic's agent runs):
 its CPU is on the same cores as the loop's, as the agent's would be, and not counted as the loop's own.
+
+``--ring-full`` first steps each block's optimizer 4,096 times with no gradients (every arm alike): dcp-otel's
+ring of step ends is then full, as in a job past its first 4,096 steps; without it a block of 400 steps reads
+dcp-otel's cost in a job's first minutes.
 
 What it leaves out: the CPU of torch's upload thread outside the steps (it converts the staged copy again, and
 dcp-otel reads its per-key records there too: its instructions are counted, ``on the upload thread``); the caller's
@@ -59,6 +64,8 @@ network store, more ranks.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,6 +79,7 @@ from ab import Results, median, noise, ratio, rounds_to_resolve, run_blocks  # n
 from training_loop import STEP  # noqa: E402
 
 from dcp_otel import semconv  # noqa: E402
+from dcp_otel.spool import layout  # noqa: E402
 
 if TYPE_CHECKING:
     from tests.otlp_receiver import OtlpReceiver
@@ -87,6 +95,8 @@ from opentelemetry.trace import NoOpTracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 class Discard(SpanExporter):
     def export(self, spans): return SpanExportResult.SUCCESS
+ring_full = sys.argv[10] == "ring-full"
+from dcp_otel.tracing.steps import RING
 if sys.argv[9] == "otlp":  # (a real exporter: OTLP/HTTP to the benchmark's receiver, OTEL_EXPORTER_OTLP_ENDPOINT)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     exporter = OTLPSpanExporter()
@@ -170,6 +180,11 @@ def block(arm):
         dcp_otel.instrument(tracer_provider=NoOpTracerProvider() if arm == "n" else provider,
                             span_export="node" if arm == "x" else "process")
         builder = dcp_otel.DCPInstrumentor().recorder.builder
+    if ring_full:  # (every arm alike: the optimizer's steps, with no gradients they change nothing)
+        # A job past its 4,096th step: dcp-otel's ring of step ends full, as it is for all but a job's first
+        # minutes (a block of 400 steps never fills it; the builder's work a checkpoint read the ring's length).
+        for _ in range(RING):
+            optimizer.step()
     gc.collect()  # (each block starts from the same heap)
     before, after, me = {}, {}, threading.current_thread()
     gc0 = full0 = busy0 = 0
@@ -389,6 +404,9 @@ def main() -> None:
     parser.add_argument("--spans-elsewhere", action="store_true",
                         help="a fourth arm: instrumented, its spans to a tracer that records nothing (the training "
                              "process's share if another process built the spans)")  # fmt: skip
+    parser.add_argument("--ring-full", action="store_true",
+                        help="each block first steps the optimizer 4,096 times with no gradients (every arm alike), so "
+                             "that dcp-otel's ring of step ends is full, as in a job past its first 4,096 steps")  # fmt: skip
     parser.add_argument("--node", action="store_true",
                         help="one more arm: instrumented with span_export='node', its spans sent by this process's "
                              "survivor (as torchelastic's agent's) to the same exporter")  # fmt: skip
@@ -438,16 +456,19 @@ def cases(args: argparse.Namespace, receiver: OtlpReceiver | None) -> None:
     """Every case of ``args.cases``, its rows printed; the spans to ``receiver`` if given, else discarded."""
     codes = "pqi" + "n" * args.spans_elsewhere + "x" * args.node
     exporter, env = ("otlp", {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}) if receiver else ("discard", {})
+    ring = "ring-full" if args.ring_full else "-"
     node = None
     if args.node:  # (every arm's records in a spool of the run's own: the node's exporter looks at it every second)
-        env[semconv.ENV_SPOOL_DIR] = tempfile.mkdtemp(prefix="dcp-otel-bench-spool-")
+        # (where users' records are: /dev/shm, else the temporary folder, as dcp-otel's default spool)
+        base = os.path.dirname(layout.default_spool_dir())
+        env[semconv.ENV_SPOOL_DIR] = tempfile.mkdtemp(prefix="dcp-otel-bench-spool-", dir=base)
         node = node_exporter(env[semconv.ENV_SPOOL_DIR], receiver)
     for case in args.cases.split(","):
         tensors, mb = (int(x) for x in case.split(":"))
         common = [str(tensors), str(mb), str(args.steps), str(args.every), str(args.reps), str(args.dim)]
         # (The first round also counts instructions under settrace: 10,000 tensors' took over 600 s.)
         received = len(receiver.spans) if receiver is not None else 0
-        results = run_blocks(JOB, codes, lambda order, n, common=common: [order, *common, str(int(n == 0)), exporter],
+        results = run_blocks(JOB, codes, lambda order, n, common=common: [order, *common, str(int(n == 0)), exporter, ring],
                              args.rounds, timeout_s=600 + 0.15 * tensors, env=env)  # fmt: skip
         counts = results["instrumented"][0]  # (the Python instructions: counted in the first round only)
         label = f"{tensors} tensors, {mb} MiB"
@@ -521,6 +542,9 @@ def cases(args: argparse.Namespace, receiver: OtlpReceiver | None) -> None:
         print(f"{label:<22}{'optimizer hook per step, ns':<36}{median(results, 'instrumented', 'hook_ns'):>13.0f}")
         if receiver is not None:
             print(f"{label:<22}{'spans the OTLP receiver decoded':<36}{len(receiver.spans) - received:>13}")
+    if node is not None:
+        node.stop()
+        shutil.rmtree(env[semconv.ENV_SPOOL_DIR], ignore_errors=True)  # (in /dev/shm: memory)
 
 
 if __name__ == "__main__":

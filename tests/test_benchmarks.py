@@ -245,7 +245,7 @@ def test_the_ab_harness_compares_arms_round_by_round_and_says_the_rounds_noise_n
 
 def test_own_share_counts_dcp_otels_threads_and_the_callers_cpu_apart_from_the_collector() -> None:
     done = subprocess.run([sys.executable, "benchmarks/own_share.py", "--cases", "10:8", "--rounds", "1", "--steps", "40",
-                           "--reps", "2", "--spans-elsewhere", "--otlp", "--node"], cwd=REPO, capture_output=True, text=True,
+                           "--reps", "2", "--spans-elsewhere", "--otlp", "--node", "--ring-full"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
