@@ -271,7 +271,7 @@ def otel_env(receiver: OtlpReceiver) -> dict[str, str]:
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The same job plain, under ``opentelemetry-instrument``, and so with ``DCP_OTEL_SPAN_EXPORT=node``."""
     tmp = tmp_path_factory.mktemp("node-jobs")
-    found: dict[str, Any] = {"plain": torchrun(tmp / "plain", TORCHRUN, {})}
+    found: dict[str, Any] = {"plain": torchrun(tmp / "plain", TORCHRUN, {}), "tmp": tmp}
     for mode in ("process", "node"):
         with OtlpReceiver() as receiver:
             code, said = torchrun(tmp / mode, [str(BIN / "opentelemetry-instrument"), *TORCHRUN],
@@ -308,6 +308,13 @@ def test_under_torchrun_the_job_does_what_it_does_plain(jobs: dict[str, Any]) ->
         assert code == plain_code == 0
         assert {rank: text.splitlines()[0] for rank, text in said.items()} == \
             {rank: text.splitlines()[0] for rank, text in plain_said.items()}  # fmt: skip
+
+
+def test_under_torchrun_the_agent_takes_its_announcement_out_of_the_spool_as_it_exits(jobs: dict[str, Any]) -> None:
+    """The spool says which survivors run; once the agent has gone, none of its saying so is left behind."""
+    for mode in ("process", "node"):
+        left = sorted(p.name for p in (jobs["tmp"] / mode / "spool").iterdir())
+        assert not [name for name in left if name.endswith(f".{layout.SURVIVOR}")], (mode, left)
 
 
 def test_a_look_sends_every_live_records_lines_in_one_delivery_and_moves_each_records_mark(

@@ -177,6 +177,9 @@ class AgentWatch:
             shut_down_in_background(stuck)
         elif not idle:  # the delivery ended meanwhile: its records marked (a rename each), not left claimed by the exit
             self.survivor.wait_idle(_MARK_S)
+        # Its announcement out of the spool: it reports nothing more (left, it stayed until another survivor's look
+        # found it stale).
+        self.survivor.stop(0)
 
     def close(self) -> None:
         atexit.unregister(self.settle)
