@@ -49,9 +49,9 @@ arms: 3, one more with each of ``--spans-elsewhere`` and ``--node``), and each r
 places. With ``--node``, this script's process is the node's exporter (a survivor, as torchelastic's agent runs):
 its CPU is on the same cores as the loop's, as the agent's would be, and not counted as the loop's own.
 
-``--ring-full`` first steps each block's optimizer 4,096 times with no gradients (every arm alike): dcp-otel's
-ring of step ends is then full, as in a job past its first 4,096 steps; without it a block of 400 steps reads
-dcp-otel's cost in a job's first minutes.
+``--ring-full`` first steps each block's optimizer 4,096 times with no gradients, then 40 real steps (every arm
+alike): dcp-otel's ring of step ends is then full, as in a job past its first 4,096 steps; without it a block of 400
+steps reads dcp-otel's cost in a job's first minutes.
 
 What it leaves out: the CPU of torch's upload thread outside the steps (it converts the staged copy again, and
 dcp-otel reads its per-key records there too: its instructions are counted, ``on the upload thread``); the caller's
@@ -97,6 +97,7 @@ class Discard(SpanExporter):
     def export(self, spans): return SpanExportResult.SUCCESS
 ring_full = sys.argv[10] == "ring-full"
 from dcp_otel.tracing.steps import RING
+from dcp_otel.tracing.interference import BASELINE
 if sys.argv[9] == "otlp":  # (a real exporter: OTLP/HTTP to the benchmark's receiver, OTEL_EXPORTER_OTLP_ENDPOINT)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     exporter = OTLPSpanExporter()
@@ -185,6 +186,10 @@ def block(arm):
         # minutes (a block of 400 steps never fills it; the builder's work a checkpoint read the ring's length).
         for _ in range(RING):
             optimizer.step()
+        # Then real steps, enough to be the first checkpoints' usual step: the empty ones took 12 us each, and an
+        # interference measured against them read ratios of 280 (a review's find; CPU rows alike either way).
+        for _ in range(BASELINE + 8):
+            step()
     gc.collect()  # (each block starts from the same heap)
     before, after, me = {}, {}, threading.current_thread()
     gc0 = full0 = busy0 = 0
@@ -405,8 +410,9 @@ def main() -> None:
                         help="a fourth arm: instrumented, its spans to a tracer that records nothing (the training "
                              "process's share if another process built the spans)")  # fmt: skip
     parser.add_argument("--ring-full", action="store_true",
-                        help="each block first steps the optimizer 4,096 times with no gradients (every arm alike), so "
-                             "that dcp-otel's ring of step ends is full, as in a job past its first 4,096 steps")  # fmt: skip
+                        help="each block first steps the optimizer 4,096 times with no gradients, then 40 real steps (every "
+                             "arm alike), so that dcp-otel's ring of step ends is full, as in a job past its first 4,096 "
+                             "steps")  # fmt: skip
     parser.add_argument("--node", action="store_true",
                         help="one more arm: instrumented with span_export='node', its spans sent by this process's "
                              "survivor (as torchelastic's agent's) to the same exporter")  # fmt: skip
@@ -463,6 +469,16 @@ def cases(args: argparse.Namespace, receiver: OtlpReceiver | None) -> None:
         base = os.path.dirname(layout.default_spool_dir())
         env[semconv.ENV_SPOOL_DIR] = tempfile.mkdtemp(prefix="dcp-otel-bench-spool-", dir=base)
         node = node_exporter(env[semconv.ENV_SPOOL_DIR], receiver)
+    try:
+        each_case(args, receiver, codes, exporter, env, ring, node)
+    finally:  # (a run that fails or is interrupted too: the spool is in memory)
+        if node is not None:
+            node.stop()
+            shutil.rmtree(env[semconv.ENV_SPOOL_DIR], ignore_errors=True)
+
+
+def each_case(args: argparse.Namespace, receiver: OtlpReceiver | None, codes: str, exporter: str,
+              env: dict[str, str], ring: str, node: Any) -> None:  # fmt: skip
     for case in args.cases.split(","):
         tensors, mb = (int(x) for x in case.split(":"))
         common = [str(tensors), str(mb), str(args.steps), str(args.every), str(args.reps), str(args.dim)]
@@ -542,9 +558,6 @@ def cases(args: argparse.Namespace, receiver: OtlpReceiver | None) -> None:
         print(f"{label:<22}{'optimizer hook per step, ns':<36}{median(results, 'instrumented', 'hook_ns'):>13.0f}")
         if receiver is not None:
             print(f"{label:<22}{'spans the OTLP receiver decoded':<36}{len(receiver.spans) - received:>13}")
-    if node is not None:
-        node.stop()
-        shutil.rmtree(env[semconv.ENV_SPOOL_DIR], ignore_errors=True)  # (in /dev/shm: memory)
 
 
 if __name__ == "__main__":

@@ -193,3 +193,34 @@ def test_a_restarted_job_sends_the_dead_generations_spans_through_its_own_provid
     # The killed rank's record (and rank 0's, when torchrun stopped it before it exited by itself: it races).
     assert any(f".{killed}." in n for n in reported), os.listdir(traced.out / "spool")
 
+
+
+_TWICE = """
+import sys
+from dcp_otel.elastic import launcher
+for out in sys.argv[2:]:  # a sweep: one job after another, in one process
+    try:
+        launcher.main(["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", sys.argv[1], out,
+                       "--death", "SIGKILL", "--instrument", "--otlp"])
+    except BaseException as exc:  # (the rank's death: ChildFailedError, as torchrun's own main raises)
+        print(out, type(exc).__name__, flush=True)
+"""
+
+
+def test_dcp_otel_runs_main_called_again_in_one_process_reports_each_jobs_dead_rank(tmp_path: Path) -> None:
+    """A sweep calls ``dcp_otel.elastic.launcher.main`` once a job: the agent's survivor, settled at the end of the
+    first run, reports the second's dead rank too; and at the process's exit it leaves no announcement."""
+    spool, jobs = tmp_path / "spool", [tmp_path / "a", tmp_path / "b"]
+    for out in jobs:
+        out.mkdir()
+    with TimedReceiver() as receiver:
+        done = subprocess.run([sys.executable, "-c", _TWICE, WORKER, *map(str, jobs)], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path, env=rank_env(**{**otel_env(receiver),
+                                                                         semconv.ENV_SPOOL_DIR: str(spool)}))  # fmt: skip
+        spans = list(receiver.spans)
+    assert done.returncode == 0 and done.stdout.count("ChildFailedError") == 2, done.stdout + done.stderr[-3000:]
+    for out in jobs:  # (main returns once its settle has sent the deaths: nothing is waited for here)
+        write = [s for s in spans if s.name == "dcp.write_data" and s.attributes.get(semconv.ATTR_RANK) == 1
+                 and s.attributes.get(semconv.ATTR_INTERRUPTED) and str(out) in str(s.attributes.get(semconv.ATTR_CHECKPOINT_ID))]  # fmt: skip
+        assert len(write) == 1, (out, sorted(s.name for s in spans if s.error))
+    assert not [n for n in os.listdir(spool) if n.endswith(".survivor")], os.listdir(spool)

@@ -162,7 +162,7 @@ class AgentWatch:
         for module, hook in ((worker_exits.ELASTIC_MODULE, worker_exits.watch_worker_exits),
                              (worker_exits.SPAWN_MODULE, worker_exits.watch_spawned_ranks)):  # fmt: skip
             watch_when_imported(module, hook, survivor, lambda: watch._undo)
-        atexit.register(watch.settle)
+        atexit.register(watch.at_exit)
         return watch
 
     def settle(self) -> None:
@@ -177,12 +177,16 @@ class AgentWatch:
             shut_down_in_background(stuck)
         elif not idle:  # the delivery ended meanwhile: its records marked (a rename each), not left claimed by the exit
             self.survivor.wait_idle(_MARK_S)
-        # Its announcement out of the spool: it reports nothing more (left, it stayed until another survivor's look
-        # found it stale).
+
+    def at_exit(self) -> None:
+        """At the interpreter's exit: :meth:`settle`, then the survivor stopped and its announcement out of the spool,
+        for it reports nothing more (left, it stayed until another survivor's look found it stale). Not at the end of
+        a launcher's run: ``dcp-otel-run``'s ``main`` called again in the process reuses the watch."""
+        self.settle()
         self.survivor.stop(0)
 
     def close(self) -> None:
-        atexit.unregister(self.settle)
+        atexit.unregister(self.at_exit)
         undo, self._undo = self._undo, None
         for step in reversed(undo or []):
             step()
