@@ -84,12 +84,16 @@ class PrometheusServer(PrometheusAPI):
 
     def _read_log(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
+        ready = False
         for line in self._proc.stderr:  # drained to the end, so the pipe never fills
             self.log.append(line)
             match = _LISTENING.search(line)
             if match:
                 self.url = f"http://{match.group(1)}"
-            if _READY in line:
+            ready = ready or _READY in line
+            # Both lines, in either order: the web server logs its address on a goroutine of its own, which came
+            # after "ready" once in a CI run (the starter read no address and stopped it).
+            if ready and self.url:
                 self._ready.set()
         self._ready.set()  # exited: let the starter see it
 
