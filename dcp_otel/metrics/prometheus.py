@@ -171,10 +171,9 @@ class CheckpointMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else REGISTRY
         self._collectors: list[Counter | Gauge | Histogram] = []
-        # (operation, step, rank) -> its histogram series; bounded by DCP's step names.
-        self._step_children: dict[tuple[str, str, str], Any] = {}
-        # (overlaps, rank) -> its training-step series: observed for every step, ten or more a checkpoint.
-        self._training_children: dict[tuple[str, str], Any] = {}
+        # (histogram, its labels) -> its series, for the histograms observed many times a checkpoint: DCP's steps
+        # (bounded by their names) and the training steps (ten or more a checkpoint).
+        self._series: dict[tuple[object, tuple[str, ...]], Any] = {}
         try:
             new = self._add
             self.operation_duration: Histogram = new(semconv.OPERATION_DURATION)
@@ -256,12 +255,19 @@ class CheckpointMetrics:
         if ok:
             self.last_success.labels(operation, rank).set(end_unix_s)
 
+    def _series_of(self, histogram: Histogram, key: tuple[str, ...],
+                   labels: Callable[[], tuple[str, ...]] | None = None) -> Any:  # fmt: skip
+        """``histogram``'s series for ``key`` (its label values as ``labels()`` makes them, else ``key`` itself),
+        looked up once: labels() validates and locks at every call."""
+        child = self._series.get((histogram, key))
+        if child is None:
+            child = self._series[(histogram, key)] = histogram.labels(*(labels() if labels else key))
+        return child
+
     def step_done(self, operation: str, step: str, rank: str, duration_s: float, exemplar: Exemplar | None) -> None:
-        key = (operation, step, rank)
-        child = self._step_children.get(key)
-        if child is None:  # labels() validates and locks: once per series, not once per step
-            child = self._step_children[key] = self.step_duration.labels(bounded_name(operation), bounded_name(step), rank)
-        child.observe(duration_s, exemplar)
+        series = self._series_of(self.step_duration, (operation, step, rank),
+                                 lambda: (bounded_name(operation), bounded_name(step), rank))  # fmt: skip
+        series.observe(duration_s, exemplar)
 
     def bytes_written(self, rank: str, amount: int) -> None:
         if amount > 0:
@@ -296,10 +302,7 @@ class CheckpointMetrics:
             self.training_blocked_seconds.labels(bounded_name(operation), rank).inc(seconds)
 
     def training_step(self, overlaps: str, rank: str, seconds: float, exemplar: Exemplar | None) -> None:
-        child = self._training_children.get((overlaps, rank))
-        if child is None:
-            child = self._training_children[(overlaps, rank)] = self.training_steps.labels(overlaps, rank)
-        child.observe(seconds, exemplar)
+        self._series_of(self.training_steps, (overlaps, rank)).observe(seconds, exemplar)
 
     def training_interference(self, operation: str, rank: str, seconds: float) -> None:
         # (0 too: the series exists, so a rate over it reads 0 rather than nothing, once a checkpoint was measured)
