@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import socket
 
-_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+from dcp_otel.demo import ephemeral_range
 
 
 def _regions(count: int) -> list[tuple[int, int]]:
@@ -15,11 +15,7 @@ def _regions(count: int) -> list[tuple[int, int]]:
     give it to any outgoing connection as its local port (gloo's, the store's, an exporter's), and the
     child's server then finds it taken.
     """
-    try:
-        with open(_EPHEMERAL_RANGE) as ranges:
-            low, high = (int(part) for part in ranges.read().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999  # Linux's default
+    low, high = ephemeral_range()
     regions = [(10_000, low), (high + 1, 65_536)]
     return [(start, end) for start, end in regions if end - start > count] or [(1024, 65_536)]
 

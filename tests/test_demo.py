@@ -118,8 +118,8 @@ def test_bad_options_are_clear_errors_before_anything_starts(tmp_path: Path) -> 
 def test_the_ranks_store_port_is_never_one_a_metrics_endpoint_can_be_given() -> None:
     """Each rank's metrics endpoint binds port 0: the kernel gives it a port of its ephemeral range, which once was
     the store's port the demo had just probed free (EADDRINUSE in a CI run). The store's port lies below that range."""
-    from dcp_otel.demo import _ephemeral_low, _free_port
+    from dcp_otel.demo import _free_port, ephemeral_range
 
-    low = _ephemeral_low()
+    low = ephemeral_range()[0]
     assert all(1024 <= port < low for port in (_free_port() for _ in range(20)))
 

@@ -68,7 +68,7 @@ def _free_port() -> int:
     """A free port for the ranks' store, below the kernel's ephemeral range: a port-0 bind (each rank's metrics
     endpoint) is never given it. One taken from that range was given again, once, to rank 0's metrics endpoint, and
     the store then failed to listen on it (EADDRINUSE, a CI run)."""
-    low = _ephemeral_low()
+    low = ephemeral_range()[0]
     for port in random.sample(range(max(1024, low - 12000), low), 64):
         with socket.socket() as probe:
             try:
@@ -81,12 +81,14 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range, first and last (Linux's default where it cannot be read): the ports a
+    port-0 bind, or an outgoing connection, may be given."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 def _forward(stream: IO[str], log: IO[str], everything: bool) -> None:
